@@ -1,0 +1,142 @@
+"""`qwenchat ask`: one question, one streamed answer on stdout, pipe-friendly."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from qwenchat.engine import create_engine
+from qwenchat.errors import UsageError
+from qwenchat.model.loader import open_model
+from qwenchat.sampling.params import LiveParams, check_value, generation_defaults
+from qwenchat.session import ChatSession, Progress, ReplyStats, TextPiece, TurnsDropped
+
+
+@dataclass
+class AskOptions:
+    prompt: str
+    model: str
+    backend: str = "auto"
+    system: str | None = None
+    think: bool = False
+    show_thinking: bool = False
+    as_json: bool = False
+    verbose: bool = False
+    ctx: int | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
+
+
+def combine_prompt(argument: str | None, stdin_text: str | None) -> str:
+    """stdin first (as context), then the argument; an empty result is a usage error."""
+    parts = [p for p in ((stdin_text or "").rstrip(), (argument or "").strip()) if p]
+    if not parts:
+        raise UsageError('no prompt: pass it as an argument (qwenchat ask "...") or on stdin')
+    return "\n\n".join(parts)
+
+
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """Validate sampling flags before any model is loaded, so mistakes fail fast."""
+    for name, value in overrides.items():
+        check_value(name, value)
+
+
+def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    check_overrides(options.overrides)
+    if options.ctx is not None and options.ctx < 2:
+        raise UsageError(f"--ctx must be at least 2 tokens; got {options.ctx}")
+    say = _stderr_line(err)
+    load_started = time.perf_counter()
+    model = open_model(options.model)
+    params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
+    engine = create_engine(options.backend, model, options.ctx, notice=say)
+    load_s = time.perf_counter() - load_started
+    session = ChatSession(engine, model.tokenizer, model.eos_ids, LiveParams(params),
+                          system=options.system, thinking=options.think)
+    writer = _JsonCollector() if options.as_json else _StreamWriter(out, options.show_thinking)
+    stats = ReplyStats()
+    for event in session.send(options.prompt):
+        if isinstance(event, TextPiece):
+            writer.piece(event)
+        elif isinstance(event, TurnsDropped):
+            say(event.message)
+        elif isinstance(event, Progress) and event.final:
+            stats = event.stats
+    if options.as_json:
+        record = {"model": model.spec, "backend": engine.name, "load_s": round(load_s, 4),
+                  **writer.result(), **stats.as_dict(), "params": params.as_dict()}
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    else:
+        writer.close()
+    out.flush()
+    if options.verbose:
+        say(summary_line(stats))
+    return 0
+
+
+def summary_line(stats: ReplyStats) -> str:
+    rate = f"{stats.decode_tok_s:.1f} tok/s" if stats.decode_tok_s else "– tok/s"
+    ttft = f"{stats.ttft_s * 1000:.0f} ms" if stats.ttft_s is not None else "–"
+    return (f"{stats.generated_tokens} tokens · {rate} · TTFT {ttft} · prompt "
+            f"{stats.prompt_tokens} tokens ({stats.reused_tokens} reused) · "
+            f"KV {stats.position}/{stats.capacity} · stop: {stats.stop_reason} · "
+            f"seed {stats.seed}")
+
+
+def _stderr_line(err: TextIO) -> Callable[[str], None]:
+    def say(message: str) -> None:
+        err.write(f"qwenchat: {message}\n")
+        err.flush()
+
+    return say
+
+
+class _StreamWriter:
+    """Writes the answer as it arrives; thinking, when shown, goes first inside <think> tags."""
+
+    def __init__(self, out: TextIO, show_thinking: bool):
+        self._out = out
+        self._show_thinking = show_thinking
+        self._in_thinking = False
+        self._last = ""
+
+    def piece(self, piece: TextPiece) -> None:
+        if piece.kind == "thinking":
+            if not self._show_thinking:
+                return
+            if not self._in_thinking:
+                self._write("<think>\n")
+                self._in_thinking = True
+        elif self._in_thinking:
+            self._end_thinking()
+        self._write(piece.text)
+
+    def close(self) -> None:
+        if self._in_thinking:
+            self._end_thinking()
+        self._out.write("\n")
+
+    def _end_thinking(self) -> None:
+        self._write("\n</think>\n\n" if not self._last.endswith("\n") else "</think>\n\n")
+        self._in_thinking = False
+
+    def _write(self, text: str) -> None:
+        self._out.write(text)
+        self._out.flush()
+        if text:
+            self._last = text
+
+
+class _JsonCollector:
+    def __init__(self) -> None:
+        self.answer: list[str] = []
+        self.thinking: list[str] = []
+
+    def piece(self, piece: TextPiece) -> None:
+        (self.thinking if piece.kind == "thinking" else self.answer).append(piece.text)
+
+    def result(self) -> dict[str, str]:
+        return {"text": "".join(self.answer), "thinking": "".join(self.thinking).rstrip("\n")}

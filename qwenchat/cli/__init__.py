@@ -1,0 +1,185 @@
+"""The `qwenchat` command line (Typer). Heavy modules load inside the commands that need them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from qwenchat import __version__
+from qwenchat.errors import QwenchatError
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Chat with Qwen3 models in the terminal, on your own NVIDIA GPU or on the CPU.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model directory or Hugging Face "
+                                       "hub id.", envvar="QWENCHAT_MODEL")]
+BackendOpt = Annotated[str, typer.Option("--backend", "-b",
+                                         help="auto (GPU if usable, else CPU), cuda or cpu.")]
+CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in tokens "
+                                            "[default: the model's maximum].")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
+
+
+def fail(message: str, code: int) -> None:
+    sys.stderr.write(f"qwenchat: error: {message}\n")
+    sys.stderr.flush()
+    raise typer.Exit(code)
+
+
+def run_guarded(action: Callable[[], int | None], debug: bool) -> None:
+    """Run a command body: user errors become one line and an exit code, never a traceback."""
+    try:
+        code = action() or 0
+    except QwenchatError as exc:
+        if debug:
+            raise
+        fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.write("\nqwenchat: interrupted\n")
+        raise typer.Exit(130) from None
+    except BrokenPipeError:
+        _silence_stdout()
+        raise typer.Exit(141) from None
+    except Exception as exc:
+        if debug:
+            raise
+        fail(f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1)
+    raise typer.Exit(code)
+
+
+def _silence_stdout() -> None:
+    """After the reader of a pipe went away, stop Python's final flush from failing again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"qwenchat {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", callback=_version_callback,
+                                          is_eager=True, help="Print the version.")] = False,
+) -> None:
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+
+
+@app.command()
+def ask(
+    prompt: Annotated[str | None, typer.Argument(help="The question. Read from stdin too "
+                                                      "(stdin first, then this).")] = None,
+    model: ModelOpt = "Qwen/Qwen3-0.6B",
+    backend: BackendOpt = "auto",
+    system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 to 2; 0 = greedy.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus mass, (0, 1].")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Keep the k most likely; 0 = off.")] = None,
+    min_p: Annotated[float | None, typer.Option(help="Drop below min-p × the top "
+                                                     "probability; 0 = off.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help="(0, 2]; 1 = off.")] = None,
+    presence_penalty: Annotated[float | None, typer.Option(help="-2 to 2; 0 = off.")] = None,
+    frequency_penalty: Annotated[float | None, typer.Option(help="-2 to 2; 0 = off.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Most tokens in the reply.")] = None,
+    think: Annotated[bool, typer.Option("--think/--no-think",
+                                        help="Let the model think first.")] = False,
+    show_thinking: Annotated[bool, typer.Option(help="Print the thinking, in <think> tags, "
+                                                     "before the answer.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, "
+                                          "thinking, token counts and timings.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr.")] = False,
+    ctx: CtxOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Answer one prompt on stdout, streaming; pipe-friendly."""
+    overrides: dict[str, Any] = {
+        name: value
+        for name, value in {
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+            "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty, "seed": seed, "max_tokens": max_tokens,
+        }.items()
+        if value is not None
+    }
+
+    def action() -> int:
+        from qwenchat.ask import AskOptions, check_overrides, combine_prompt, run_ask
+
+        check_overrides(overrides)
+        text = combine_prompt(prompt, _read_stdin())
+        options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
+                             verbose, ctx, overrides)
+        return run_ask(options)
+
+    run_guarded(action, debug)
+
+
+@app.command()
+def info(debug: DebugOpt = False) -> None:
+    """Show versions, GPU, driver and NVRTC, and where models and caches live."""
+
+    def action() -> int:
+        from rich.console import Console
+        from rich.table import Table
+
+        from qwenchat.info import gather
+
+        console = Console()
+        for title, rows in gather():
+            table = Table(title=title, title_justify="left", show_header=False, box=None)
+            table.add_column(style="bold")
+            table.add_column()
+            for key, value in rows:
+                table.add_row(key, value)
+            console.print(table)
+            console.print()
+        return 0
+
+    run_guarded(action, debug)
+
+
+def _read_stdin() -> str | None:
+    stream = sys.stdin
+    if stream is None or stream.closed:
+        return None
+    try:
+        if stream.isatty():
+            return None
+        return stream.read()
+    except (OSError, ValueError):
+        return None
+    except UnicodeDecodeError:
+        raise QwenchatError("standard input is not UTF-8 text") from None
+
+
+def main() -> None:
+    try:
+        code = app(standalone_mode=False)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        # Typer raises click's exception types, or those of its own vendored copy of click.
+        if type(exc).__name__ == "Abort":
+            sys.stderr.write("qwenchat: interrupted\n")
+            sys.exit(130)
+        if not hasattr(exc, "format_message"):
+            raise
+        context = getattr(exc, "ctx", None)
+        hint = f" (see {context.command_path} --help)" if context is not None else ""
+        sys.stderr.write(f"qwenchat: error: {exc.format_message()}{hint}\n")
+        sys.exit(getattr(exc, "exit_code", 2))
+    sys.exit(code if isinstance(code, int) else 0)

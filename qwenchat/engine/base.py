@@ -1,0 +1,117 @@
+"""The engine protocol: the one interface the session, `ask` and the TUI use to run a model.
+
+An engine owns a KV cache and the ids of the tokens in it. `prefill` appends a batch of
+tokens; `generate` samples inside the engine (so a GPU engine can keep many steps on the
+device) and yields ids until a stop condition holds; `truncate` drops the cache's tail so a
+new prompt can reuse its longest common prefix.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from qwenchat.errors import ContextFullError, UsageError
+from qwenchat.model.config import Qwen3Config
+from qwenchat.sampling.params import LiveParams
+
+
+class StopReason(str, Enum):
+    EOS = "eos"
+    MAX_TOKENS = "max_tokens"
+    CANCELLED = "cancelled"
+    CONTEXT_FULL = "context_full"
+
+
+@dataclass
+class GenerateRequest:
+    """What one reply needs besides the cache: live parameters and when to stop."""
+
+    params: LiveParams
+    eos_ids: frozenset[int]
+    seed: int  # used while params.current.seed is None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class Generation:
+    """Iterates token ids as they are produced; `stop_reason` is set once it is exhausted."""
+
+    def __init__(self, steps: Iterator[int]):
+        self._steps = steps
+        self.stop_reason: StopReason | None = None
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> int:
+        try:
+            return next(self._steps)
+        except StopIteration as done:
+            self.stop_reason = done.value
+            raise
+
+
+@runtime_checkable
+class Engine(Protocol):
+    config: Qwen3Config
+    name: str
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    def prefill(self, token_ids: Sequence[int]) -> None: ...
+
+    def generate(self, request: GenerateRequest) -> Generation: ...
+
+    def truncate(self, position: int) -> None: ...
+
+    def last_logits(self) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+class CacheBookkeeping:
+    """Token ids in the cache and the checks every engine applies before touching it."""
+
+    def __init__(self, capacity: int):
+        self._capacity = capacity
+        self._tokens: list[int] = []
+
+    @property
+    def position(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    def _check_prefill(self, token_ids: Sequence[int], vocab_size: int) -> None:
+        if not token_ids:
+            raise UsageError("prefill needs at least one token")
+        if self.position + len(token_ids) > self._capacity:
+            raise ContextFullError(
+                f"{self.position + len(token_ids)} tokens do not fit in the {self._capacity}-"
+                "token context; start a new chat or raise --ctx"
+            )
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+    def _check_truncate(self, position: int) -> None:
+        if not 0 <= position <= self.position:
+            raise UsageError(f"cannot truncate the cache to {position}: it holds {self.position}")

@@ -1,0 +1,1 @@
+"""The CUDA engine: cuda-python driver API and NVRTC. Only this package imports cuda-python."""

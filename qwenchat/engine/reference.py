@@ -1,0 +1,201 @@
+"""The NumPy reference engine: Qwen3 in float32, the correctness oracle and the CPU fallback."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from qwenchat.engine.base import CacheBookkeeping, GenerateRequest, Generation, StopReason
+from qwenchat.model.checkpoint import Checkpoint
+from qwenchat.model.config import Qwen3Config
+from qwenchat.sampling.sampler import sample_token
+
+ATTENTION_SCORE_BUDGET = 32 * 1024 * 1024  # float32 scores held at once while attending
+
+
+@dataclass
+class LayerWeights:
+    input_norm: np.ndarray
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    o: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    post_norm: np.ndarray
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, index: int) -> LayerWeights:
+        p = f"model.layers.{index}."
+        t = checkpoint.float32
+        return cls(
+            input_norm=t(p + "input_layernorm.weight"),
+            q=t(p + "self_attn.q_proj.weight"),
+            k=t(p + "self_attn.k_proj.weight"),
+            v=t(p + "self_attn.v_proj.weight"),
+            o=t(p + "self_attn.o_proj.weight"),
+            q_norm=t(p + "self_attn.q_norm.weight"),
+            k_norm=t(p + "self_attn.k_norm.weight"),
+            post_norm=t(p + "post_attention_layernorm.weight"),
+            gate=t(p + "mlp.gate_proj.weight"),
+            up=t(p + "mlp.up_proj.weight"),
+            down=t(p + "mlp.down_proj.weight"),
+        )
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (positions × head_dim) for rotate-half RoPE, computed in float32 as HF does."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class ReferenceEngine(CacheBookkeeping):
+    name = "reference (NumPy, CPU)"
+
+    def __init__(self, config: Qwen3Config, checkpoint: Checkpoint, ctx: int | None = None):
+        super().__init__(ctx or config.max_position_embeddings)
+        self.config = config
+        self.embed = checkpoint.float32("model.embed_tokens.weight")
+        self.layers = [LayerWeights.load(checkpoint, i) for i in range(config.num_hidden_layers)]
+        self.final_norm = checkpoint.float32("model.norm.weight")
+        self.lm_head = (self.embed if config.tie_word_embeddings
+                        else checkpoint.float32("lm_head.weight"))
+        shape = (config.num_hidden_layers, config.num_key_value_heads, 0, config.head_dim)
+        self._k = np.zeros(shape, np.float32)
+        self._v = np.zeros(shape, np.float32)
+        self._logits: np.ndarray | None = None
+
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        self._check_prefill(token_ids, self.config.vocab_size)
+        self._logits = self._forward(list(token_ids))[-1]
+
+    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Prefill, returning the logits of every new position (tokens × vocab), for tests."""
+        self._check_prefill(token_ids, self.config.vocab_size)
+        logits = self._forward(list(token_ids), all_positions=True)
+        self._logits = logits[-1]
+        return logits
+
+    def last_logits(self) -> np.ndarray:
+        if self._logits is None:
+            raise RuntimeError("no logits yet: prefill first")
+        return self._logits.copy()
+
+    def truncate(self, position: int) -> None:
+        self._check_truncate(position)
+        if position < self.position:
+            del self._tokens[position:]
+            self._logits = None
+
+    def generate(self, request: GenerateRequest) -> Generation:
+        return Generation(self._steps(request))
+
+    def close(self) -> None:
+        self._k = self._v = np.zeros((0,), np.float32)
+
+    def _steps(self, request: GenerateRequest) -> Iterator[int]:
+        if self._logits is None:
+            raise RuntimeError("generate needs the logits of a prefilled position")
+        counts: Counter[int] = Counter()
+        step = 0
+        while True:
+            params = request.params.current
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            seed = request.seed if params.seed is None else params.seed
+            token = sample_token(self._logits, params, seed, step, self._tokens, counts)
+            counts[token] += 1
+            step += 1
+            yield token
+            if token in request.eos_ids:
+                return StopReason.EOS
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            if self.position >= self.capacity:
+                return StopReason.CONTEXT_FULL
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
+            self._logits = self._forward([token])[-1]
+
+    def _forward(self, ids: list[int], all_positions: bool = False) -> np.ndarray:
+        cfg = self.config
+        start, count = self.position, len(ids)
+        self._reserve(start + count)
+        cos, sin = rope_tables(np.arange(start, start + count), cfg.head_dim, cfg.rope_theta)
+        x = self.embed[np.asarray(ids)]
+        for index, w in enumerate(self.layers):
+            h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+            q = (h @ w.q.T).reshape(count, cfg.num_attention_heads, cfg.head_dim)
+            k = (h @ w.k.T).reshape(count, cfg.num_key_value_heads, cfg.head_dim)
+            v = (h @ w.v.T).reshape(count, cfg.num_key_value_heads, cfg.head_dim)
+            q = apply_rope(rms_norm(q, w.q_norm, cfg.rms_norm_eps), cos, sin)
+            k = apply_rope(rms_norm(k, w.k_norm, cfg.rms_norm_eps), cos, sin)
+            self._k[index, :, start : start + count] = k.transpose(1, 0, 2)
+            self._v[index, :, start : start + count] = v.transpose(1, 0, 2)
+            x = x + self._attend(index, q, start) @ w.o.T
+            h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+            x = x + (silu(h @ w.gate.T) * (h @ w.up.T)) @ w.down.T
+        self._tokens.extend(ids)
+        rows = x if all_positions else x[-1:]
+        return rms_norm(rows, self.final_norm, cfg.rms_norm_eps) @ self.lm_head.T
+
+    def _attend(self, layer: int, q: np.ndarray, start: int) -> np.ndarray:
+        """Causal grouped-query attention of new queries (tokens × heads × dim) over the cache."""
+        cfg = self.config
+        count, group = q.shape[0], cfg.group_size
+        length = start + count
+        keys = self._k[layer, :, :length]  # (kv_heads, length, dim)
+        values = self._v[layer, :, :length]
+        # (kv_heads, group, tokens, dim): query head h reads key/value head h // group
+        queries = q.reshape(count, cfg.num_key_value_heads, group, cfg.head_dim).transpose(1, 2, 0, 3)
+        out = np.empty((cfg.num_key_value_heads, group, count, cfg.head_dim), np.float32)
+        scale = np.float32(cfg.head_dim**-0.5)
+        chunk = max(1, ATTENTION_SCORE_BUDGET // (cfg.num_attention_heads * length))
+        key_pos = np.arange(length)
+        for a in range(0, count, chunk):
+            b = min(count, a + chunk)
+            scores = np.matmul(queries[:, :, a:b], keys[:, None].swapaxes(-1, -2)) * scale
+            future = key_pos[None, :] > (start + np.arange(a, b))[:, None]
+            scores = np.where(future, np.float32(-np.inf), scores)
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            scores /= scores.sum(axis=-1, keepdims=True)
+            out[:, :, a:b] = np.matmul(scores, values[:, None])
+        return out.transpose(2, 0, 1, 3).reshape(count, cfg.q_size)
+
+    def _reserve(self, length: int) -> None:
+        """Grow the cache arrays geometrically so long chats do not copy on every token."""
+        have = self._k.shape[2]
+        if length <= have:
+            return
+        new = min(self.capacity, max(length, 2 * have, 256))
+        grow = [(0, 0), (0, 0), (0, new - have), (0, 0)]
+        self._k = np.pad(self._k, grow)
+        self._v = np.pad(self._v, grow)

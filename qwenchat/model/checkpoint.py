@@ -1,0 +1,196 @@
+"""Safetensors checkpoints (single file or sharded), memory-mapped and validated before use.
+
+The format is an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
+shape and byte range, then the raw data. We read it ourselves so that bfloat16 tensors map
+straight into NumPy (as uint16 bit patterns) without a framework, and so every tensor's
+presence, shape, dtype and byte range can be checked against the file before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qwenchat.errors import ModelError
+from qwenchat.model.config import Qwen3Config
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# On-disk dtype -> the NumPy dtype its bytes are viewed as (bf16 as raw 16-bit patterns).
+DISK_DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"),
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Round float32 to the nearest bfloat16 (ties to even), returned as uint16 bit patterns."""
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = np.isnan(values)
+    out = rounded.astype(np.uint16)
+    out[nan] = 0x7FC0
+    return out
+
+
+class Checkpoint:
+    """The tensors of one model, memory-mapped; nothing is read until a tensor is asked for."""
+
+    def __init__(self, directory: Path, config: Qwen3Config):
+        self.directory = directory
+        self.config = config
+        self.entries = _index_entries(directory)
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._validate()
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted({e.path for e in self.entries.values()})
+
+    def dtype(self, name: str) -> str:
+        return self.entries[name].dtype
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as an array view into the mapped file (no copy)."""
+        entry = self.entries[name]
+        buffer = self._map(entry.path)
+        array = np.frombuffer(buffer, DISK_DTYPES[entry.dtype], _numel(entry.shape), entry.offset)
+        return array.reshape(entry.shape)
+
+    def float32(self, name: str) -> np.ndarray:
+        """The tensor upcast to float32 (a new array)."""
+        array = self.raw(name)
+        if self.entries[name].dtype == "BF16":
+            return bf16_bits_to_f32(array)
+        return array.astype(np.float32)
+
+    def bf16_bits(self, name: str) -> np.ndarray:
+        """The tensor as bfloat16 bit patterns, rounding fp16/fp32 checkpoints."""
+        array = self.raw(name)
+        if self.entries[name].dtype == "BF16":
+            return array
+        return f32_to_bf16_bits(array.astype(np.float32))
+
+    def lm_head_name(self) -> str:
+        if self.config.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return "lm_head.weight"
+
+    def close(self) -> None:
+        for buffer in self._maps.values():
+            buffer.close()
+        self._maps.clear()
+
+    def _map(self, path: Path) -> mmap.mmap:
+        if path not in self._maps:
+            with path.open("rb") as handle:
+                self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._maps[path]
+
+    def _validate(self) -> None:
+        for name, shape in self.config.tensor_shapes().items():
+            entry = self.entries.get(name)
+            if entry is None:
+                where = self.files[0].name if len(self.files) == 1 else INDEX_FILE
+                raise ModelError(f"{self.directory / where}: tensor {name} is missing")
+            if entry.shape != shape:
+                raise ModelError(
+                    f"{entry.path}: tensor {name} has shape {list(entry.shape)}, "
+                    f"config.json implies {list(shape)}"
+                )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _index_entries(directory: Path) -> dict[str, TensorEntry]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelError(f"{index}: not a valid safetensors index ({exc})") from None
+        shards = sorted(set(weight_map.values()))
+        entries: dict[str, TensorEntry] = {}
+        for shard in shards:
+            entries.update(read_header(directory / shard))
+        for name, shard in weight_map.items():
+            if name not in entries:
+                raise ModelError(f"{directory / shard}: tensor {name} (listed in {INDEX_FILE}) "
+                                 "is not in the file")
+        return entries
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return read_header(single)
+    raise ModelError(
+        f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}; qwenchat needs safetensors weights"
+    )
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse one safetensors header and check every tensor's byte range against the file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise ModelError(f"{path}: file is truncated (no safetensors header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise ModelError(f"{path}: header length {header_len} does not fit in the "
+                                 f"{size}-byte file (truncated or not safetensors)")
+            header = json.loads(handle.read(header_len))
+    except FileNotFoundError:
+        raise ModelError(f"{path}: weight file not found") from None
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: safetensors header is not a JSON object")
+    data_start = 8 + header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = str(spec["dtype"]), tuple(int(d) for d in spec["shape"])
+            begin, end = (int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ModelError(f"{path}: tensor {name} has a malformed header entry") from None
+        if dtype not in DISK_DTYPES:
+            raise ModelError(f"{path}: tensor {name} has dtype {dtype}; "
+                             "qwenchat reads BF16, F16 and F32 checkpoints")
+        expected = _numel(shape) * DISK_DTYPES[dtype].itemsize
+        if end - begin != expected:
+            raise ModelError(f"{path}: tensor {name} spans {end - begin} bytes but its shape "
+                             f"{list(shape)} and dtype {dtype} need {expected}")
+        if data_start + end > size:
+            raise ModelError(f"{path}: file is truncated: tensor {name} ends at byte "
+                             f"{data_start + end} but the file has {size} bytes")
+        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, expected)
+    return entries

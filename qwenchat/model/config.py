@@ -1,0 +1,178 @@
+"""The dense Qwen3 architecture as one typed dataclass, read and checked from config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from qwenchat.errors import ModelError
+
+ARCHITECTURE = "Qwen3ForCausalLM"
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40_960
+    tie_word_embeddings: bool = True
+    torch_dtype: str = "bfloat16"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one key/value head (grouped-query attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_position(self, bytes_per_value: int = 2) -> int:
+        return self.num_hidden_layers * 2 * self.kv_size * bytes_per_value
+
+    def parameter_count(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
+        per_layer += 2 * h + 2 * self.head_dim
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_hidden_layers * per_layer + embed + head + h
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint of this shape must hold, by its Hugging Face name."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for n in range(self.num_hidden_layers):
+            p = f"model.layers.{n}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.q_proj.weight"] = (self.q_size, h)
+            shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, h)
+            shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> Qwen3Config:
+        _refuse_unsupported(raw, source)
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            values: dict[str, Any] = {
+                "vocab_size": int(raw["vocab_size"]),
+                "hidden_size": hidden,
+                "intermediate_size": int(raw["intermediate_size"]),
+                "num_hidden_layers": int(raw["num_hidden_layers"]),
+                "num_attention_heads": heads,
+                "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
+                "head_dim": int(raw.get("head_dim") or hidden // heads),
+            }
+        except KeyError as missing:
+            raise ModelError(f"{source}: required field {missing} is missing") from None
+        except (TypeError, ValueError) as bad:
+            raise ModelError(f"{source}: a size field is not an integer ({bad})") from None
+        optional = {
+            "rms_norm_eps": float,
+            "max_position_embeddings": int,
+            "tie_word_embeddings": bool,
+            "torch_dtype": str,
+        }
+        for name, kind in optional.items():
+            if raw.get(name) is not None:
+                values[name] = kind(raw[name])
+        if raw.get("dtype") is not None and raw.get("torch_dtype") is None:
+            values["torch_dtype"] = str(raw["dtype"])
+        theta = _rope_theta(raw)
+        if theta is not None:
+            values["rope_theta"] = theta
+        config = cls(**values)
+        config._check_sizes(source)
+        return config
+
+    @classmethod
+    def from_file(cls, path: Path) -> Qwen3Config:
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ModelError(f"{path} not found: a model directory needs its config.json") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelError(f"{path} is not readable JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ModelError(f"{path} does not hold a JSON object")
+        return cls.from_dict(raw, source=str(path))
+
+    def _check_sizes(self, source: str) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+                raise ModelError(f"{source}: {f.name} must be positive, got {value}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelError(
+                f"{source}: num_attention_heads ({self.num_attention_heads}) is not a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelError(f"{source}: head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ModelError(f"{source}: rms_norm_eps and rope_theta must be positive")
+
+
+def _rope_theta(raw: dict[str, Any]) -> float | None:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    if raw.get("rope_theta") is not None:
+        return float(raw["rope_theta"])
+    return None
+
+
+def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:
+    """Name the first field that puts this config outside the dense Qwen3 family."""
+
+    def refuse(field: str, value: Any, why: str) -> ModelError:
+        return ModelError(f"{source}: unsupported {field}={json.dumps(value)} ({why})")
+
+    archs = raw.get("architectures")
+    if archs is not None and archs != [ARCHITECTURE]:
+        raise refuse("architectures", archs, f"qwenchat runs dense {ARCHITECTURE} models only")
+    if raw.get("model_type") != "qwen3":
+        raise refuse("model_type", raw.get("model_type"), "expected \"qwen3\"")
+    for moe_field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if raw.get(moe_field):
+            raise refuse(moe_field, raw[moe_field], "mixture-of-experts models are not supported")
+    if raw.get("rope_scaling") is not None:
+        raise refuse("rope_scaling", raw["rope_scaling"], "only plain RoPE is supported")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+        raise refuse("rope_parameters.rope_type", params["rope_type"], "only plain RoPE")
+    if raw.get("use_sliding_window"):
+        raise refuse("use_sliding_window", raw["use_sliding_window"], "sliding-window attention")
+    layer_types = raw.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        other = next(t for t in layer_types if t != "full_attention")
+        raise refuse("layer_types", other, "every layer must use full attention")
+    if raw.get("attention_bias"):
+        raise refuse("attention_bias", raw["attention_bias"], "Qwen3 has no attention bias")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", raw["hidden_act"], "Qwen3 uses silu")

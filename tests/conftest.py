@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints, the real tokenizer when CI provides it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from tiny_model import train_tokenizer, write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A 2-layer bf16 model with a tied LM head and the ChatML template."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer=tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer directory named by QWENCHAT_TEST_TOKENIZER, else skip."""
+    value = os.environ.get("QWENCHAT_TEST_TOKENIZER")
+    if not value or not (Path(value) / "tokenizer.json").is_file():
+        pytest.skip("QWENCHAT_TEST_TOKENIZER does not name a directory with the real Qwen3 "
+                    "tokenizer")
+    return Path(value)
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch) -> Path:
+    """Point every per-user directory (HF cache, qwenchat cache and data) into tmp_path."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    return tmp_path

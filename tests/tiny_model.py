@@ -1,0 +1,184 @@
+"""Writes tiny random Qwen3 checkpoints in Hugging Face layout, so tests run offline in seconds."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from qwenchat.model.checkpoint import f32_to_bf16_bits
+from qwenchat.model.config import Qwen3Config
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+NON_SPECIAL_ADDED = ["<think>", "</think>"]
+
+# A ChatML template in the spirit of Qwen3's: earlier assistant turns lose their <think> part,
+# and enable_thinking=false pre-fills an empty think block.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "def add(a, b):\n    return a + b\n",
+    "Qwen3 is a family of language models. Tokens stream to the terminal.",
+    "你好，世界。今天天气很好。我们一起学习。",
+    "こんにちは世界。日本語のテキストです。",
+    "Emoji: 😀 🎉 🚀 👍 ❤️ and accents: café, naïve, über, señor.",
+    "system user assistant think answer question",
+    "1234567890 + - * / = ( ) [ ] { } < > | \\ ; : ' \" , . ? !",
+]
+
+
+def train_tokenizer(vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import processors as post
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = post.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in NON_SPECIAL_ADDED])
+    return tok
+
+
+def tiny_config(**overrides) -> dict:
+    raw = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rope_scaling": None,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+    }
+    raw.update(overrides)
+    return raw
+
+
+def random_tensors(config: Qwen3Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 weights scaled so activations stay O(1) and logits are well separated."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in config.tensor_shapes().items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name == "model.embed_tokens.weight" or name == "lm_head.weight":
+            tensors[name] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            # Output projections get extra gain so the layers, not the tied embedding, decide
+            # the next token: otherwise a random model only echoes its last input token.
+            gain = 4.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            tensors[name] = (gain * rng.standard_normal(shape) / np.sqrt(shape[1])).astype(
+                np.float32)
+    return tensors
+
+
+def encode_tensor(array: np.ndarray, dtype: str) -> bytes:
+    if dtype == "BF16":
+        return f32_to_bf16_bits(array).tobytes()
+    if dtype == "F16":
+        return array.astype("<f2").tobytes()
+    return array.astype("<f4").tobytes()
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> None:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name, array in tensors.items():
+        blob = encode_tensor(array, dtype)
+        header[name] = {"dtype": dtype, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for blob in blobs:
+            handle.write(blob)
+
+
+def write_tiny_model(
+    directory: Path,
+    dtype: str = "BF16",
+    shards: int = 1,
+    seed: int = 0,
+    tokenizer=None,
+    **config_overrides,
+) -> Path:
+    """A complete model directory: config, weights, generation config, tokenizer, template."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizer or train_tokenizer()
+    raw = tiny_config(**config_overrides)
+    raw["vocab_size"] = max(raw["vocab_size"], tokenizer.get_vocab_size())
+    config = Qwen3Config.from_dict(raw)
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    tensors = random_tensors(config, seed)
+    if shards == 1:
+        write_safetensors(directory / "model.safetensors", tensors, dtype)
+    else:
+        names = list(tensors)
+        weight_map = {}
+        for k in range(shards):
+            part = names[k::shards]
+            filename = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            write_safetensors(directory / filename, {n: tensors[n] for n in part}, dtype)
+            weight_map.update({n: filename for n in part})
+        index = {"metadata": {}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    im_end, eot = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
+    generation = {"eos_token_id": [im_end, eot], "do_sample": True, "temperature": 0.6,
+                  "top_k": 20, "top_p": 0.95, "pad_token_id": eot}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": raw["max_position_embeddings"],
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return directory
