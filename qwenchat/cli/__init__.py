@@ -142,7 +142,7 @@ def info(debug: DebugOpt = False) -> None:
         for title, rows in gather():
             table = Table(title=title, title_justify="left", show_header=False, box=None)
             table.add_column(style="bold")
-            table.add_column()
+            table.add_column(overflow="fold")
             for key, value in rows:
                 table.add_row(key, value)
             console.print(table)

@@ -59,7 +59,9 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (np.float32(1.0) + np.exp(-x))
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(
+    positions: np.ndarray, head_dim: int, theta: float
+) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (positions × head_dim) for rotate-half RoPE, computed in float32 as HF does."""
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
@@ -175,7 +177,8 @@ class ReferenceEngine(CacheBookkeeping):
         keys = self._k[layer, :, :length]  # (kv_heads, length, dim)
         values = self._v[layer, :, :length]
         # (kv_heads, group, tokens, dim): query head h reads key/value head h // group
-        queries = q.reshape(count, cfg.num_key_value_heads, group, cfg.head_dim).transpose(1, 2, 0, 3)
+        queries = q.reshape(count, cfg.num_key_value_heads, group, cfg.head_dim)
+        queries = queries.transpose(1, 2, 0, 3)
         out = np.empty((cfg.num_key_value_heads, group, count, cfg.head_dim), np.float32)
         scale = np.float32(cfg.head_dim**-0.5)
         chunk = max(1, ATTENTION_SCORE_BUDGET // (cfg.num_attention_heads * length))

@@ -66,7 +66,9 @@ def check_value(name: str, value: Any) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         ok = ok and math.isfinite(value)
     if ok:
-        ok = (value >= low if low_in else value > low) and (value <= high if high_in else value < high)
+        above = value >= low if low_in else value > low
+        below = value <= high if high_in else value < high
+        ok = above and below
     if not ok:
         raise UsageError(f"{name.replace('_', '-')} must be {reads}; got {value!r}")
 

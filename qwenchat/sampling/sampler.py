@@ -47,11 +47,14 @@ def apply_penalties(
     if reply_counts and (params.presence_penalty or params.frequency_penalty):
         ids = np.fromiter(reply_counts.keys(), dtype=np.int64)
         counts = np.fromiter(reply_counts.values(), dtype=np.float32)
-        out[ids] -= np.float32(params.presence_penalty) + np.float32(params.frequency_penalty) * counts
+        presence = np.float32(params.presence_penalty)
+        out[ids] -= presence + np.float32(params.frequency_penalty) * counts
     return out
 
 
-def filtered_distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def filtered_distribution(
+    logits: np.ndarray, params: SamplingParams
+) -> tuple[np.ndarray, np.ndarray]:
     """Candidate ids (most likely first) and their renormalised probabilities."""
     scaled = logits.astype(np.float64) / params.temperature
     vocab = scaled.shape[0]

@@ -1,0 +1,43 @@
+"""transformers as the outside oracle: load a model dir in float32 and run what a user would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def require_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return torch, transformers
+
+
+def hf_model(directory: Path):
+    torch, transformers = require_transformers()
+    model = transformers.Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_logits(directory: Path, ids: list[int]) -> np.ndarray:
+    torch, _ = require_transformers()
+    with torch.no_grad():
+        return hf_model(directory)(torch.tensor([ids])).logits[0].numpy()
+
+
+def hf_greedy_text(directory: Path, messages: list[dict], max_new_tokens: int) -> str:
+    """What `generate(do_sample=False)` answers, decoded as a user would print it."""
+    torch, transformers = require_transformers()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = hf_model(directory).generate(**inputs, max_new_tokens=max_new_tokens,
+                                           do_sample=False)
+    return tokenizer.decode(out[0][inputs.input_ids.shape[1]:], skip_special_tokens=True)
+
+
+def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())

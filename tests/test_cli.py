@@ -1,0 +1,190 @@
+"""The real `qwenchat` console script: answers, streams, flags, and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hf_compare import hf_greedy_text
+from tiny_model import write_tiny_model
+
+SCRIPT = Path(sys.executable).parent / "qwenchat"
+
+
+def qwenchat(*args: str, stdin: str | None = None, env: dict | None = None,
+             timeout: float = 60) -> subprocess.CompletedProcess:
+    merged = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([str(SCRIPT), *args], input=stdin, capture_output=True, text=True,
+                          env=merged, timeout=timeout, stdin=None if stdin is not None
+                          else subprocess.DEVNULL)
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, code: int, *needles: str):
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qwenchat: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    assert result.stdout == ""
+
+
+MODELS = {
+    "tied": dict(),
+    "untied-odd": dict(tie_word_embeddings=False, hidden_size=40, num_attention_heads=3,
+                       num_key_value_heads=1, head_dim=24, intermediate_size=72, seed=3),
+    "f16-sharded": dict(dtype="F16", shards=2, seed=5, num_hidden_layers=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_dir(request, tmp_path_factory, tiny_tokenizer) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m",
+                            tokenizer=tiny_tokenizer, **MODELS[request.param])
+
+
+@pytest.mark.parametrize("system", [None, "You are terse. 简洁。"])
+def test_greedy_answer_is_exactly_what_transformers_generates(model_dir, system):
+    question = "Hello, how are you? 你好 😀"
+    messages = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": question})
+    expected = hf_greedy_text(model_dir, messages, max_new_tokens=40)
+    args = ["ask", "--backend", "cpu", "--model", str(model_dir), "--temperature", "0",
+            "--max-tokens", "40", question]
+    if system:
+        args[1:1] = ["-s", system]
+    result = qwenchat(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
+
+
+def test_prompt_from_stdin_matches_transformers(model_dir):
+    expected = hf_greedy_text(model_dir, [{"role": "user", "content": "What is a fox?"}], 30)
+    result = qwenchat("ask", "--backend", "cpu", "--model", str(model_dir), "--temperature",
+                      "0", "--max-tokens", "30", stdin="What is a fox?\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
+
+
+def test_stdin_comes_before_the_argument(tiny_model_dir):
+    combined = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu", "--json",
+                        "--temperature", "0", "--max-tokens", "5", "Summarise.",
+                        stdin="The fox.\n")
+    explicit = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu", "--json",
+                        "--temperature", "0", "--max-tokens", "5", "The fox.\n\nSummarise.")
+    a, b = json.loads(combined.stdout), json.loads(explicit.stdout)
+    assert a["text"] == b["text"] and a["prompt_tokens"] == b["prompt_tokens"]
+
+
+def test_json_output_is_one_object_with_text_counts_and_timings(tiny_model_dir):
+    result = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu", "--json",
+                      "--max-tokens", "6", "--seed", "11", "Hello")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    for key in ("text", "thinking", "prompt_tokens", "generated_tokens", "ttft_s",
+                "decode_tok_s", "stop_reason", "seed", "params"):
+        assert key in record
+    assert record["generated_tokens"] == 6 and record["stop_reason"] == "max_tokens"
+    assert record["seed"] == 11 and record["params"]["max_tokens"] == 6
+
+
+def test_same_seed_same_answer_and_other_seed_differs(tiny_model_dir):
+    def answer(seed: str) -> str:
+        result = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu",
+                          "--temperature", "1.5", "--top-k", "0", "--top-p", "1",
+                          "--max-tokens", "20", "--seed", seed, "Hello")
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert answer("1") == answer("1")
+    assert answer("1") != answer("2")
+
+
+def test_verbose_stats_go_to_stderr_only(tiny_model_dir):
+    quiet = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu",
+                     "--temperature", "0", "--max-tokens", "5", "Hello")
+    loud = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu", "-v",
+                    "--temperature", "0", "--max-tokens", "5", "Hello")
+    assert loud.stdout == quiet.stdout
+    assert "tok/s" in loud.stderr and "TTFT" in loud.stderr and "stop: max_tokens" in loud.stderr
+    assert quiet.stderr == ""
+
+
+def test_auto_backend_says_why_it_uses_the_cpu(tiny_model_dir):
+    result = qwenchat("ask", "--model", str(tiny_model_dir), "--max-tokens", "3", "Hi")
+    assert result.returncode == 0
+    notices = result.stderr.strip().splitlines()
+    assert len(notices) == 1 and "CPU reference engine" in notices[0]
+
+
+def test_cuda_backend_unavailable_is_one_line_exit_1(tiny_model_dir):
+    result = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cuda", "Hi")
+    assert_one_error_line(result, 1, "--backend cuda", "--backend cpu")
+
+
+@pytest.mark.parametrize(("flag", "value", "name"), [
+    ("--temperature", "2.5", "temperature"), ("--top-p", "0", "top-p"),
+    ("--top-k", "-1", "top-k"), ("--min-p", "1.5", "min-p"),
+    ("--repetition-penalty", "0", "repetition-penalty"),
+    ("--presence-penalty", "3", "presence-penalty"),
+    ("--frequency-penalty", "-3", "frequency-penalty"), ("--seed", "-1", "seed"),
+    ("--max-tokens", "0", "max-tokens"),
+])
+def test_out_of_range_parameters_exit_2_naming_the_range(tiny_model_dir, flag, value, name):
+    result = qwenchat("ask", "--model", str(tiny_model_dir), flag, value, "Hi")
+    assert_one_error_line(result, 2, name, "must be")
+
+
+@pytest.mark.parametrize("args", [
+    ["ask", "--temperature", "warm", "Hi"],
+    ["ask", "--no-such-flag", "Hi"],
+    ["ask", "--backend", "tpu", "Hi"],
+    ["ask", "--ctx", "1", "Hi"],
+    ["ask"],
+    ["ask", "   "],
+])
+def test_usage_errors_exit_2_with_one_line(tiny_model_dir, args):
+    result = qwenchat(*args, "--model", str(tiny_model_dir))
+    assert_one_error_line(result, 2)
+
+
+def test_missing_model_directory_exit_2(tmp_path):
+    result = qwenchat("ask", "--model", str(tmp_path / "nowhere"), "Hi")
+    assert_one_error_line(result, 2, "nowhere")
+
+
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path, tiny_tokenizer):
+    slow = write_tiny_model(tmp_path / "slow", tokenizer=tiny_tokenizer, hidden_size=512,
+                            intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+    process = subprocess.Popen(
+        [str(SCRIPT), "ask", "--model", str(slow), "--backend", "cpu", "--temperature", "0",
+         "Hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert process.stdout is not None
+    process.stdout.read(1)  # wait until the answer streams
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert b"Traceback" not in err and b"interrupted" in err
+
+
+def test_python_dash_m_runs_the_same_cli():
+    result = subprocess.run([sys.executable, "-m", "qwenchat", "--version"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("qwenchat ")
+
+
+def test_info_reports_gpu_status_and_locations(isolated_home):
+    result = qwenchat("info", env={"XDG_CACHE_HOME": str(isolated_home / "cache")})
+    assert result.returncode == 0, result.stderr
+    for heading in ("Software", "GPU", "Locations", "cuda backend", "compiled kernels"):
+        assert heading in result.stdout
+    assert str(isolated_home / "cache") in "".join(result.stdout.split())

@@ -1,0 +1,245 @@
+"""Qwen3Config: published configs parse to the presets, and everything outside dense Qwen3 is
+refused with a message that names the field and its value."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+from tiny_model import tiny_config
+
+from qwenchat.errors import ModelError
+from qwenchat.model.config import Qwen3Config
+from qwenchat.model.presets import PRESETS
+
+SOURCE = "broken/config.json"
+
+
+def configs_dir() -> Path:
+    value = os.environ.get("QWENCHAT_TEST_CONFIGS")
+    if value:
+        return Path(value)
+    return Path(__file__).parents[1].parent / "shared/fixtures/qwen3-configs"
+
+
+def refusal(overrides: dict, drop: tuple[str, ...] = ()) -> str:
+    raw = tiny_config(**overrides)
+    for name in drop:
+        raw.pop(name)
+    with pytest.raises(ModelError) as caught:
+        Qwen3Config.from_dict(raw, source=SOURCE)
+    return str(caught.value)
+
+
+def assert_names(message: str, *words: str) -> None:
+    """Each word appears in the message as a whole token (so "0" is not found inside "10")."""
+    assert SOURCE in message, message
+    for word in words:
+        assert re.search(rf"(?<![\w.-]){re.escape(word)}(?![\w])", message), (word, message)
+
+
+def transformers5_raw(name: str = "qwen3-0.6b", **changes) -> dict:
+    """A config.json as transformers 5 writes it: rope_parameters, layer_types, dtype."""
+    p = PRESETS[name]
+    raw = {
+        "model_type": "qwen3",
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "head_dim": p.head_dim,
+        "rms_norm_eps": p.rms_norm_eps,
+        "max_position_embeddings": p.max_position_embeddings,
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * p.num_hidden_layers,
+        "rope_parameters": {"rope_theta": p.rope_theta, "rope_type": "default"},
+        "dtype": "bfloat16",
+    }
+    raw.update(changes)
+    return raw
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_published_config_parses_to_its_preset(name):
+    directory = configs_dir()
+    if not directory.is_dir():
+        pytest.skip(f"no Qwen3 config fixtures at {directory} (set QWENCHAT_TEST_CONFIGS)")
+    assert Qwen3Config.from_file(directory / f"{name}.json") == PRESETS[name]
+
+
+def test_transformers5_config_parses_to_the_same_config():
+    assert Qwen3Config.from_dict(transformers5_raw()) == PRESETS["qwen3-0.6b"]
+
+
+def test_rope_theta_is_read_from_rope_parameters():
+    raw = transformers5_raw(rope_parameters={"rope_theta": 500_000.0, "rope_type": "default"})
+    assert Qwen3Config.from_dict(raw).rope_theta == 500_000.0
+
+
+def test_dtype_stands_in_for_torch_dtype():
+    assert Qwen3Config.from_dict(transformers5_raw(dtype="float16")).torch_dtype == "float16"
+
+
+def test_head_dim_absent_defaults_to_hidden_size_over_heads():
+    raw = tiny_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    del raw["head_dim"]
+    assert Qwen3Config.from_dict(raw).head_dim == 64
+
+
+def test_num_key_value_heads_absent_means_one_per_query_head():
+    raw = tiny_config()
+    del raw["num_key_value_heads"]
+    assert Qwen3Config.from_dict(raw).num_key_value_heads == raw["num_attention_heads"]
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "value"),
+    [
+        ({"architectures": ["Qwen3MoeForCausalLM"]}, "architectures", "Qwen3MoeForCausalLM"),
+        ({"architectures": ["LlamaForCausalLM"]}, "architectures", "LlamaForCausalLM"),
+        ({"model_type": "qwen2"}, "model_type", "qwen2"),
+        ({"model_type": "qwen3_moe", "architectures": None}, "model_type", "qwen3_moe"),
+        ({"num_experts": 128, "num_experts_per_tok": 8}, "num_experts", "128"),
+        ({"moe_intermediate_size": 768}, "moe_intermediate_size", "768"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling", "yarn"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+         "rope_parameters.rope_type", "yarn"),
+        ({"use_sliding_window": True}, "use_sliding_window", "true"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types",
+         "sliding_attention"),
+        ({"attention_bias": True}, "attention_bias", "true"),
+        ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
+    ],
+)
+def test_config_outside_dense_qwen3_is_refused_naming_field_and_value(overrides, field, value):
+    assert_names(refusal(overrides), field, value)
+
+
+def test_model_type_missing_is_refused():
+    assert_names(refusal({}, drop=("model_type",)), "model_type")
+
+
+def test_heads_not_a_multiple_of_kv_heads_is_refused_naming_both():
+    message = refusal({"num_attention_heads": 6, "num_key_value_heads": 4, "head_dim": 16})
+    assert_names(message, "num_attention_heads", "6", "num_key_value_heads", "4")
+
+
+def test_odd_head_dim_is_refused():
+    assert_names(refusal({"head_dim": 15}), "head_dim", "15")
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+     "num_attention_heads"],
+)
+def test_missing_required_field_is_refused_naming_it(field):
+    assert_names(refusal({}, drop=(field,)), field)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+@pytest.mark.parametrize(
+    "field",
+    ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"],
+)
+def test_size_that_is_not_positive_is_refused_naming_field_and_value(field, value):
+    assert_names(refusal({field: value}), field, str(value))
+
+
+def test_zero_heads_without_head_dim_is_refused_as_a_model_error():
+    # head_dim falls back to hidden_size // num_attention_heads: it must not divide by zero.
+    assert_names(refusal({"num_attention_heads": 0}, drop=("head_dim",)), "num_attention_heads")
+
+
+@pytest.mark.parametrize("field", ["rms_norm_eps", "rope_theta"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan])
+def test_non_positive_eps_or_theta_is_refused(field, value):
+    assert_names(refusal({field: value}), field)
+
+
+def test_size_that_is_not_a_number_is_refused():
+    assert_names(refusal({"hidden_size": "large"}), "large")
+
+
+def test_non_json_config_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{ this is not json", encoding="utf-8")
+    with pytest.raises(ModelError, match=re.escape(str(path))):
+        Qwen3Config.from_file(path)
+
+
+def test_config_file_holding_a_list_is_refused_naming_it(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps([tiny_config()]), encoding="utf-8")
+    with pytest.raises(ModelError, match=re.escape(str(path))):
+        Qwen3Config.from_file(path)
+
+
+def test_missing_config_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "config.json"
+    with pytest.raises(ModelError, match=re.escape(str(path))):
+        Qwen3Config.from_file(path)
+
+
+def test_config_file_parse_failure_names_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config(hidden_act="gelu")), encoding="utf-8")
+    with pytest.raises(ModelError, match=re.escape(str(path))):
+        Qwen3Config.from_file(path)
+
+
+# --- derived sizes ---------------------------------------------------------------------------
+
+
+def test_tied_config_has_no_lm_head_tensor():
+    shapes = PRESETS["qwen3-0.6b"].tensor_shapes()
+    assert "lm_head.weight" not in shapes
+    assert len(shapes) == 1 + 11 * 28 + 1
+
+
+def test_untied_config_has_an_lm_head_the_shape_of_the_embedding():
+    shapes = PRESETS["qwen3-8b"].tensor_shapes()
+    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (151_936, 4096)
+    assert len(shapes) == 1 + 11 * 36 + 2
+
+
+def test_query_projection_is_wider_than_hidden_size_in_qwen3_0_6b():
+    shapes = PRESETS["qwen3-0.6b"].tensor_shapes()
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (2048, 1024)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (1024, 1024)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (1024, 2048)
+    assert shapes["model.layers.27.self_attn.q_norm.weight"] == (128,)
+
+
+def test_qwen3_0_6b_has_596_million_parameters():
+    # Per layer: q 2048x1024, k and v 1024x1024, o 1024x2048, gate/up/down 3x1024x3072,
+    # two 1024 norms and two 128 q/k norms = 15,730,944; 28 layers = 440,466,432;
+    # plus the tied embedding 151,936x1024 = 155,582,464 and the final 1024 norm.
+    assert PRESETS["qwen3-0.6b"].parameter_count() == 596_049_920
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parameter_count_is_the_sum_of_tensor_sizes(name):
+    config = PRESETS[name]
+    assert config.parameter_count() == sum(math.prod(s) for s in config.tensor_shapes().values())
+
+
+def test_kv_cache_of_qwen3_0_6b_takes_114688_bytes_per_position_in_bf16():
+    assert PRESETS["qwen3-0.6b"].kv_bytes_per_position(2) == 114_688

@@ -1,0 +1,61 @@
+"""The wheel carries cuda_src/, and an installed (non-editable) copy finds it; ruff is clean."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    pytest.importorskip("build")
+    pytest.importorskip("hatchling")
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
+                    str(out), str(ROOT)], check=True, capture_output=True, timeout=300)
+    return next(out.glob("qwenchat-*.whl"))
+
+
+def test_wheel_contains_every_cuda_source(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = sorted(p.name for p in (ROOT / "cuda_src").glob("*.cu*"))
+    assert sources
+    for name in sources:
+        assert f"qwenchat/cuda_src/{name}" in names
+
+
+def test_installed_wheel_finds_its_cuda_sources(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
+                    "--target", str(target), str(wheel)], check=True, capture_output=True,
+                   timeout=300)
+    probe = ("from qwenchat.engine.cuda.sources import cuda_src_dir, kernel_sources;"
+             "print(cuda_src_dir()); print(sorted(kernel_sources()))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            cwd=tmp_path, env={"PYTHONPATH": str(target)}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    found, names = result.stdout.splitlines()
+    assert Path(found) == target / "qwenchat" / "cuda_src"
+    assert "qwen3.cuh" in names
+
+
+def test_console_script_is_declared(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        entry_points = next(n for n in archive.namelist() if n.endswith("entry_points.txt"))
+        assert "qwenchat = qwenchat.cli:main" in archive.read(entry_points).decode()
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[dev]')")
+    result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout
