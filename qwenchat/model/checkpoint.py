@@ -8,6 +8,7 @@ presence, shape, dtype and byte range can be checked against the file before any
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -99,8 +100,10 @@ class Checkpoint:
         return "lm_head.weight"
 
     def close(self) -> None:
+        """Unmap the files; a mapping still viewed by an array stays until the array is gone."""
         for buffer in self._maps.values():
-            buffer.close()
+            with contextlib.suppress(BufferError):
+                buffer.close()
         self._maps.clear()
 
     def _map(self, path: Path) -> mmap.mmap:
@@ -113,7 +116,7 @@ class Checkpoint:
         for name, shape in self.config.tensor_shapes().items():
             entry = self.entries.get(name)
             if entry is None:
-                where = self.files[0].name if len(self.files) == 1 else INDEX_FILE
+                where = INDEX_FILE if (self.directory / INDEX_FILE).is_file() else SINGLE_FILE
                 raise ModelError(f"{self.directory / where}: tensor {name} is missing")
             if entry.shape != shape:
                 raise ModelError(
@@ -136,6 +139,10 @@ def _index_entries(directory: Path) -> dict[str, TensorEntry]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelError(f"{index}: not a valid safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ModelError(f"{index}: weight_map must map tensor names to file names")
         shards = sorted(set(weight_map.values()))
         entries: dict[str, TensorEntry] = {}
         for shard in shards:
@@ -182,6 +189,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             begin, end = (int(x) for x in spec["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ModelError(f"{path}: tensor {name} has a malformed header entry") from None
+        if not 0 <= begin <= end:
+            raise ModelError(f"{path}: tensor {name} has an invalid byte range [{begin}, {end}]")
         if dtype not in DISK_DTYPES:
             raise ModelError(f"{path}: tensor {name} has dtype {dtype}; "
                              "qwenchat reads BF16, F16 and F32 checkpoints")

@@ -76,31 +76,32 @@ class Qwen3Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> Qwen3Config:
         _refuse_unsupported(raw, source)
-        try:
-            heads = int(raw["num_attention_heads"])
-            hidden = int(raw["hidden_size"])
-            values: dict[str, Any] = {
-                "vocab_size": int(raw["vocab_size"]),
-                "hidden_size": hidden,
-                "intermediate_size": int(raw["intermediate_size"]),
-                "num_hidden_layers": int(raw["num_hidden_layers"]),
-                "num_attention_heads": heads,
-                "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
-                "head_dim": int(raw.get("head_dim") or hidden // heads),
-            }
-        except KeyError as missing:
-            raise ModelError(f"{source}: required field {missing} is missing") from None
-        except (TypeError, ValueError) as bad:
-            raise ModelError(f"{source}: a size field is not an integer ({bad})") from None
-        optional = {
-            "rms_norm_eps": float,
-            "max_position_embeddings": int,
-            "tie_word_embeddings": bool,
-            "torch_dtype": str,
-        }
-        for name, kind in optional.items():
+        values: dict[str, Any] = {}
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads"):
+            if raw.get(name) is None:
+                raise ModelError(f"{source}: required field '{name}' is missing")
+            values[name] = _integer(raw[name], name, source)
+        heads, hidden = values["num_attention_heads"], values["hidden_size"]
+        kv_heads, head_dim = raw.get("num_key_value_heads"), raw.get("head_dim")
+        values["num_key_value_heads"] = (heads if kv_heads is None
+                                         else _integer(kv_heads, "num_key_value_heads", source))
+        values["head_dim"] = (hidden // heads if head_dim is None and heads > 0
+                              else _integer(head_dim or 0, "head_dim", source))
+        for name, kind in (("rms_norm_eps", float), ("max_position_embeddings", int),
+                           ("torch_dtype", str)):
             if raw.get(name) is not None:
-                values[name] = kind(raw[name])
+                try:
+                    values[name] = kind(raw[name])
+                except (TypeError, ValueError):
+                    raise ModelError(f"{source}: {name}={raw[name]!r} is not a "
+                                     f"{kind.__name__}") from None
+        tie = raw.get("tie_word_embeddings")
+        if tie is not None:
+            if not isinstance(tie, bool):
+                raise ModelError(f"{source}: tie_word_embeddings={json.dumps(tie)} must be "
+                                 "true or false")
+            values["tie_word_embeddings"] = tie
         if raw.get("dtype") is not None and raw.get("torch_dtype") is None:
             values["torch_dtype"] = str(raw["dtype"])
         theta = _rope_theta(raw)
@@ -134,8 +135,16 @@ class Qwen3Config:
             )
         if self.head_dim % 2:
             raise ModelError(f"{source}: head_dim must be even for RoPE, got {self.head_dim}")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ModelError(f"{source}: rms_norm_eps and rope_theta must be positive")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ModelError(f"{source}: {name} must be positive, got {value}")
+
+
+def _integer(value: Any, name: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ModelError(f"{source}: {name}={json.dumps(value)} is not an integer")
+    return int(value)
 
 
 def _rope_theta(raw: dict[str, Any]) -> float | None:
