@@ -4,7 +4,6 @@ streaming detokenization, and the thinking/answer split of a reply."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -225,18 +224,32 @@ def test_tokenizer_config_template_wins_over_chat_template_jinja(tmp_path, tiny_
         "from-config"
 
 
-def test_chat_template_jinja_matches_transformers(tmp_path, tiny_model_dir):
-    directory = tmp_path / "m"
-    shutil.copytree(tiny_model_dir, directory)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    template = config.pop("chat_template")
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
+# Indented blocks without "-" (trim_blocks/lstrip_blocks matter), loop controls and tojson.
+INDENTED_TEMPLATE = """\
+{% for message in messages %}
+    {% if message.role == 'system' %}
+        {% continue %}
+    {% endif %}
+    <|im_start|>{{ message.role }}
+    {{ message.content | tojson }}
+    {% if loop.index > 3 %}{% break %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+  <|im_start|>assistant{{ eos_token }}
+{% endif %}
+"""
+
+
+def test_chat_template_jinja_matches_transformers(tmp_path, tiny_tokenizer):
+    directory = _write_tokenizer_dir(tmp_path / "m", tiny_tokenizer,
+                                     {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+                                     jinja=INDENTED_TEMPLATE)
     hf = _hf_tokenizer(directory)
-    messages = CONVERSATIONS["non_ascii"]
+    messages = CONVERSATIONS["non_ascii"] + CONVERSATIONS["multi_turn_with_thinking"]
     expected = hf.apply_chat_template([m.as_dict() for m in messages], tokenize=False,
-                                      add_generation_prompt=True, enable_thinking=False)
-    assert Tokenizer(directory).render(messages, enable_thinking=False) == expected
+                                      add_generation_prompt=True)
+    assert "你好" in expected and "Réponds" not in expected  # tojson kept it; continue worked
+    assert Tokenizer(directory).render(messages, enable_thinking=True) == expected
 
 
 def test_named_template_list_uses_the_default_entry(tmp_path, tiny_tokenizer):

@@ -17,13 +17,14 @@ MAX_SEED = 2**63 - 1
 RANGES: dict[str, tuple[float, float, bool, bool, str]] = {
     "temperature": (0.0, 2.0, True, True, "0 to 2 (0 = greedy)"),
     "top_p": (0.0, 1.0, False, True, "greater than 0, at most 1"),
-    "top_k": (0, 1_000_000, True, True, "an integer ≥ 0 (0 = off)"),
+    "top_k": (0, 1_000_000, True, True, "an integer from 0 to 1000000 (0 = off)"),
     "min_p": (0.0, 1.0, True, True, "0 to 1 (0 = off)"),
     "repetition_penalty": (0.0, 2.0, False, True, "greater than 0, at most 2 (1 = off)"),
     "presence_penalty": (-2.0, 2.0, True, True, "-2 to 2 (0 = off)"),
     "frequency_penalty": (-2.0, 2.0, True, True, "-2 to 2 (0 = off)"),
     "seed": (0, MAX_SEED, True, True, f"an integer from 0 to {MAX_SEED}, or none"),
-    "max_tokens": (1, 10_000_000, True, True, "an integer ≥ 1, or none for no limit"),
+    "max_tokens": (1, 10_000_000, True, True,
+                   "an integer from 1 to 10000000, or none for no limit"),
 }
 INTEGER_FIELDS = {"top_k", "seed", "max_tokens"}
 
@@ -88,7 +89,8 @@ def parse_value(name: str, text: str) -> Any:
     try:
         value: Any = int(text) if key in INTEGER_FIELDS else float(text)
     except ValueError:
-        raise UsageError(f"{name} must be {RANGES[key][4]}; got {text!r}") from None
+        flag = key.replace("_", "-")
+        raise UsageError(f"{flag} must be {RANGES[key][4]}; got {text!r}") from None
     check_value(key, value)
     return value
 
@@ -129,8 +131,12 @@ def eos_token_ids(model_dir: Path, fallback: list[int]) -> list[int]:
     eos = read_generation_config(model_dir).get("eos_token_id")
     if isinstance(eos, int):
         eos = [eos]
-    ids = [int(e) for e in eos] if isinstance(eos, list) else []
-    return sorted(set(ids or fallback))
+    if eos is not None and not (
+        isinstance(eos, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos)
+    ):
+        raise ModelError(f"{model_dir / 'generation_config.json'}: eos_token_id must be an "
+                         f"integer or a list of integers, got {json.dumps(eos)}")
+    return sorted(set(eos or fallback))
 
 
 class LiveParams:
