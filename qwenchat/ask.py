@@ -32,7 +32,7 @@ class AskOptions:
 
 def combine_prompt(argument: str | None, stdin_text: str | None) -> str:
     """stdin first (as context), then the argument; an empty result is a usage error."""
-    parts = [p for p in ((stdin_text or "").rstrip(), (argument or "").strip()) if p]
+    parts = [p for p in ((stdin_text or "").rstrip(), argument or "") if p.strip()]
     if not parts:
         raise UsageError('no prompt: pass it as an argument (qwenchat ask "...") or on stdin')
     return "\n\n".join(parts)

@@ -1,0 +1,54 @@
+"""`ask`'s output shaping: thinking shown or hidden, prompt assembly, one trailing newline."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from qwenchat.ask import _JsonCollector, _StreamWriter, combine_prompt
+from qwenchat.errors import UsageError
+from qwenchat.session import TextPiece
+
+PIECES = [TextPiece("Let me ", "thinking"), TextPiece("think.", "thinking"),
+          TextPiece("The answer", "answer"), TextPiece(" is 4.", "answer")]
+
+
+def written(show_thinking: bool) -> str:
+    out = io.StringIO()
+    writer = _StreamWriter(out, show_thinking)
+    for piece in PIECES:
+        writer.piece(piece)
+    writer.close()
+    return out.getvalue()
+
+
+def test_thinking_is_hidden_unless_asked_for():
+    assert written(False) == "The answer is 4.\n"
+
+
+def test_shown_thinking_comes_first_inside_think_tags():
+    assert written(True) == "<think>\nLet me think.\n</think>\n\nThe answer is 4.\n"
+
+
+def test_json_collects_answer_and_thinking_apart():
+    collector = _JsonCollector()
+    for piece in PIECES:
+        collector.piece(piece)
+    assert collector.result() == {"text": "The answer is 4.", "thinking": "Let me think."}
+
+
+@pytest.mark.parametrize(("argument", "stdin", "expected"), [
+    ("Question?", None, "Question?"),
+    (None, "Piped text\n", "Piped text"),
+    ("Summarise.", "Document\n", "Document\n\nSummarise."),
+    ("  Question? ", "", "  Question? "),  # the argument is the user's, byte for byte
+])
+def test_prompt_combines_stdin_then_argument(argument, stdin, expected):
+    assert combine_prompt(argument, stdin) == expected
+
+
+@pytest.mark.parametrize(("argument", "stdin"), [(None, None), ("", ""), ("  ", "\n\n")])
+def test_no_prompt_is_a_usage_error(argument, stdin):
+    with pytest.raises(UsageError, match="no prompt"):
+        combine_prompt(argument, stdin)
