@@ -188,3 +188,16 @@ def test_info_reports_gpu_status_and_locations(isolated_home):
     for heading in ("Software", "GPU", "Locations", "cuda backend", "compiled kernels"):
         assert heading in result.stdout
     assert str(isolated_home / "cache") in "".join(result.stdout.split())
+
+
+def test_ask_and_info_work_where_textual_and_cuda_python_cannot_load(tiny_model_dir):
+    blocked = ("import sys; sys.modules['textual'] = None; sys.modules['cuda'] = None; "
+               "from qwenchat.cli import main; sys.argv = ['qwenchat'] + sys.argv[1:]; main()")
+    ask = subprocess.run([sys.executable, "-c", blocked, "ask", "--backend", "cpu", "--model",
+                          str(tiny_model_dir), "--max-tokens", "3", "Hi"],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert ask.returncode == 0, ask.stderr
+    info = subprocess.run([sys.executable, "-c", blocked, "info"], capture_output=True,
+                          text=True, timeout=60)
+    assert info.returncode == 0, info.stderr
+    assert "cuda-python is not importable" in "".join(info.stdout.split("\n"))
