@@ -52,7 +52,8 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     load_started = time.perf_counter()
     model = open_model(options.model)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
-    engine = create_engine(options.backend, model, options.ctx, notice=say)
+    engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
+                           notice=say)
     load_s = time.perf_counter() - load_started
     session = ChatSession(engine, model.tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think)

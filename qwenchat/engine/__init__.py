@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 from qwenchat.engine.base import Engine, GenerateRequest, Generation, StopReason
 from qwenchat.errors import BackendUnavailable, UsageError
-from qwenchat.model.loader import Model
+from qwenchat.model.checkpoint import WeightSource
+from qwenchat.model.config import Qwen3Config
 
 BACKENDS = ("auto", "cuda", "cpu")
 
@@ -15,8 +16,10 @@ __all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason", 
 
 def create_engine(
     backend: str,
-    model: Model,
+    config: Qwen3Config,
+    weights: WeightSource,
     ctx: int | None = None,
+    device: int = 0,
     notice: Callable[[str], None] = lambda _: None,
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`."""
@@ -26,17 +29,18 @@ def create_engine(
         raise UsageError(f"--ctx must be at least 2 tokens; got {ctx}")
     if backend in ("auto", "cuda"):
         try:
-            return _cuda_engine(model, ctx)
+            return _cuda_engine(config, weights, ctx, device, notice)
         except BackendUnavailable as why:
             if backend == "cuda":
                 raise BackendUnavailable(f"--backend cuda: {why}; use --backend cpu") from None
             notice(f"using the CPU reference engine: {why}")
     from qwenchat.engine.reference import ReferenceEngine
 
-    return ReferenceEngine(model.config, model.checkpoint, ctx)
+    return ReferenceEngine(config, weights, ctx)
 
 
-def _cuda_engine(model: Model, ctx: int | None) -> Engine:
+def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,
+                 notice: Callable[[str], None]) -> Engine:
     raise BackendUnavailable(
         "the CUDA engine is not available yet in this version of qwenchat"
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qwenchat.engine.base import CacheBookkeeping, GenerateRequest, Generation, StopReason
-from qwenchat.model.checkpoint import Checkpoint
+from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.sampler import sample_token
 
@@ -31,7 +31,7 @@ class LayerWeights:
     down: np.ndarray
 
     @classmethod
-    def load(cls, checkpoint: Checkpoint, index: int) -> LayerWeights:
+    def load(cls, checkpoint: WeightSource, index: int) -> LayerWeights:
         p = f"model.layers.{index}."
         t = checkpoint.float32
         return cls(
@@ -80,14 +80,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 class ReferenceEngine(CacheBookkeeping):
     name = "reference (NumPy, CPU)"
 
-    def __init__(self, config: Qwen3Config, checkpoint: Checkpoint, ctx: int | None = None):
+    def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None):
         super().__init__(ctx or config.max_position_embeddings)
         self.config = config
         self.embed = checkpoint.float32("model.embed_tokens.weight")
         self.layers = [LayerWeights.load(checkpoint, i) for i in range(config.num_hidden_layers)]
         self.final_norm = checkpoint.float32("model.norm.weight")
-        self.lm_head = (self.embed if config.tie_word_embeddings
-                        else checkpoint.float32("lm_head.weight"))
+        head = checkpoint.lm_head_name()
+        tied = head == "model.embed_tokens.weight"
+        self.lm_head = self.embed if tied else checkpoint.float32(head)
         shape = (config.num_hidden_layers, config.num_key_value_heads, 0, config.head_dim)
         self._k = np.zeros(shape, np.float32)
         self._v = np.zeros(shape, np.float32)

@@ -14,6 +14,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -54,6 +55,18 @@ def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     out = rounded.astype(np.uint16)
     out[nan] = 0x7FC0
     return out
+
+
+class WeightSource(Protocol):
+    """What an engine reads weights from: a checkpoint on disk, or random weights for bench."""
+
+    config: Qwen3Config
+
+    def float32(self, name: str) -> np.ndarray: ...
+
+    def bf16_bits(self, name: str) -> np.ndarray: ...
+
+    def lm_head_name(self) -> str: ...
 
 
 class Checkpoint:
