@@ -18,6 +18,9 @@
 #ifndef QW_HEAD_DIM
 #error "QW_HEAD_DIM (head_dim) must be defined"
 #endif
+#ifndef QW_VOCAB
+#error "QW_VOCAB (vocab_size) must be defined"
+#endif
 
 namespace qw {
 constexpr int hidden = QW_HIDDEN;
@@ -25,10 +28,14 @@ constexpr int intermediate = QW_INTERMEDIATE;
 constexpr int heads = QW_HEADS;
 constexpr int kv_heads = QW_KV_HEADS;
 constexpr int head_dim = QW_HEAD_DIM;
+constexpr int vocab = QW_VOCAB;
 constexpr int q_size = heads * head_dim;
 constexpr int kv_size = kv_heads * head_dim;
 constexpr int group = heads / kv_heads;
 
 static_assert(heads % kv_heads == 0, "query heads must be a multiple of key/value heads");
-static_assert(head_dim % 2 == 0, "rotate-half RoPE needs an even head_dim");
+static_assert(head_dim % 16 == 0 && head_dim <= 256 && (256 % head_dim) == 0,
+              "the CUDA kernels need head_dim in {16, 32, 64, 128, 256}");
+static_assert(hidden % 8 == 0 && intermediate % 8 == 0,
+              "16-byte weight loads need hidden and intermediate sizes that are multiples of 8");
 }  // namespace qw

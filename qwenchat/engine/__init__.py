@@ -41,6 +41,13 @@ def create_engine(
 
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,
                  notice: Callable[[str], None]) -> Engine:
-    raise BackendUnavailable(
-        "the CUDA engine is not available yet in this version of qwenchat"
-    )
+    try:
+        from qwenchat.engine.cuda.probe import probe
+    except ImportError as exc:  # cuda-python missing or broken
+        raise BackendUnavailable(f"cuda-python cannot be imported ({exc})") from None
+    found = probe()
+    if not found.usable:
+        raise BackendUnavailable("; ".join(found.problems) or "no usable GPU")
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    return CudaEngine(config, weights, ctx, device, notice)

@@ -1,0 +1,209 @@
+// Per-token building blocks of a Qwen3 layer: embedding rows, RMSNorm, matrix-vector products
+// with 16-byte weight loads (decode), QK-norm + RoPE + KV-cache append, SwiGLU.
+// The residual stream is float32; weights and the KV cache are bf16.
+#include "common.cuh"
+#include "qwen3.cuh"
+
+constexpr int GEMV_THREADS = 256;
+constexpr int GEMV_WARPS = GEMV_THREADS / 32;
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+
+// x[i, :] = embed[ids[i], :] for n tokens (one block per token).
+extern "C" __global__ void embed_rows(const int* __restrict__ ids, int n,
+                                      const bf16_t* __restrict__ embed, float* __restrict__ x) {
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const bf16_t* src = embed + static_cast<long long>(ids[row]) * qw::hidden;
+    for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x)
+        x[static_cast<long long>(row) * qw::hidden + j] = bf16_to_f32(src[j]);
+}
+
+// out[i, :] = bf16(rmsnorm(x[i, :]) * w) for n rows (one block per row): prefill's GEMM input.
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const bf16_t* __restrict__ w,
+                                        int n, float eps, bf16_t* __restrict__ out) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const float* xr = x + static_cast<long long>(row) * qw::hidden;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x) ss += xr[j] * xr[j];
+    const float rstd = rsqrtf(block_sum(ss, scratch) / qw::hidden + eps);
+    for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x)
+        out[static_cast<long long>(row) * qw::hidden + j] = f32_to_bf16(xr[j] * rstd * bf16_to_f32(w[j]));
+}
+
+// Each warp computes ROWS dot products of W rows with a K-vector in shared memory. The weights
+// do not depend on the vector, so a lane's first loads for all its rows are issued before the
+// block prepares the vector (`prepare`, which ends with __syncthreads): the memory latency of
+// the weight stream overlaps the vector's preparation instead of following it.
+template <int K, int ROWS, typename Prepare>
+__device__ __forceinline__ void warp_rows_dot(const bf16_t* __restrict__ W, int rows, int row0,
+                                              const float* xs, Prepare prepare, float* result) {
+    const int lane = threadIdx.x & 31;
+    constexpr int STEPS = K / 8;  // 16-byte chunks per row
+    constexpr int PER_LANE = (STEPS + 31) / 32;
+    constexpr int PRE = PER_LANE < 16 / ROWS ? PER_LANE : 16 / ROWS;  // <= 16 loads in flight
+    uint4 first[PRE][ROWS];
+#pragma unroll
+    for (int p = 0; p < PRE; ++p)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int c = lane + p * 32, row = row0 + r;
+            first[p][r] = (row < rows && c < STEPS)
+                              ? reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c]
+                              : make_uint4(0, 0, 0, 0);
+        }
+    prepare();
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int p = 0; p < PRE; ++p) {
+        const int c = lane + p * 32;
+        if (c < STEPS) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) acc[r] += dot8(first[p][r], xs + c * 8);
+        }
+    }
+    for (int c = lane + PRE * 32; c < STEPS; c += 32) {
+        uint4 w[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int row = row0 + r;
+            w[r] = row < rows ? reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c]
+                              : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] += dot8(w[r], xs + c * 8);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) result[r] = warp_sum(acc[r]);
+}
+
+// out[r] = W[r, :] . (rmsnorm(x) * norm_w): fused norm + GEMV for Q/K/V, gate/up and the LM head.
+// Each block recomputes the norm of the K-vector (a few KB, from L2) instead of a separate kernel.
+template <int ROWS>
+__device__ void rmsnorm_gemv(const float* __restrict__ x, const bf16_t* __restrict__ norm_w,
+                             const bf16_t* __restrict__ W, int rows, float eps,
+                             float* __restrict__ out) {
+    __shared__ __align__(16) float xs[qw::hidden];
+    __shared__ float scratch[32];
+    const int warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * GEMV_WARPS + warp) * ROWS;
+    float result[ROWS];
+    warp_rows_dot<qw::hidden, ROWS>(W, rows, row0, xs, [&] {
+        float ss = 0.f;
+        for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x) ss += x[j] * x[j];
+        const float rstd = rsqrtf(block_sum(ss, scratch) / qw::hidden + eps);
+        for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x)
+            xs[j] = x[j] * rstd * bf16_to_f32(norm_w[j]);
+        __syncthreads();
+    }, result);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (row0 + r < rows) out[row0 + r] = result[r];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    rmsnorm_gemv2(const float* x, const bf16_t* norm_w, const bf16_t* W, int rows, float eps,
+                  float* out) {
+    rmsnorm_gemv<2>(x, norm_w, W, rows, eps, out);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    rmsnorm_gemv4(const float* x, const bf16_t* norm_w, const bf16_t* W, int rows, float eps,
+                  float* out) {
+    rmsnorm_gemv<4>(x, norm_w, W, rows, eps, out);
+}
+
+// x[r] += W[r, :] . v, where v is the attention output (o_proj). One row per warp: these
+// matrices have few rows (hidden_size), and more warps per row keep more loads in flight.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    gemv_residual_attn(const float* __restrict__ v, const bf16_t* __restrict__ W, int rows,
+                       float* __restrict__ x) {
+    __shared__ __align__(16) float vs[qw::q_size];
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    float result[1];
+    warp_rows_dot<qw::q_size, 1>(W, rows, row, vs, [&] {
+        for (int j = threadIdx.x; j < qw::q_size; j += blockDim.x) vs[j] = v[j];
+        __syncthreads();
+    }, result);
+    if ((threadIdx.x & 31) == 0 && row < rows) x[row] += result[0];
+}
+
+// x[r] += W[r, :] . (silu(gate) * up), with gu = [gate | up] (down_proj, SwiGLU fused in).
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    gemv_residual_swiglu(const float* __restrict__ gu, const bf16_t* __restrict__ W, int rows,
+                         float* __restrict__ x) {
+    __shared__ __align__(16) float vs[qw::intermediate];
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    float result[1];
+    warp_rows_dot<qw::intermediate, 1>(W, rows, row, vs, [&] {
+        for (int j = threadIdx.x; j < qw::intermediate; j += blockDim.x)
+            vs[j] = silu(gu[j]) * gu[qw::intermediate + j];
+        __syncthreads();
+    }, result);
+    if ((threadIdx.x & 31) == 0 && row < rows) x[row] += result[0];
+}
+
+// act[i, j] = bf16(silu(gu[i, j]) * gu[i, I + j]) for n rows: prefill's down_proj input.
+extern "C" __global__ void swiglu_rows(const float* __restrict__ gu, int n,
+                                       bf16_t* __restrict__ act) {
+    const long long total = static_cast<long long>(n) * qw::intermediate;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long row = i / qw::intermediate, col = i % qw::intermediate;
+        const float* g = gu + row * 2 * qw::intermediate;
+        act[i] = f32_to_bf16(silu(g[col]) * g[qw::intermediate + col]);
+    }
+}
+
+// For token t (blockIdx.x) and head h (blockIdx.y over q heads then kv heads): RMSNorm over
+// head_dim with q_norm / k_norm, rotate-half RoPE at position pos0 + t, then write q (bf16) or
+// append k and v to the layer's cache ([kv_head][capacity][head_dim], bf16). pos0 is read from
+// device memory when pos_ptr is set, so a captured decode graph follows the cache position.
+extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qkv, int n,
+                                              const int* __restrict__ pos_ptr, int pos_arg,
+                                              const bf16_t* __restrict__ q_norm,
+                                              const bf16_t* __restrict__ k_norm,
+                                              const float* __restrict__ inv_freq, float eps,
+                                              int capacity, bf16_t* __restrict__ q_out,
+                                              bf16_t* __restrict__ k_cache,
+                                              bf16_t* __restrict__ v_cache) {
+    constexpr int HD = qw::head_dim, HALF = HD / 2;
+    __shared__ float scratch[32];
+    const int t = blockIdx.x, h = blockIdx.y;
+    if (t >= n) return;
+    const int pos = (pos_ptr ? *pos_ptr : pos_arg) + t;
+    const float* row = qkv + static_cast<long long>(t) * (qw::q_size + 2 * qw::kv_size);
+    const bool is_q = h < qw::heads;
+    const int kvh = h - qw::heads;
+    const float* src = is_q ? row + h * HD : row + qw::q_size + kvh * HD;
+    // Thread i < HALF rotates the pair (i, i + HALF); the block is rounded up to whole warps.
+    const int i = threadIdx.x;
+    const bool active = i < HALF;
+    float a = active ? src[i] : 0.f, b = active ? src[i + HALF] : 0.f;
+    const float rstd = rsqrtf(block_sum(a * a + b * b, scratch) / HD + eps);
+    if (!active) return;
+    const bf16_t* nw = is_q ? q_norm : k_norm;
+    a *= rstd * bf16_to_f32(nw[i]);
+    b *= rstd * bf16_to_f32(nw[i + HALF]);
+    float s, c;
+    sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
+    const float ra = a * c - b * s, rb = b * c + a * s;
+    if (is_q) {
+        bf16_t* dst = q_out + static_cast<long long>(t) * qw::q_size + h * HD;
+        dst[i] = f32_to_bf16(ra);
+        dst[i + HALF] = f32_to_bf16(rb);
+    } else {
+        const long long at = (static_cast<long long>(kvh) * capacity + pos) * HD;
+        k_cache[at + i] = f32_to_bf16(ra);
+        k_cache[at + i + HALF] = f32_to_bf16(rb);
+        const float* v = row + qw::q_size + qw::kv_size + kvh * HD;
+        v_cache[at + i] = f32_to_bf16(v[i]);
+        v_cache[at + i + HALF] = f32_to_bf16(v[i + HALF]);
+    }
+}

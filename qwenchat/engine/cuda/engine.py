@@ -1,0 +1,448 @@
+"""The CUDA engine: NVRTC-compiled kernels from cuda_src/, tensor-core prefill, graph decode.
+
+Prefill runs the new tokens through every layer as batched tensor-core GEMMs and flash
+attention, in chunks that bound the scratch memory. Decode ("layered") runs one token through
+a CUDA graph of per-op kernels whose position and input token live in device memory, so the
+same graph serves every step; sampling happens on the GPU and only the chosen id comes back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from qwenchat.engine.base import CacheBookkeeping, GenerateRequest, Generation, StopReason
+from qwenchat.engine.cuda import runtime as rt
+from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+from qwenchat.errors import BackendUnavailable, QwenchatError
+from qwenchat.model.checkpoint import WeightSource
+from qwenchat.model.config import Qwen3Config
+from qwenchat.sampling.params import SamplingParams
+
+KERNELS = {
+    "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4",
+                  "gemv_residual_attn", "gemv_residual_swiglu", "swiglu_rows",
+                  "qk_norm_rope_store"),
+    "gemm.cu": ("gemm_store", "gemm_add"),
+    "attention.cu": ("attn_prefill", "attn_decode_partial", "attn_decode_merge"),
+    "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
+}
+GEMV_ROWS_PER_BLOCK = 16  # 8 warps x 2 rows (rmsnorm_gemv2)
+RESIDUAL_ROWS_PER_BLOCK = 8  # 8 warps x 1 row (gemv_residual_*)
+LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
+GEMM_TILE = 128
+PREFILL_QUERIES_PER_BLOCK = 64
+DECODE_MAX_CHUNK = 256  # keys per flash-decoding block at most (attention.cu)
+PREFILL_SCRATCH_BUDGET = 160 * 2**20
+SAMPLER_HISTOGRAM_BYTES = 32 * 256 * 8  # sample_token's per-warp radix histograms
+MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
+SAMPLE_PARAMS = np.dtype([
+    ("temperature", "<f4"), ("top_p", "<f4"), ("min_p", "<f4"), ("repetition_penalty", "<f4"),
+    ("presence_penalty", "<f4"), ("frequency_penalty", "<f4"), ("top_k", "<i4"), ("step", "<i4"),
+    ("seed", "<u8"),
+])
+
+
+def unsupported_reason(config: Qwen3Config) -> str | None:
+    """Why the kernels cannot run this shape, or None (they need 16-byte aligned rows)."""
+    if config.head_dim not in (16, 32, 64, 128, 256):
+        return f"head_dim {config.head_dim} (the CUDA kernels need 16, 32, 64, 128 or 256)"
+    for name in ("hidden_size", "intermediate_size"):
+        if getattr(config, name) % 8:
+            return f"{name} {getattr(config, name)} (the CUDA kernels need a multiple of 8)"
+    return None
+
+
+@dataclass
+class LayerBuffers:
+    input_norm: rt.DeviceBuffer
+    qkv: rt.DeviceBuffer  # [q; k; v] rows, hidden columns
+    q_norm: rt.DeviceBuffer
+    k_norm: rt.DeviceBuffer
+    o: rt.DeviceBuffer
+    post_norm: rt.DeviceBuffer
+    gate_up: rt.DeviceBuffer  # [gate; up] rows
+    down: rt.DeviceBuffer
+
+
+def _upload_rows(parts: Sequence[np.ndarray]) -> rt.DeviceBuffer:
+    """One device buffer holding `parts` (bf16 bit arrays) one after another, no host concat."""
+    total = sum(p.nbytes for p in parts)
+    buffer = rt.DeviceBuffer(total)
+    offset = 0
+    for part in parts:
+        buffer.upload(np.ascontiguousarray(part), offset=offset)
+        offset += part.nbytes
+    return buffer
+
+
+class CudaEngine(CacheBookkeeping):
+    def __init__(
+        self,
+        config: Qwen3Config,
+        weights: WeightSource,
+        ctx: int | None = None,
+        device: int = 0,
+        notice: Callable[[str], None] = lambda _: None,
+    ):
+        reason = unsupported_reason(config)
+        if reason:
+            raise BackendUnavailable(f"this model's {reason}; use --backend cpu")
+        self.config = config
+        self.device = rt.Device(device)
+        self.device_name = self.device.name
+        self.name = f"cuda ({self.device.name})"
+        self.stream = rt.Stream()
+        self._buffers: list[rt.DeviceBuffer] = []
+        self._modules: list[rt.Module] = []
+        self._load_kernels(notice)
+        self._upload_weights(weights)
+        super().__init__(self._choose_capacity(ctx, notice))
+        self._allocate_state()
+        self._graph: rt.Graph | None = None
+        self._logits_valid = False
+
+    # ----------------------------------------------------------------------------- set-up
+    def _load_kernels(self, notice: Callable[[str], None]) -> None:
+        cache = KernelCache()
+        defines = kernel_defines(self.config)
+        self.k: dict[str, rt.Kernel] = {}
+        for source, names in KERNELS.items():
+            module = rt.Module(cache.load(source, self.device.arch, defines, progress=notice))
+            self._modules.append(module)
+            for name in names:
+                self.k[name] = module.function(name)
+        self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
+
+    def _device_buffer(self, nbytes: int) -> rt.DeviceBuffer:
+        buffer = rt.DeviceBuffer(max(nbytes, 16))
+        self._buffers.append(buffer)
+        return buffer
+
+    def _upload_weights(self, weights: WeightSource) -> None:
+        cfg = self.config
+
+        def one(name: str) -> rt.DeviceBuffer:
+            buffer = _upload_rows([weights.bf16_bits(name)])
+            self._buffers.append(buffer)
+            return buffer
+
+        def rows(*names: str) -> rt.DeviceBuffer:
+            buffer = _upload_rows([weights.bf16_bits(n) for n in names])
+            self._buffers.append(buffer)
+            return buffer
+
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(LayerBuffers(
+                input_norm=one(p + "input_layernorm.weight"),
+                qkv=rows(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                         p + "self_attn.v_proj.weight"),
+                q_norm=one(p + "self_attn.q_norm.weight"),
+                k_norm=one(p + "self_attn.k_norm.weight"),
+                o=one(p + "self_attn.o_proj.weight"),
+                post_norm=one(p + "post_attention_layernorm.weight"),
+                gate_up=rows(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=one(p + "mlp.down_proj.weight"),
+            ))
+        self.embed = one("model.embed_tokens.weight")
+        self.final_norm = one("model.norm.weight")
+        head = weights.lm_head_name()
+        self.lm_head = self.embed if head == "model.embed_tokens.weight" else one(head)
+        self.weight_bytes = sum(b.nbytes for b in self._buffers)
+        exponents = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
+        inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+        self.inv_freq = self._device_buffer(inv_freq.nbytes)
+        self.inv_freq.upload(inv_freq)
+
+    def _prefill_chunk_tokens(self) -> int:
+        cfg = self.config
+        per_token = (cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
+                     + cfg.q_size * 2 * 2 + cfg.intermediate_size * (2 * 4 + 2) + 4)
+        chunk = PREFILL_SCRATCH_BUDGET // per_token
+        return int(max(64, min(2048, chunk // 64 * 64)))
+
+    def _choose_capacity(self, ctx: int | None, notice: Callable[[str], None]) -> int:
+        """The KV-cache size: as asked (or the model's maximum), if it fits in free memory."""
+        cfg = self.config
+        free, _ = self.device.mem_info()
+        per_position = cfg.kv_bytes_per_position() + 4  # + the context id kept for penalties
+        scratch = PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
+        fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
+        wanted = ctx or cfg.max_position_embeddings
+        if wanted <= fits:
+            return wanted
+        if ctx is not None:
+            raise QwenchatError(
+                f"out of GPU memory: a {ctx}-token KV cache needs {ctx * per_position / 2**30:.2f}"
+                f" GiB but {free / 2**30:.2f} GiB is free after the {self.weight_bytes / 2**30:.2f}"
+                f" GiB of weights; use --ctx {max(256, fits // 256 * 256)} or less")
+        if fits < 256:
+            raise QwenchatError(f"out of GPU memory: {free / 2**30:.2f} GiB free after the "
+                                "weights leaves no room for a KV cache; close other GPU programs")
+        reduced = int(fits // 256 * 256)
+        notice(f"context reduced to {reduced} tokens to fit in GPU memory (--ctx to choose)")
+        return reduced
+
+    def _allocate_state(self) -> None:
+        cfg, cap = self.config, self.capacity
+        layer_cache = cfg.num_key_value_heads * cap * cfg.head_dim * 2
+        self.k_cache = [self._device_buffer(layer_cache) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [self._device_buffer(layer_cache) for _ in range(cfg.num_hidden_layers)]
+        self.kv_bytes = 2 * cfg.num_hidden_layers * layer_cache
+        c = self.chunk = min(self._prefill_chunk_tokens(), cap)
+        qkv_cols = cfg.q_size + 2 * cfg.kv_size
+        self.x = self._device_buffer(c * cfg.hidden_size * 4)
+        self.xn = self._device_buffer(c * cfg.hidden_size * 2)
+        self.qkv = self._device_buffer(c * qkv_cols * 4)
+        self.q = self._device_buffer(c * cfg.q_size * 2)
+        self.attn = self._device_buffer(c * cfg.q_size * 2)
+        self.gu = self._device_buffer(c * 2 * cfg.intermediate_size * 4)
+        self.act = self._device_buffer(c * cfg.intermediate_size * 2)
+        self.ids = self._device_buffer(c * 4)
+        sms = self.device.sm_count
+        self.splits = max(math.ceil(cap / DECODE_MAX_CHUNK),
+                          math.ceil(2 * sms / cfg.num_key_value_heads))
+        self.part_o = self._device_buffer(cfg.num_attention_heads * self.splits * cfg.head_dim * 4)
+        self.part_ml = self._device_buffer(cfg.num_attention_heads * self.splits * 2 * 4)
+        self.attn_f32 = self._device_buffer(cfg.q_size * 4)
+        self.logits = self._device_buffer(cfg.vocab_size * 4)
+        self.work = self._device_buffer(cfg.vocab_size * 4)
+        self.sample_blocks = min(math.ceil(cfg.vocab_size / 1024), 4 * sms)
+        self.partial_val = self._device_buffer(self.sample_blocks * 4)
+        self.partial_idx = self._device_buffer(self.sample_blocks * 4)
+        self.seen = self._device_buffer(cfg.vocab_size)
+        self.counts = self._device_buffer(cfg.vocab_size * 4)
+        self.context_ids = self._device_buffer(cap * 4)
+        self.token = self._device_buffer(4)
+        self.pos = self._device_buffer(4)
+        self.params = self._device_buffer(SAMPLE_PARAMS.itemsize)
+        self._host = rt.PinnedBuffer(64)
+        self._host_token = self._host.array(np.int32, 1)
+        self._host_pos = self._host.array(np.int32, 2)[1:]
+        self._host_params = rt.PinnedBuffer(SAMPLE_PARAMS.itemsize).array(SAMPLE_PARAMS, 1)
+
+    # ----------------------------------------------------------------------------- launches
+    def _launch(self, name: str, grid, block, *args, shared: int = 0) -> None:
+        rt.launch(self.k[name], grid, block, list(args), shared=shared, stream=self.stream)
+
+    def _ptr(self, buffer: rt.DeviceBuffer, byte_offset: int = 0) -> rt.Ptr:
+        return rt.Ptr(buffer.ptr + byte_offset)
+
+    def _forward_prefill(self, start: int, n: int) -> None:
+        """Run n tokens (ids already in self.ids) at positions start.. through every layer."""
+        cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
+        eps = c_float(cfg.rms_norm_eps)
+        h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
+        scale = c_float(cfg.head_dim**-0.5)
+        rope_block = max(32, cfg.head_dim // 2)
+        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
+        self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
+        for i, w in enumerate(self.layers):
+            self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
+            self._gemm("gemm_store", self.xn, w.qkv, self.qkv, n, qkv_cols, h)
+            self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
+                         rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
+                         c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
+            self._launch("attn_prefill",
+                         (math.ceil(n / PREFILL_QUERIES_PER_BLOCK), cfg.num_attention_heads), 128,
+                         self.q, self.k_cache[i], self.v_cache[i], c_int(start), c_int(n),
+                         c_int(self.capacity), scale, self.attn)
+            self._gemm("gemm_add", self.attn, w.o, self.x, n, h, cfg.q_size)
+            self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
+            self._gemm("gemm_store", self.xn, w.gate_up, self.gu, n, 2 * inter, h)
+            blocks = min(4096, math.ceil(n * inter / 256))
+            self._launch("swiglu_rows", blocks, 256, self.gu, c_int(n), self.act)
+            self._gemm("gemm_add", self.act, w.down, self.x, n, h, inter)
+
+    def _gemm(self, kernel: str, a, b, c, m: int, n: int, k: int) -> None:
+        grid = (math.ceil(n / GEMM_TILE), math.ceil(m / GEMM_TILE))
+        self._launch(kernel, grid, 256, a, b, c, ctypes.c_int(m), ctypes.c_int(n),
+                     ctypes.c_int(k))
+
+    def _lm_head(self, x_row: rt.Ptr, out: rt.Ptr) -> None:
+        cfg = self.config
+        self._launch("rmsnorm_gemv4", math.ceil(cfg.vocab_size / LM_HEAD_ROWS_PER_BLOCK), 256,
+                     x_row, self.final_norm, self.lm_head, ctypes.c_int(cfg.vocab_size),
+                     ctypes.c_float(cfg.rms_norm_eps), out)
+
+    def _forward_decode(self) -> None:
+        """One token (self.token) at position *self.pos through every layer, logits out."""
+        cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
+        eps = c_float(cfg.rms_norm_eps)
+        h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
+        scale = c_float(cfg.head_dim**-0.5)
+        gemv, residual = GEMV_ROWS_PER_BLOCK, RESIDUAL_ROWS_PER_BLOCK
+        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
+        self._launch("embed_rows", 1, 256, self.token, c_int(1), self.embed, self.x)
+        for i, w in enumerate(self.layers):
+            self._launch("rmsnorm_gemv2", math.ceil(qkv_cols / gemv), 256, self.x, w.input_norm,
+                         w.qkv, c_int(qkv_cols), eps, self.qkv)
+            self._launch("qk_norm_rope_store", (1, heads_total), max(32, cfg.head_dim // 2),
+                         self.qkv, c_int(1), self.pos, c_int(0), w.q_norm, w.k_norm,
+                         self.inv_freq, eps, c_int(self.capacity), self.q, self.k_cache[i],
+                         self.v_cache[i])
+            self._launch("attn_decode_partial", (cfg.num_key_value_heads, self.splits), 128,
+                         self.q, self.k_cache[i], self.v_cache[i], self.pos, c_int(self.capacity),
+                         scale, self.part_o, self.part_ml)
+            self._launch("attn_decode_merge", cfg.num_attention_heads, min(cfg.head_dim, 128),
+                         self.part_o, self.part_ml, c_int(self.splits), self.attn_f32,
+                         shared=self.splits * 4)
+            self._launch("gemv_residual_attn", math.ceil(h / residual), 256, self.attn_f32, w.o,
+                         c_int(h), self.x)
+            self._launch("rmsnorm_gemv2", math.ceil(2 * inter / gemv), 256, self.x, w.post_norm,
+                         w.gate_up, c_int(2 * inter), eps, self.gu)
+            self._launch("gemv_residual_swiglu", math.ceil(h / residual), 256, self.gu, w.down,
+                         c_int(h), self.x)
+        self._lm_head(self._ptr(self.x), self._ptr(self.logits))
+
+    def _sample(self, advance: bool) -> None:
+        self._launch("sample_prepare", self.sample_blocks, 256, self.logits, self.work,
+                     self.params, self.seen, self.counts, self.partial_val, self.partial_idx)
+        rt.launch(self.k["sample_token"], 1, 1024,
+                  [self.work, self.params, self.partial_val, self.partial_idx,
+                   ctypes.c_int(self.sample_blocks), self.seen, self.counts, self.token,
+                   self.pos if advance else rt.Ptr(0)],
+                  shared=SAMPLER_HISTOGRAM_BYTES, stream=self.stream)
+
+    # ----------------------------------------------------------------------------- protocol
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        self._check_prefill(token_ids, self.config.vocab_size)
+        self.device.make_current()
+        ids = np.asarray(token_ids, dtype=np.int32)
+        start = self.position
+        for a in range(0, len(ids), self.chunk):
+            part = ids[a : a + self.chunk]
+            self.ids.upload(part, stream=self.stream)
+            self._forward_prefill(start + a, len(part))
+        last = (len(ids) - 1) % self.chunk
+        self._lm_head(self._ptr(self.x, last * self.config.hidden_size * 4),
+                      self._ptr(self.logits))
+        self.stream.synchronize()
+        self._tokens.extend(int(t) for t in ids)
+        self._logits_valid = True
+
+    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Prefill, returning the logits of every new position (tokens x vocab), for tests."""
+        cfg = self.config
+        rows = []
+        start = 0
+        for a in range(0, len(token_ids), self.chunk):
+            part = list(token_ids[a : a + self.chunk])
+            self.prefill(part)
+            out = np.empty((len(part), cfg.vocab_size), np.float32)
+            for r in range(len(part)):
+                self._lm_head(self._ptr(self.x, r * cfg.hidden_size * 4), self._ptr(self.work))
+                self.work.download(out[r], stream=self.stream)
+            self.stream.synchronize()
+            rows.append(out)
+            start += len(part)
+        return np.concatenate(rows)
+
+    def last_logits(self) -> np.ndarray:
+        if not self._logits_valid:
+            raise RuntimeError("no logits yet: prefill first")
+        self.device.make_current()
+        out = np.empty(self.config.vocab_size, np.float32)
+        self.logits.download(out, stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def truncate(self, position: int) -> None:
+        self._check_truncate(position)
+        if position < self.position:
+            del self._tokens[position:]
+            self._logits_valid = False
+
+    def generate(self, request: GenerateRequest) -> Generation:
+        return Generation(self._steps(request))
+
+    def close(self) -> None:
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
+        for buffer in self._buffers:
+            buffer.free()
+        self._buffers.clear()
+        for module in self._modules:
+            module.close()
+        self._modules.clear()
+
+    # ----------------------------------------------------------------------------- decode
+    def _set_params(self, params: SamplingParams, seed: int, step: int) -> None:
+        host = self._host_params
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "top_k"):
+            host[name] = getattr(params, name)
+        host["step"] = step
+        host["seed"] = seed & ((1 << 64) - 1)
+        self.params.upload(host, stream=self.stream)
+
+    def _reset_sampling_state(self) -> None:
+        self.seen.fill_u8(0, stream=self.stream)
+        self.counts.fill_u8(0, stream=self.stream)
+        if self._tokens:
+            ids = np.asarray(self._tokens, dtype=np.int32)
+            self.context_ids.upload(ids, stream=self.stream)
+            self._launch("mark_seen", min(1024, math.ceil(len(ids) / 256)), 256,
+                         self.context_ids, ctypes.c_int(len(ids)), self.seen)
+        self._host_pos[0] = self.position
+        self.pos.upload(self._host_pos, stream=self.stream)
+
+    def _decode_graph(self) -> rt.Graph:
+        if self._graph is None:
+            with rt.Graph.capture(self.stream) as graph:
+                self._forward_decode()
+                self._sample(advance=True)
+            self._graph = graph
+        return self._graph
+
+    def _read_token(self) -> int:
+        self.token.download(self._host_token, stream=self.stream)
+        self.stream.synchronize()
+        return int(self._host_token[0])
+
+    def _steps(self, request: GenerateRequest) -> Iterator[int]:
+        if not self._logits_valid:
+            raise RuntimeError("generate needs the logits of a prefilled position")
+        self.device.make_current()
+        self._reset_sampling_state()
+        step = 0
+        token = -1
+        while True:
+            params = request.params.current
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            seed = request.seed if params.seed is None else params.seed
+            self._set_params(params, seed, step)
+            if step == 0:
+                self._sample(advance=False)
+            else:
+                self._decode_graph().launch(self.stream)
+                self._tokens.append(token)
+            token = self._read_token()
+            step += 1
+            yield token
+            if token in request.eos_ids:
+                return StopReason.EOS
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            if self.position >= self.capacity:
+                return StopReason.CONTEXT_FULL
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
+
+    # ----------------------------------------------------------------------------- reports
+    def peak_memory_bytes(self) -> int:
+        return rt.peak_allocated_bytes()
+
+    def copy_bandwidth(self) -> float:
+        self.device.make_current()
+        return rt.copy_bandwidth(stream=self.stream)

@@ -1,0 +1,363 @@
+"""The CUDA engine and its kernels against the NumPy reference (GPU only; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_model import write_tiny_model
+
+from qwenchat.engine.base import GenerateRequest, StopReason
+from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.model.checkpoint import bf16_bits_to_f32, f32_to_bf16_bits
+from qwenchat.model.config import Qwen3Config
+from qwenchat.model.loader import open_model_dir
+from qwenchat.sampling.params import LiveParams, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu():
+    try:
+        from qwenchat.engine.cuda.probe import probe
+    except ImportError as exc:
+        pytest.skip(f"cuda-python not importable: {exc}")
+    found = probe()
+    if not found.usable:
+        pytest.skip("no usable CUDA GPU: " + "; ".join(found.problems))
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def engines(model_dir: Path, ctx: int | None = None):
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    model = open_model_dir(model_dir)
+    return (CudaEngine(model.config, model.checkpoint, ctx),
+            ReferenceEngine(model.config, model.checkpoint, ctx))
+
+
+SHAPES = {
+    "tied": dict(),
+    "untied-gqa3": dict(tie_word_embeddings=False, hidden_size=48, num_attention_heads=3,
+                        num_key_value_heads=1, head_dim=32, intermediate_size=80, seed=4),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def model_dir(request, tmp_path_factory, tiny_tokenizer):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", tokenizer=tiny_tokenizer,
+                            max_position_embeddings=2048, **SHAPES[request.param])
+
+
+# ------------------------------------------------------------------------------ end to end
+def test_prefill_logits_match_the_reference_at_every_position(model_dir):
+    gpu_engine, ref = engines(model_dir)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
+    assert rel_err(gpu_engine.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
+
+
+def test_decode_logits_match_the_reference_for_256_steps(model_dir):
+    gpu_engine, ref = engines(model_dir)
+    prompt = [int(i) for i in np.random.default_rng(1).integers(0, 400, 40)]
+    gpu_engine.prefill(prompt)
+    ref.prefill(prompt)
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=256)),
+                              frozenset(), seed=0)
+    worst = 0.0
+    for token in gpu_engine.generate(request):
+        worst = max(worst, rel_err(gpu_engine.last_logits(), ref.last_logits()))
+        ref.prefill([token])  # the reference follows the GPU's tokens
+    assert worst <= 2e-2
+
+
+def test_greedy_tokens_equal_the_reference_over_512_steps(tiny_model_dir, tmp_path,
+                                                          tiny_tokenizer):
+    directory = write_tiny_model(tmp_path / "m", tokenizer=tiny_tokenizer,
+                                 max_position_embeddings=1024)
+    gpu_engine, ref = engines(directory)
+    prompt = [int(i) for i in np.random.default_rng(2).integers(0, 400, 20)]
+    outputs = []
+    for engine in (gpu_engine, ref):
+        engine.prefill(prompt)
+        params = LiveParams(SamplingParams(temperature=0.0, max_tokens=512))
+        outputs.append(list(engine.generate(GenerateRequest(params, frozenset(), seed=0))))
+    assert outputs[0] == outputs[1]
+
+
+def test_cache_reuse_truncate_and_prefill_in_chunks(model_dir):
+    gpu_engine, ref = engines(model_dir)
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, 400, 300)]
+    gpu_engine.prefill(ids[:100])
+    gpu_engine.prefill(ids[100:250])
+    gpu_engine.truncate(180)
+    gpu_engine.prefill(ids[180:])
+    ref.prefill(ids)
+    assert gpu_engine.tokens == ids
+    assert rel_err(gpu_engine.last_logits(), ref.last_logits()) <= 2e-2
+
+
+def test_sampling_is_reproducible_and_params_apply_mid_reply(model_dir):
+    gpu_engine, _ = engines(model_dir)
+    prompt = [5, 6, 7, 8]
+
+    def run(seed: int, switch_at: int | None = None) -> list[int]:
+        gpu_engine.truncate(0)
+        gpu_engine.prefill(prompt)
+        params = LiveParams(SamplingParams(temperature=1.3, top_k=0, top_p=1.0, seed=seed,
+                                           max_tokens=40))
+        tokens = []
+        for token in gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)):
+            tokens.append(token)
+            if switch_at is not None and len(tokens) == switch_at:
+                params.update(temperature=0.0)
+            if switch_at is not None and len(tokens) > switch_at:
+                assert token == int(np.argmax(gpu_engine.last_logits()))
+        return tokens
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+    run(3, switch_at=10)
+
+
+def test_cancel_and_capacity_stop_the_reply(model_dir):
+    gpu_engine, _ = engines(model_dir, ctx=64)
+    gpu_engine.prefill(list(range(10, 50)))
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0)), frozenset(), seed=0)
+    generation = gpu_engine.generate(request)
+    tokens = list(generation)
+    assert generation.stop_reason is StopReason.CONTEXT_FULL
+    assert gpu_engine.position == 64 and len(tokens) == 25
+    gpu_engine.truncate(39)  # dropping tokens drops the logits: one token must run again
+    gpu_engine.prefill([49])
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0)), frozenset(), seed=0)
+    generation = gpu_engine.generate(request)
+    for count, _ in enumerate(generation, start=1):
+        if count == 3:
+            request.cancel.set()
+    assert generation.stop_reason is StopReason.CANCELLED and count == 3
+
+
+# ------------------------------------------------------------------------------ kernels
+@pytest.fixture(scope="module")
+def kernels():
+    """Kernels compiled for an odd shape, with a stream to launch them on."""
+    from qwenchat.engine.cuda import runtime as rt
+    from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+
+    config = Qwen3Config(vocab_size=1000, hidden_size=48, intermediate_size=80,
+                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=64)
+    device = rt.Device(0)
+    cache = KernelCache()
+    modules = {name: rt.Module(cache.load(name, device.arch, kernel_defines(config)))
+               for name in ("gemm.cu", "attention.cu", "sampling.cu")}
+    return rt, config, modules, rt.Stream()
+
+
+def upload(rt, array: np.ndarray):
+    buffer = rt.DeviceBuffer(array.nbytes)
+    buffer.upload(np.ascontiguousarray(array))
+    return buffer
+
+
+def poisoned(rt, nbytes: int):
+    buffer = rt.DeviceBuffer(nbytes)
+    buffer.fill_u8(0xFF)  # NaN patterns in every float: any unwritten element fails the check
+    return buffer
+
+
+def download(buffer, dtype, shape) -> np.ndarray:
+    out = np.empty(shape, dtype)
+    buffer.download(out)
+    return out
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(77, 200, 72), (1, 48, 48), (130, 129, 264)])
+def test_gemm_matches_numpy_on_sizes_off_the_tile_grid(kernels, m, n, k):
+    rt, _, modules, stream = kernels
+    rng = np.random.default_rng(m * n)
+    a_bits = f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+    b_bits = f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
+    expected = bf16_bits_to_f32(a_bits) @ bf16_bits_to_f32(b_bits).T
+    a, b, c = upload(rt, a_bits), upload(rt, b_bits), poisoned(rt, m * n * 4)
+    grid = ((n + 127) // 128, (m + 127) // 128)
+    args = [a, b, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
+    rt.launch(modules["gemm.cu"].function("gemm_store"), grid, 256, args, stream=stream)
+    stream.synchronize()
+    out = download(c, np.float32, (m, n))
+    assert np.isfinite(out).all() and rel_err(out, expected) <= 1e-4
+    base = rng.standard_normal((m, n)).astype(np.float32)
+    c.upload(base)
+    rt.launch(modules["gemm.cu"].function("gemm_add"), grid, 256, args, stream=stream)
+    stream.synchronize()
+    assert rel_err(download(c, np.float32, (m, n)), base + expected) <= 1e-4
+
+
+def reference_attention(q, k, v, start, group):
+    """q: (n, heads, d); k, v: (kv_heads, length, d); causal with `start` cached keys."""
+    n, heads, d = q.shape
+    out = np.empty_like(q)
+    for h in range(heads):
+        scores = q[:, h] @ k[h // group].T / np.sqrt(d)
+        mask = np.arange(k.shape[1])[None, :] > (start + np.arange(n))[:, None]
+        scores[mask] = -np.inf
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[h // group]
+    return out
+
+
+@pytest.mark.parametrize(("start", "n"), [(0, 83), (37, 130), (200, 1)])
+def test_prefill_attention_matches_numpy(kernels, start, n):
+    rt, cfg, modules, stream = kernels
+    rng = np.random.default_rng(start + n)
+    cap, d, kvh, heads = 512, cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
+    q = f32_to_bf16_bits(rng.standard_normal((n, heads, d)).astype(np.float32))
+    kc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
+    vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
+    out = poisoned(rt, n * heads * d * 2)
+    args = [upload(rt, q), upload(rt, kc), upload(rt, vc), ctypes.c_int(start), ctypes.c_int(n),
+            ctypes.c_int(cap), ctypes.c_float(d**-0.5), out]
+    rt.launch(modules["attention.cu"].function("attn_prefill"), ((n + 63) // 64, heads), 128,
+              args, stream=stream)
+    stream.synchronize()
+    length = start + n
+    expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],
+                                   bf16_bits_to_f32(vc)[:, :length], start, heads // kvh)
+    got = bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
+    assert rel_err(got, expected) <= 2e-2
+
+
+@pytest.mark.parametrize(("position", "splits"), [(0, 8), (300, 8), (4000, 24)])
+def test_decode_attention_matches_numpy(kernels, position, splits):
+    rt, cfg, modules, stream = kernels
+    rng = np.random.default_rng(position)
+    cap, d, kvh, heads = 8192, cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
+    q = f32_to_bf16_bits(rng.standard_normal((1, heads, d)).astype(np.float32))
+    kc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
+    vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
+    pos = upload(rt, np.array([position], np.int32))
+    part_o, part_ml = poisoned(rt, heads * splits * d * 4), poisoned(rt, heads * splits * 8)
+    out = poisoned(rt, heads * d * 4)
+    attention = modules["attention.cu"]
+    rt.launch(attention.function("attn_decode_partial"), (kvh, splits), 128,
+              [upload(rt, q), upload(rt, kc), upload(rt, vc), pos, ctypes.c_int(cap),
+               ctypes.c_float(d**-0.5), part_o, part_ml], stream=stream)
+    rt.launch(attention.function("attn_decode_merge"), heads, min(d, 128),
+              [part_o, part_ml, ctypes.c_int(splits), out], shared=splits * 4, stream=stream)
+    stream.synchronize()
+    length = position + 1
+    expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],
+                                   bf16_bits_to_f32(vc)[:, :length], position, heads // kvh)
+    assert rel_err(download(out, np.float32, (1, heads, d)), expected) <= 1e-3
+
+
+def run_sampler(kernels, logits, params: dict, seen=None, counts=None, step=0, seed=0):
+    from qwenchat.engine.cuda.engine import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
+
+    rt, cfg, modules, stream = kernels
+    record = np.zeros(1, SAMPLE_PARAMS)
+    defaults = dict(temperature=1.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                    presence_penalty=0.0, frequency_penalty=0.0, top_k=0)
+    for key, value in {**defaults, **params}.items():
+        record[key] = value
+    record["step"], record["seed"] = step, seed
+    token = poisoned(rt, 4)
+    blocks = 3  # several partial maxima to merge, as on the real vocabulary
+    seen_buf = upload(rt, seen if seen is not None else np.zeros(cfg.vocab_size, np.uint8))
+    counts_buf = upload(rt, counts if counts is not None else np.zeros(cfg.vocab_size, np.int32))
+    work, record_buf = rt.DeviceBuffer(cfg.vocab_size * 4), upload(rt, record)
+    partial_val, partial_idx = poisoned(rt, blocks * 4), poisoned(rt, blocks * 4)
+    sampling = modules["sampling.cu"]
+    rt.launch(sampling.function("sample_prepare"), blocks, 256,
+              [upload(rt, logits.astype(np.float32)), work, record_buf, seen_buf, counts_buf,
+               partial_val, partial_idx], stream=stream)
+    choose = sampling.function("sample_token")
+    choose.set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
+    rt.launch(choose, 1, 1024, [work, record_buf, partial_val, partial_idx, ctypes.c_int(blocks),
+                                seen_buf, counts_buf, token, rt.Ptr(0)],
+              shared=SAMPLER_HISTOGRAM_BYTES, stream=stream)
+    stream.synchronize()
+    return int(download(token, np.int32, 1)[0])
+
+
+def test_greedy_is_the_exact_first_argmax(kernels):
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    logits[[17, 901]] = logits.max() + 1.0  # a tie: the lower id wins, as in NumPy and torch
+    assert run_sampler(kernels, logits, {"temperature": 0.0}) == 17
+
+
+def test_penalties_follow_the_reference_rules(kernels):
+    logits = np.zeros(1000, np.float32)
+    logits[[3, 4, 5]] = [2.0, 1.9, -0.5]
+    seen = np.zeros(1000, np.uint8)
+    seen[3] = 1
+    assert run_sampler(kernels, logits, {"temperature": 0.0, "repetition_penalty": 1.2},
+                       seen=seen) == 4  # 2.0 / 1.2 < 1.9
+    counts = np.zeros(1000, np.int32)
+    counts[4] = 2
+    assert run_sampler(kernels, logits, {"temperature": 0.0, "repetition_penalty": 1.2,
+                                         "frequency_penalty": 0.5}, seen=seen,
+                       counts=counts) == 3  # 1.9 - 1.0 < 1.667
+
+
+@pytest.mark.parametrize(("params", "allowed"), [
+    ({"top_k": 3}, {10, 11, 12}),
+    ({"top_p": 0.45}, {10}),
+    ({"top_p": 0.75}, {10, 11}),
+    ({"top_p": 0.85}, {10, 11, 12}),
+    ({"min_p": 0.35}, {10, 11}),
+    ({"top_k": 2, "top_p": 0.85}, {10, 11}),
+])
+def test_filters_keep_exactly_the_reference_candidates(kernels, params, allowed):
+    probs = np.full(1000, 1e-9)
+    probs[10:14] = [0.5, 0.3, 0.15, 0.05]
+    logits = np.log(probs).astype(np.float32)
+    drawn = {run_sampler(kernels, logits, params, step=s, seed=7) for s in range(200)}
+    assert drawn == allowed
+
+
+def test_sampling_frequencies_follow_the_distribution(kernels):
+    probs = np.full(1000, 1e-9)
+    probs[:4] = [0.4, 0.3, 0.2, 0.1]
+    logits = np.log(probs).astype(np.float32)
+    draws = np.array([run_sampler(kernels, logits, {}, step=s, seed=11) for s in range(2000)])
+    for token, p in enumerate([0.4, 0.3, 0.2, 0.1]):
+        assert abs(np.mean(draws == token) - p) < 0.04
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_ask_on_cuda_prints_the_cpu_backends_greedy_text(model_dir):
+    script = Path(sys.executable).parent / "qwenchat"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "qwenchat"]
+    answers = []
+    for backend in ("cuda", "cpu"):
+        result = subprocess.run(
+            [*command, "ask", "--backend", backend, "--model", str(model_dir), "--temperature",
+             "0", "--max-tokens", "60", "-s", "Be brief.", "Hello 你好"],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert result.returncode == 0, result.stderr
+        answers.append(result.stdout)
+    assert answers[0] == answers[1]
+
+
+def test_peak_memory_is_weights_plus_cache_plus_256_mib(model_dir):
+    from qwenchat.engine.cuda import runtime as rt
+
+    before = rt.allocated_bytes()
+    rt.reset_peak()
+    gpu_engine, _ = engines(model_dir, ctx=1024)
+    gpu_engine.prefill(list(range(1, 300)))
+    list(gpu_engine.generate(GenerateRequest(
+        LiveParams(SamplingParams(temperature=0.0, max_tokens=20)), frozenset(), seed=0)))
+    used = rt.peak_allocated_bytes() - before
+    assert used <= gpu_engine.weight_bytes + gpu_engine.kv_bytes + 256 * 2**20
+    gpu_engine.close()

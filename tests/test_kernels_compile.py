@@ -1,0 +1,227 @@
+"""Every kernel in cuda_src/ compiles with NVRTC, and the cubin cache keys, stores and heals.
+
+No GPU is needed, only NVRTC; without it these tests skip and say why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qwenchat.engine.cuda import compiler
+from qwenchat.engine.cuda.compiler import (
+    KernelCache,
+    KernelCompileError,
+    compile_source,
+    kernel_defines,
+)
+from qwenchat.engine.cuda.sources import cuda_src_dir
+from qwenchat.errors import BackendUnavailable
+from qwenchat.model.config import Qwen3Config
+from qwenchat.model.presets import PRESETS
+
+
+def _nvrtc_problem() -> str | None:
+    try:
+        compiler.nvrtc_version()
+    except BackendUnavailable as exc:
+        return f"{exc} ({exc.__cause__ or 'no detail'})"
+    return None
+
+
+NVRTC_PROBLEM = _nvrtc_problem()
+needs_nvrtc = pytest.mark.skipif(NVRTC_PROBLEM is not None, reason=f"{NVRTC_PROBLEM}")
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+# Sizes that no tile divides: 3 query heads on 1 KV head, hidden 48, a prime vocabulary. They
+# stay within what cuda_src/qwen3.cuh asserts (whole GQA groups, head_dim in {16, ..., 256},
+# hidden and intermediate multiples of 8).
+ODD_TINY = Qwen3Config(vocab_size=251, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+                       num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+SHAPES = {"qwen3-0.6b": PRESETS["qwen3-0.6b"], "odd-tiny": ODD_TINY}
+KERNEL_FILES = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
+
+ELF_MAGIC = b"\x7fELF"
+
+TINY_HEADER = """\
+#pragma once
+#ifndef TINY_SCALE
+#error "TINY_SCALE must be defined by the host"
+#endif
+constexpr float tiny_scale = TINY_SCALE;
+"""
+TINY_KERNEL = """\
+#include "tiny.cuh"
+extern "C" __global__ void scale(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= tiny_scale;
+}
+"""
+BROKEN_KERNEL = """\
+#include "tiny.cuh"
+extern "C" __global__ void broken(float* x) { x[0] = undefined_name * tiny_scale; }
+"""
+TINY_DEFINES = {"TINY_SCALE": 3}
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    """A cuda_src-like directory: one header shared by a good and a broken kernel."""
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "tiny.cuh").write_text(TINY_HEADER)
+    (root / "tiny.cu").write_text(TINY_KERNEL)
+    (root / "broken.cu").write_text(BROKEN_KERNEL)
+    return root
+
+
+@pytest.fixture
+def compiles(monkeypatch) -> list[str]:
+    """Records every real NVRTC compile the cache asks for, by source name."""
+    calls: list[str] = []
+    real = compiler._compile
+
+    def spy(name, *args, **kwargs):
+        calls.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(compiler, "_compile", spy)
+    return calls
+
+
+def test_kernel_defines_are_the_qwen3_macros():
+    assert kernel_defines(PRESETS["qwen3-0.6b"]) == {
+        "QW_HIDDEN": 1024, "QW_INTERMEDIATE": 3072, "QW_HEADS": 16, "QW_KV_HEADS": 8,
+        "QW_HEAD_DIM": 128, "QW_VOCAB": 151_936}
+
+
+def test_every_define_becomes_one_sorted_option():
+    options = compiler.compile_options("sm_90", {"B": 2, "A": "x"}, ["-G"])
+    assert options == ["--gpu-architecture=sm_90", "-std=c++17", "--fmad=true", "-lineinfo",
+                       "-DA=x", "-DB=2", "-G"]
+    with pytest.raises(ValueError, match="macro name"):
+        compiler.compile_options("sm_90", {"A B": 1})
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", KERNEL_FILES)
+def test_every_kernel_compiles(kernel, arch, shape):
+    cubin = compile_source(kernel, arch, kernel_defines(SHAPES[shape]))
+    assert cubin.startswith(ELF_MAGIC)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_kernel_compiles_with_an_in_memory_header(src, arch):
+    assert compile_source("tiny.cu", arch, TINY_DEFINES, source_dir=src).startswith(ELF_MAGIC)
+
+
+@needs_nvrtc
+def test_defines_reach_the_headers(src):
+    with pytest.raises(KernelCompileError) as caught:
+        compile_source("tiny.cu", "sm_90", {}, source_dir=src)
+    assert "TINY_SCALE must be defined" in caught.value.log
+
+
+@needs_nvrtc
+def test_compile_error_is_one_line_naming_file_and_arch_with_the_log_attached(src):
+    with pytest.raises(KernelCompileError) as caught:
+        compile_source("broken.cu", "sm_89", TINY_DEFINES, source_dir=src)
+    message = str(caught.value)
+    assert "broken.cu" in message and "sm_89" in message and "undefined_name" in message
+    assert "\n" not in message
+    assert "undefined_name" in caught.value.log and "error" in caught.value.log
+
+
+@needs_nvrtc
+def test_missing_source_names_what_exists(src):
+    with pytest.raises(KernelCompileError, match=r"nope\.cu not found .*tiny\.cu"):
+        compile_source("nope.cu", "sm_90", TINY_DEFINES, source_dir=src)
+
+
+@needs_nvrtc
+def test_second_load_comes_from_disk_without_compiling(src, tmp_path, compiles):
+    progress: list[str] = []
+    first = KernelCache(tmp_path / "cubins", src).load("tiny.cu", "sm_90", TINY_DEFINES,
+                                                       progress=progress.append)
+    assert compiles == ["tiny.cu"] and progress == ["compiling tiny.cu for sm_90"]
+    progress.clear()
+    second = KernelCache(tmp_path / "cubins", src).load("tiny.cu", "sm_90", TINY_DEFINES,
+                                                        progress=progress.append)
+    assert second == first and first.startswith(ELF_MAGIC)
+    assert compiles == ["tiny.cu"] and progress == []
+
+
+def _flip_last_byte(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+def _flip_magic(data: bytes) -> bytes:
+    return bytes([data[0] ^ 0xFF]) + data[1:]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("corrupt", [_flip_last_byte, _flip_magic, lambda d: d[:10],
+                                     lambda d: b""],
+                         ids=["payload-byte", "magic", "truncated", "empty"])
+def test_corrupt_entry_is_recompiled_and_replaced(src, tmp_path, compiles, corrupt):
+    cache = KernelCache(tmp_path / "cubins", src)
+    good = cache.load("tiny.cu", "sm_90", TINY_DEFINES)
+    (entry,) = (tmp_path / "cubins").glob("*.cubin")
+    intact = entry.read_bytes()
+    entry.write_bytes(corrupt(intact))
+
+    assert cache.load("tiny.cu", "sm_90", TINY_DEFINES) == good
+    assert compiles == ["tiny.cu", "tiny.cu"]
+    assert entry.read_bytes() == intact
+    cache.load("tiny.cu", "sm_90", TINY_DEFINES)
+    assert len(compiles) == 2
+
+
+@needs_nvrtc
+def test_key_covers_defines_arch_options_and_every_source(src, tmp_path):
+    cache = KernelCache(tmp_path / "cubins", src)
+    base = cache.key("tiny.cu", "sm_90", {"TINY_SCALE": 3, "OTHER": 1})
+    assert cache.key("tiny.cu", "sm_90", {"OTHER": 1, "TINY_SCALE": 3}) == base
+    variants = {
+        cache.key("tiny.cu", "sm_90", {"TINY_SCALE": 4, "OTHER": 1}),
+        cache.key("tiny.cu", "sm_89", {"TINY_SCALE": 3, "OTHER": 1}),
+        cache.key("tiny.cu", "sm_90", {"TINY_SCALE": 3, "OTHER": 1}, ["-G"]),
+        cache.key("broken.cu", "sm_90", {"TINY_SCALE": 3, "OTHER": 1}),
+    }
+    (src / "tiny.cuh").write_text(TINY_HEADER + "// a header edit\n")
+    variants.add(cache.key("tiny.cu", "sm_90", {"TINY_SCALE": 3, "OTHER": 1}))
+    assert base not in variants and len(variants) == 5
+
+
+@needs_nvrtc
+def test_unwritable_cache_dir_still_returns_a_cubin(src, tmp_path, compiles):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cache = KernelCache(blocker / "cubins", src)
+    for _ in range(2):
+        assert cache.load("tiny.cu", "sm_90", TINY_DEFINES).startswith(ELF_MAGIC)
+    assert compiles == ["tiny.cu", "tiny.cu"]
+    assert cache.size_bytes() == 0
+
+
+@needs_nvrtc
+def test_failed_compile_leaves_nothing_in_the_cache(src, tmp_path):
+    cache = KernelCache(tmp_path / "cubins", src)
+    with pytest.raises(KernelCompileError, match=r"broken\.cu"):
+        cache.load("broken.cu", "sm_90", TINY_DEFINES)
+    assert cache.size_bytes() == 0
+
+
+@needs_nvrtc
+def test_size_and_clear_count_the_entries(src, tmp_path):
+    cache = KernelCache(tmp_path / "cubins", src)
+    assert cache.size_bytes() == 0 and cache.clear() == 0
+    cache.load("tiny.cu", "sm_90", TINY_DEFINES)
+    cache.load("tiny.cu", "sm_80", TINY_DEFINES)
+    assert cache.size_bytes() > 0
+    assert cache.clear() == 2
+    assert cache.size_bytes() == 0
