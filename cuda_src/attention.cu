@@ -195,6 +195,18 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
     if (chunk > DC_MAX_CHUNK) __trap();  // the host sizes splits so that this cannot happen
     const int k_begin = split * chunk, k_end = min(len, k_begin + chunk);
     const int count = k_end - k_begin;  // may be <= 0 for the tail splits of a short context
+    if (count <= 0) {  // nothing to attend to: an empty partial that the merge gives weight 0
+        for (int i = threadIdx.x; i < qw::group * HD; i += DC_THREADS) {
+            const int head = kvh * qw::group + i / HD;
+            part_o[(static_cast<long long>(head) * splits + split) * HD + i % HD] = 0.f;
+        }
+        if (threadIdx.x < qw::group) {
+            const int head = kvh * qw::group + threadIdx.x;
+            part_ml[(head * splits + split) * 2] = QW_NEG_INF;
+            part_ml[(head * splits + split) * 2 + 1] = 0.f;
+        }
+        return;
+    }
 
     const bf16_t* kc = k_cache + static_cast<long long>(kvh) * capacity * HD;
     const bf16_t* vc = v_cache + static_cast<long long>(kvh) * capacity * HD;
@@ -246,31 +258,57 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
     }
     __syncthreads();
 
-    for (int d = threadIdx.x; d < HD; d += DC_THREADS) {
-        float acc[qw::group];
+    // O = P . V with 16-byte value loads: LANES_PER_KEY threads cover a key's HD dims, the
+    // block walks VALUE_SLOTS keys at a time, 4 of them in flight per thread; the slots' partial
+    // sums are then added through shared memory (reusing the K staging space is not needed).
+    constexpr int VALUE_SLOTS = DC_THREADS / LANES_PER_KEY;
+    const int slot = threadIdx.x / LANES_PER_KEY, dim0 = (threadIdx.x % LANES_PER_KEY) * 8;
+    float acc[qw::group][8];
 #pragma unroll
-        for (int gh = 0; gh < qw::group; ++gh) acc[gh] = 0.f;
-        // Eight independent value loads in flight per step instead of one dependent chain.
-        for (int i0 = 0; i0 < count; i0 += 8) {
-            float v[8];
+    for (int gh = 0; gh < qw::group; ++gh)
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
-                v[u] = i0 + u < count
-                           ? bf16_to_f32(vc[static_cast<long long>(k_begin + i0 + u) * HD + d])
-                           : 0.f;
+        for (int e = 0; e < 8; ++e) acc[gh][e] = 0.f;
+    for (int i0 = slot; i0 < count; i0 += 4 * VALUE_SLOTS) {
+        uint4 v[4];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                if (i0 + u < count) {
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * VALUE_SLOTS;
+            v[u] = i < count ? *reinterpret_cast<const uint4*>(
+                                   vc + static_cast<long long>(k_begin + i) * HD + dim0)
+                             : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-                    for (int gh = 0; gh < qw::group; ++gh) acc[gh] += p[gh][i0 + u] * v[u];
-                }
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * VALUE_SLOTS;
+            if (i >= count) continue;
+            const float vf[8] = {bf16_lo(v[u].x), bf16_hi(v[u].x), bf16_lo(v[u].y), bf16_hi(v[u].y),
+                                 bf16_lo(v[u].z), bf16_hi(v[u].z), bf16_lo(v[u].w), bf16_hi(v[u].w)};
+#pragma unroll
+            for (int gh = 0; gh < qw::group; ++gh) {
+                const float pw = p[gh][i];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[gh][e] += pw * vf[e];
             }
         }
+    }
+    __syncthreads();  // p is no longer read: reuse it for the slots' partial sums
+    float* slot_sums = &p[0][0];  // [VALUE_SLOTS][group][HD] floats fit in p when HD <= 256
+    for (int s = 0; s < VALUE_SLOTS; ++s) {
+        if (slot == s) {
 #pragma unroll
-        for (int gh = 0; gh < qw::group; ++gh) {
-            const int head = kvh * qw::group + gh;
-            part_o[(static_cast<long long>(head) * splits + split) * HD + d] = acc[gh];
+            for (int gh = 0; gh < qw::group; ++gh)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    float* dst = slot_sums + gh * HD + dim0 + e;
+                    *dst = s == 0 ? acc[gh][e] : *dst + acc[gh][e];
+                }
         }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < qw::group * HD; i += DC_THREADS) {
+        const int gh = i / HD, d = i % HD;
+        const int head = kvh * qw::group + gh;
+        part_o[(static_cast<long long>(head) * splits + split) * HD + d] = slot_sums[i];
     }
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -288,10 +326,13 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
 extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_o,
                                              const float* __restrict__ part_ml, int splits,
                                              float* __restrict__ out) {
-    extern __shared__ float weight[];  // [splits]
+    // [splits rounded up to 4]: the unrolled loop below may read the tail as one 16-byte vector.
+    extern __shared__ __align__(16) float weight[];
     __shared__ float scratch[32];
     __shared__ float total_shared;
     const int head = blockIdx.x;
+    const int padded = (splits + 3) & ~3;
+    for (int s = splits + threadIdx.x; s < padded; s += blockDim.x) weight[s] = 0.f;
     float m = QW_NEG_INF;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) {
         const float ms = part_ml[(head * splits + s) * 2];

@@ -252,7 +252,8 @@ def test_decode_attention_matches_numpy(kernels, position, splits):
               [upload(rt, q), upload(rt, kc), upload(rt, vc), pos, ctypes.c_int(cap),
                ctypes.c_float(d**-0.5), part_o, part_ml], stream=stream)
     rt.launch(attention.function("attn_decode_merge"), heads, min(d, 128),
-              [part_o, part_ml, ctypes.c_int(splits), out], shared=splits * 4, stream=stream)
+              [part_o, part_ml, ctypes.c_int(splits), out], shared=(splits + 3) // 4 * 16,
+              stream=stream)
     stream.synchronize()
     length = position + 1
     expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],

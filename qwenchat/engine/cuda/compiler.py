@@ -78,7 +78,7 @@ def compile_options(arch: str, defines: Defines, extra_options: Sequence[str] = 
             *extra_options]
 
 
-def read_sources(source_dir: Path | None = None) -> dict[str, str]:
+def _read_sources(source_dir: Path | None = None) -> dict[str, str]:
     """Every .cu and .cuh file by name: cuda_src/ by default."""
     if source_dir is None:
         found = kernel_sources()
@@ -92,7 +92,7 @@ def compile_source(name: str, arch: str, defines: Defines, extra_options: Sequen
                    source_dir: Path | None = None) -> bytes:
     """Compile cuda_src/`name` (or `source_dir`/`name`) for `arch` (e.g. "sm_90") to a cubin."""
     return _compile(name, arch, compile_options(arch, defines, extra_options),
-                    read_sources(source_dir))
+                    _read_sources(source_dir))
 
 
 def _compile(name: str, arch: str, options: list[str], sources: Mapping[str, str]) -> bytes:
@@ -147,12 +147,12 @@ class KernelCache:
 
     def key(self, name: str, arch: str, defines: Defines, extra_options: Sequence[str] = ()) -> str:
         return _key(name, compile_options(arch, defines, extra_options),
-                    read_sources(self.source_dir))
+                    _read_sources(self.source_dir))
 
     def load(self, name: str, arch: str, defines: Defines, extra_options: Sequence[str] = (),
              progress: Callable[[str], None] | None = None) -> bytes:
         """The cubin for `name` on `arch` with `defines`: from disk, or compiled and stored."""
-        sources = read_sources(self.source_dir)
+        sources = _read_sources(self.source_dir)
         options = compile_options(arch, defines, extra_options)
         path = self.directory / f"{_key(name, options, sources)}.cubin"
         cubin = _read_entry(path)

@@ -37,6 +37,7 @@ LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 GEMM_TILE = 128
 PREFILL_QUERIES_PER_BLOCK = 64
 DECODE_MAX_CHUNK = 256  # keys per flash-decoding block at most (attention.cu)
+DECODE_SHORT_CHUNK = 64  # keys per block below which the fewer-split graph is used
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
 SAMPLER_HISTOGRAM_BYTES = 32 * 256 * 8  # sample_token's per-warp radix histograms
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
@@ -103,7 +104,7 @@ class CudaEngine(CacheBookkeeping):
         self._upload_weights(weights)
         super().__init__(self._choose_capacity(ctx, notice))
         self._allocate_state()
-        self._graph: rt.Graph | None = None
+        self._graphs: dict[int, rt.Graph] = {}
         self._logits_valid = False
 
     # ----------------------------------------------------------------------------- set-up
@@ -206,10 +207,15 @@ class CudaEngine(CacheBookkeeping):
         self.act = self._device_buffer(c * cfg.intermediate_size * 2)
         self.ids = self._device_buffer(c * 4)
         sms = self.device.sm_count
-        self.splits = max(math.ceil(cap / DECODE_MAX_CHUNK),
-                          math.ceil(2 * sms / cfg.num_key_value_heads))
-        self.part_o = self._device_buffer(cfg.num_attention_heads * self.splits * cfg.head_dim * 4)
-        self.part_ml = self._device_buffer(cfg.num_attention_heads * self.splits * 2 * 4)
+        # Flash-decoding split counts, one decode graph each: few chunks while the context is
+        # short (little to merge), enough chunks to fill the chip later; the largest also keeps
+        # every chunk within DECODE_MAX_CHUNK keys at full capacity.
+        widest = max(math.ceil(cap / DECODE_MAX_CHUNK),
+                     math.ceil(4 * sms / cfg.num_key_value_heads))
+        self.split_options = sorted({min(16, widest), widest})
+        most = self.split_options[-1]
+        self.part_o = self._device_buffer(cfg.num_attention_heads * most * cfg.head_dim * 4)
+        self.part_ml = self._device_buffer(cfg.num_attention_heads * most * 2 * 4)
         self.attn_f32 = self._device_buffer(cfg.q_size * 4)
         self.logits = self._device_buffer(cfg.vocab_size * 4)
         self.work = self._device_buffer(cfg.vocab_size * 4)
@@ -271,7 +277,14 @@ class CudaEngine(CacheBookkeeping):
                      x_row, self.final_norm, self.lm_head, ctypes.c_int(cfg.vocab_size),
                      ctypes.c_float(cfg.rms_norm_eps), out)
 
-    def _forward_decode(self) -> None:
+    def _splits_for(self, length: int) -> int:
+        """The fewest chunks that keep each at most DECODE_SHORT_CHUNK keys, else the most."""
+        for splits in self.split_options:
+            if math.ceil(length / splits) <= DECODE_SHORT_CHUNK:
+                return splits
+        return self.split_options[-1]
+
+    def _forward_decode(self, splits: int) -> None:
         """One token (self.token) at position *self.pos through every layer, logits out."""
         cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
         eps = c_float(cfg.rms_norm_eps)
@@ -287,12 +300,12 @@ class CudaEngine(CacheBookkeeping):
                          self.qkv, c_int(1), self.pos, c_int(0), w.q_norm, w.k_norm,
                          self.inv_freq, eps, c_int(self.capacity), self.q, self.k_cache[i],
                          self.v_cache[i])
-            self._launch("attn_decode_partial", (cfg.num_key_value_heads, self.splits), 128,
+            self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits), 128,
                          self.q, self.k_cache[i], self.v_cache[i], self.pos, c_int(self.capacity),
                          scale, self.part_o, self.part_ml)
             self._launch("attn_decode_merge", cfg.num_attention_heads, min(cfg.head_dim, 128),
-                         self.part_o, self.part_ml, c_int(self.splits), self.attn_f32,
-                         shared=self.splits * 4)
+                         self.part_o, self.part_ml, c_int(splits), self.attn_f32,
+                         shared=(splits + 3) // 4 * 16)
             self._launch("gemv_residual_attn", math.ceil(h / residual), 256, self.attn_f32, w.o,
                          c_int(h), self.x)
             self._launch("rmsnorm_gemv2", math.ceil(2 * inter / gemv), 256, self.x, w.post_norm,
@@ -363,9 +376,9 @@ class CudaEngine(CacheBookkeeping):
         return Generation(self._steps(request))
 
     def close(self) -> None:
-        if self._graph is not None:
-            self._graph.close()
-            self._graph = None
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
         for buffer in self._buffers:
             buffer.free()
         self._buffers.clear()
@@ -394,13 +407,14 @@ class CudaEngine(CacheBookkeeping):
         self._host_pos[0] = self.position
         self.pos.upload(self._host_pos, stream=self.stream)
 
-    def _decode_graph(self) -> rt.Graph:
-        if self._graph is None:
+    def _decode_graph(self, length: int) -> rt.Graph:
+        splits = self._splits_for(length)
+        if splits not in self._graphs:
             with rt.Graph.capture(self.stream) as graph:
-                self._forward_decode()
+                self._forward_decode(splits)
                 self._sample(advance=True)
-            self._graph = graph
-        return self._graph
+            self._graphs[splits] = graph
+        return self._graphs[splits]
 
     def _read_token(self) -> int:
         self.token.download(self._host_token, stream=self.stream)
@@ -425,7 +439,7 @@ class CudaEngine(CacheBookkeeping):
             if step == 0:
                 self._sample(advance=False)
             else:
-                self._decode_graph().launch(self.stream)
+                self._decode_graph(self.position + 1).launch(self.stream)
                 self._tokens.append(token)
             token = self._read_token()
             step += 1
