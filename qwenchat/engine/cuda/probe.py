@@ -23,7 +23,20 @@ class CudaProbe:
 
     @property
     def usable(self) -> bool:
-        return bool(self.gpus) and self.nvrtc_version is not None
+        return bool(self.gpus) and self.nvrtc_version is not None and not self.mismatch
+
+    @property
+    def mismatch(self) -> str | None:
+        """Why NVRTC's CUDA version cannot run on this driver, with the install that fixes it."""
+        if not self.driver_version or not self.nvrtc_version:
+            return None
+        driver_major = int(self.driver_version.split(".")[0])
+        nvrtc_major = int(self.nvrtc_version.split(".")[0])
+        if nvrtc_major <= driver_major:
+            return None
+        return (f"NVRTC {self.nvrtc_version} builds CUDA {nvrtc_major} code but the driver runs "
+                f"CUDA {self.driver_version}: pip install 'qwenchat[cu{driver_major}]' "
+                "(or update the NVIDIA driver)")
 
 
 def _version(number: int) -> str:
@@ -43,7 +56,8 @@ def probe() -> CudaProbe:
         if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
             result.nvrtc_version = f"{major}.{minor}"
     except Exception as exc:
-        result.problems.append(f"NVRTC not found ({_first_line(exc)})")
+        result.problems.append(f"NVRTC not found ({_first_line(exc)}); pip install "
+                               "'qwenchat[cu13]' (or 'qwenchat[cu12]' for a CUDA 12 driver)")
     try:
         (err,) = driver.cuInit(0)
     except Exception as exc:
@@ -69,6 +83,8 @@ def probe() -> CudaProbe:
                                    (cc_major, cc_minor), int(memory), sms))
     if not result.gpus:
         result.problems.append("the driver reports no GPU")
+    if result.mismatch:
+        result.problems.append(result.mismatch)
     return result
 
 
