@@ -152,6 +152,44 @@ def info(debug: DebugOpt = False) -> None:
     run_guarded(action, debug)
 
 
+@app.command()
+def bench(
+    config: Annotated[str | None, typer.Option(
+        "--config", help="Random weights of a known size (qwen3-0.6b, qwen3-1.7b, qwen3-4b, "
+        "qwen3-8b) or of a config.json file [default: qwen3-0.6b].")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="Bench a real checkpoint: model directory or hub id.")] = None,
+    backend: BackendOpt = "auto",
+    device: Annotated[int, typer.Option("--device", help="GPU index.")] = 0,
+    ctx: Annotated[int | None, typer.Option(
+        "--ctx", help="KV-cache size in tokens [default: room for the largest position and "
+        "prompt, within the model's maximum].")] = None,
+    positions: Annotated[str, typer.Option(
+        help="Decode at these cache positions (comma-separated).")] = "1,1024,4096,16384,32768",
+    prompts: Annotated[str, typer.Option(
+        help="Prefill prompts of these lengths (comma-separated).")] = "512,4096",
+    steps: Annotated[int, typer.Option(help="Decode steps timed per position.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Runs per measurement; the median counts.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of "
+                                          "tables.")] = False,
+    compare_hf: Annotated[bool, typer.Option(
+        "--compare-hf", help="Also time transformers (eager, and StaticCache + torch.compile) "
+        "on the same weights.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Measure prefill, time to first token and decode speed against the bandwidth ceiling."""
+
+    def action() -> int:
+        from qwenchat.bench import BenchOptions, BenchSettings, parse_sizes, run_bench
+
+        settings = BenchSettings(parse_sizes(prompts, "--prompts"),
+                                 parse_sizes(positions, "--positions"), steps, repeats)
+        return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
+                                      compare_hf))
+
+    run_guarded(action, debug)
+
+
 def _read_stdin() -> str | None:
     stream = sys.stdin
     if stream is None or stream.closed:

@@ -1,0 +1,665 @@
+"""`qwenchat bench`: how fast an engine prefills and decodes, beside the bytes each step moves.
+
+Everything is measured through the Engine protocol, so the same code times the NumPy
+reference and the CUDA engine. Each decode rate sits next to its napkin math: the bytes one
+step must read (bf16 weights, the LM head in full, the KV cache up to that position), the
+bandwidth that implies, and its fraction of the device's measured copy bandwidth when the
+engine can measure it. `--compare-hf` times transformers on the same weights in the same run.
+
+Engines may offer, and the bench uses when present: `copy_bandwidth() -> float` (bytes read
+plus written per second by a device-to-device copy), `peak_memory_bytes() -> int` and
+`device_name: str`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from qwenchat.engine import Engine, GenerateRequest, Generation, create_engine
+from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.errors import UsageError
+from qwenchat.model.checkpoint import Checkpoint, WeightSource
+from qwenchat.model.config import Qwen3Config
+from qwenchat.model.loader import open_model
+from qwenchat.model.presets import PRESETS, preset
+from qwenchat.model.random_weights import RandomWeights
+from qwenchat.sampling.params import LiveParams, SamplingParams
+
+DEFAULT_CONFIG = "qwen3-0.6b"
+DEFAULT_PROMPTS = (512, 4096)
+DEFAULT_POSITIONS = (1, 1024, 4096, 16384, 32768)
+HF_VARIANTS = ("eager", "static+compile")
+# transformers in float32 on a CPU needs minutes to prefill beyond this; the bench skips it.
+HF_CPU_MAX_POSITION = 2048
+HF_WARMUP_STEPS = 3  # torch.compile traces on the 1st call, CUDA graphs record on the 2nd
+COPY_PROBE_BYTES = 512 << 20
+
+Tick = Callable[[str], None]  # told what is measured next, once per planned item
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    prompts: tuple[int, ...] = DEFAULT_PROMPTS
+    positions: tuple[int, ...] = DEFAULT_POSITIONS
+    steps: int = 64
+    repeats: int = 3
+    seed: int = 0  # of the random prompt ids
+
+    def __post_init__(self) -> None:
+        for flag, sizes in (("--prompts", self.prompts), ("--positions", self.positions)):
+            if not sizes or min(sizes) < 1:
+                raise UsageError(f"{flag} needs token counts of at least 1; got {list(sizes)}")
+        for flag, value in (("--steps", self.steps), ("--repeats", self.repeats)):
+            if value < 1:
+                raise UsageError(f"{flag} must be at least 1; got {value}")
+
+    def default_ctx(self, config: Qwen3Config) -> int:
+        """Room for the longest prompt and the last position's steps, within the model's limit."""
+        needed = max(max(self.positions) + self.steps + 1, max(self.prompts))
+        return min(needed, config.max_position_embeddings)
+
+    def planned_items(self, compare_hf: bool) -> int:
+        """How many times the measuring functions call their Tick (for a progress bar)."""
+        items = 1 + len(self.prompts) + len(self.positions)
+        if compare_hf:
+            items += 1 + len(HF_VARIANTS) * (1 + len(self.positions))
+        return items
+
+
+def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
+    """`1,1024,4096` → (1, 1024, 4096); anything else is a one-line usage error."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated token counts like 1,1024,4096; "
+                         f"got {text!r}") from None
+    if min(sizes) < 1:
+        raise UsageError(f"{flag} needs token counts of at least 1; got {text!r}")
+    return sizes
+
+
+def weight_bytes_per_step(config: Qwen3Config) -> int:
+    """bf16 weight bytes one decode step reads: every tensor once, the LM head in full.
+
+    The embedding table counts only when it is the (tied) LM head: otherwise a step reads one
+    row of it, which is negligible.
+    """
+    shapes = config.tensor_shapes()
+    if not config.tie_word_embeddings:
+        del shapes["model.embed_tokens.weight"]
+    return 2 * sum(math.prod(shape) for shape in shapes.values())
+
+
+def bytes_per_step(config: Qwen3Config, position: int) -> int:
+    """Weights plus the bf16 keys and values of `position` cached tokens."""
+    return weight_bytes_per_step(config) + config.kv_bytes_per_position() * position
+
+
+@dataclass
+class PrefillResult:
+    tokens: int
+    tok_s: float | None = None
+    seconds: float | None = None
+    ttft_s: float | None = None  # prefill plus the first generated token
+    skipped: str | None = None
+
+
+@dataclass
+class DecodeResult:
+    position: int
+    bytes_per_step: int
+    tok_s: float | None = None
+    gb_s: float | None = None  # bytes_per_step × tok_s, in 10^9 bytes per second
+    copy_fraction: float | None = None  # of the measured copy bandwidth
+    skipped: str | None = None
+
+
+@dataclass
+class TransformersResult:
+    variant: str
+    device: str | None = None
+    dtype: str | None = None
+    copy_bandwidth_bytes_s: float | None = None
+    peak_memory_bytes: int | None = None
+    decode: list[DecodeResult] = field(default_factory=list)
+    unavailable: str | None = None
+
+
+@dataclass
+class BenchResult:
+    model: str
+    weights: str
+    engine: str
+    device: str | None
+    config: Qwen3Config
+    parameters: int
+    ctx: int
+    steps: int
+    repeats: int
+    weight_bytes_per_step: int
+    kv_bytes_per_position: int
+    copy_bandwidth_bytes_s: float | None
+    peak_memory_bytes: int | None
+    prefill: list[PrefillResult]
+    decode: list[DecodeResult]
+    transformers: list[TransformersResult] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights: str,
+                   tick: Tick = _silent) -> BenchResult:
+    """Prefill and TTFT for every prompt size, decode rate at every position, on `engine`."""
+    config = engine.config
+    rng = np.random.default_rng(settings.seed)
+    tick("warming up")
+    engine.truncate(0)
+    engine.prefill(_random_ids(rng, config, 1))
+    _drain(engine.generate(_greedy(2)))
+    copy_bandwidth = _optional_call(engine, "copy_bandwidth")
+    prefill = []
+    for tokens in settings.prompts:
+        tick(f"prefill {tokens} tokens")
+        prefill.append(_measure_prefill(engine, tokens, settings, rng))
+    decode = []
+    for position in settings.positions:
+        tick(f"decode at position {position}")
+        decode.append(_measure_decode(engine, position, settings, rng, copy_bandwidth))
+    return BenchResult(
+        model=model, weights=weights, engine=engine.name,
+        device=getattr(engine, "device_name", None), config=config,
+        parameters=config.parameter_count(), ctx=engine.capacity, steps=settings.steps,
+        repeats=settings.repeats, weight_bytes_per_step=weight_bytes_per_step(config),
+        kv_bytes_per_position=config.kv_bytes_per_position(),
+        copy_bandwidth_bytes_s=copy_bandwidth,
+        peak_memory_bytes=_optional_call(engine, "peak_memory_bytes"),
+        prefill=prefill, decode=decode,
+    )
+
+
+def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
+                     rng: np.random.Generator) -> PrefillResult:
+    if tokens > engine.capacity:
+        return PrefillResult(tokens, skipped=f"does not fit the {engine.capacity}-token "
+                                             "context (raise --ctx)")
+    ids = _random_ids(rng, engine.config, tokens)
+    durations, ttfts = [], []
+    for _ in range(settings.repeats):
+        engine.truncate(0)
+        start = time.perf_counter()
+        engine.prefill(ids)
+        prefilled = time.perf_counter()
+        generation = engine.generate(_greedy(1))
+        next(generation)
+        ttfts.append(time.perf_counter() - start)
+        durations.append(prefilled - start)
+        _drain(generation)
+    seconds = statistics.median(durations)
+    return PrefillResult(tokens, tokens / seconds, seconds, statistics.median(ttfts))
+
+
+def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
+                    rng: np.random.Generator, copy_bandwidth: float | None) -> DecodeResult:
+    config = engine.config
+    if position + settings.steps > engine.capacity:
+        return DecodeResult(position, bytes_per_step(config, position),
+                            skipped=_no_room(settings.steps, engine.capacity))
+    ids = _random_ids(rng, config, position)
+    engine.truncate(0)
+    engine.prefill(ids)
+    rates = []
+    for repeat in range(settings.repeats):
+        if repeat:
+            # Back to `position` cached tokens with fresh logits, reusing the prefilled cache.
+            engine.truncate(position - 1)
+            engine.prefill(ids[-1:])
+        rates.append(_decode_rate(engine, settings.steps))
+    return _decode_result(config, position, statistics.median(rates), copy_bandwidth)
+
+
+def _decode_rate(engine: Engine, steps: int) -> float:
+    generation = engine.generate(_greedy(steps + 1))
+    next(generation)  # sampled from the prefill's logits: no decode step behind it
+    start = time.perf_counter()
+    produced = sum(1 for _ in generation)
+    elapsed = time.perf_counter() - start
+    if produced < steps:
+        raise RuntimeError(f"the engine stopped after {produced} of {steps} decode steps "
+                           f"({generation.stop_reason})")
+    return produced / elapsed
+
+
+def _decode_result(config: Qwen3Config, position: int, tok_s: float,
+                   copy_bandwidth: float | None) -> DecodeResult:
+    nbytes = bytes_per_step(config, position)
+    achieved = nbytes * tok_s
+    return DecodeResult(position, nbytes, tok_s, achieved / 1e9,
+                        achieved / copy_bandwidth if copy_bandwidth else None)
+
+
+def _no_room(steps: int, capacity: int) -> str:
+    return f"{steps} steps from here do not fit the {capacity}-token context (raise --ctx)"
+
+
+def _greedy(max_tokens: int) -> GenerateRequest:
+    # No EOS ids: every request runs for exactly max_tokens.
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return GenerateRequest(LiveParams(params), eos_ids=frozenset(), seed=0)
+
+
+def _drain(generation: Generation) -> None:
+    for _ in generation:
+        pass
+
+
+def _random_ids(rng: np.random.Generator, config: Qwen3Config, count: int) -> list[int]:
+    return rng.integers(0, config.vocab_size, count).tolist()
+
+
+def _optional_call(engine: Engine, method: str) -> Any:
+    """The result of an engine capability the protocol does not require, or None without it."""
+    capability = getattr(engine, method, None)
+    return capability() if callable(capability) else None
+
+
+def measure_transformers(config: Qwen3Config, weights: WeightSource, settings: BenchSettings,
+                         ctx: int, device_index: int = 0,
+                         tick: Tick = _silent) -> list[TransformersResult]:
+    """Decode rates of transformers' Qwen3ForCausalLM on the same weights, per HF_VARIANTS.
+
+    bf16 on the GPU when torch sees one, else float32 on the CPU. A variant that cannot run
+    here is reported as unavailable, with the reason, instead of failing the bench.
+    """
+    tick("transformers: building the model")
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        return _unavailable(f"needs torch and transformers ({exc}); "
+                            "pip install torch transformers", settings, tick)
+    on_gpu = torch.cuda.is_available()
+    try:
+        device = torch.device(f"cuda:{device_index}" if on_gpu else "cpu")
+        model = transformers_model(config, weights, device,
+                                   torch.bfloat16 if on_gpu else torch.float32)
+        copy_bandwidth = _torch_copy_bandwidth(torch, device) if on_gpu else None
+    except Exception as exc:
+        return _unavailable(_describe(exc), settings, tick)
+    rng = np.random.default_rng(settings.seed)
+    results = []
+    for variant in HF_VARIANTS:
+        tick(f"transformers {variant}: setting up")
+        result = TransformersResult(
+            variant, torch.cuda.get_device_name(device) if on_gpu else "CPU",
+            str(model.dtype).removeprefix("torch."), copy_bandwidth)
+        runner: _HfRunner | None = None
+        if variant == "eager":
+            runner = _EagerRunner(torch, model)
+        elif on_gpu:
+            runner = _CompiledRunner(torch, transformers, model)
+        else:
+            result.unavailable = "needs a CUDA GPU: mode=reduce-overhead replays CUDA graphs"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        for position in settings.positions:
+            tick(f"transformers {variant}: decode at position {position}")
+            if runner is None or result.unavailable is not None:
+                continue
+            try:
+                with torch.no_grad():
+                    result.decode.append(_hf_decode(runner, config, position, settings, ctx,
+                                                    rng, copy_bandwidth))
+            except Exception as exc:
+                # What ran stays reported; positions after a failure are not tried.
+                result.unavailable = f"at position {position}: {_describe(exc)}"
+        if on_gpu and result.decode:
+            result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+        results.append(result)
+    return results
+
+
+def _hf_decode(runner: _HfRunner, config: Qwen3Config, position: int,
+               settings: BenchSettings, ctx: int, rng: np.random.Generator,
+               copy_bandwidth: float | None) -> DecodeResult:
+    skipped = None
+    if position + settings.steps > ctx:
+        skipped = _no_room(settings.steps, ctx)
+    elif runner.on_cpu and position > HF_CPU_MAX_POSITION:
+        skipped = (f"beyond position {HF_CPU_MAX_POSITION}, transformers on the CPU takes "
+                   "minutes per prefill")
+    if skipped:
+        return DecodeResult(position, bytes_per_step(config, position), skipped=skipped)
+    ids = _random_ids(rng, config, position)
+    # Untimed: the first run at a new cache size compiles and records CUDA graphs.
+    _hf_rate(runner, ids, settings.steps, repeats=1,
+             timed_steps=min(HF_WARMUP_STEPS, settings.steps))
+    tok_s = _hf_rate(runner, ids, settings.steps, settings.repeats, settings.steps)
+    return _decode_result(config, position, tok_s, copy_bandwidth)
+
+
+def _unavailable(reason: str, settings: BenchSettings, tick: Tick) -> list[TransformersResult]:
+    for variant in HF_VARIANTS:
+        for position in (None, *settings.positions):  # keep the progress count honest
+            tick(f"transformers {variant}: " + ("unavailable" if position is None
+                                                 else f"position {position}"))
+    return [TransformersResult(variant, unavailable=reason) for variant in HF_VARIANTS]
+
+
+def transformers_model(config: Qwen3Config, weights: WeightSource, device: Any = "cpu",
+                       dtype: Any = None) -> Any:
+    """transformers' Qwen3ForCausalLM with our config and weights, on `device` in `dtype`
+    (a torch dtype; float32 when None)."""
+    import torch
+    import transformers
+
+    hf_config = transformers.Qwen3Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings, attn_implementation="sdpa")
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config,
+                                                              dtype=dtype or torch.float32)
+    for name in config.tensor_shapes():
+        # copy_ casts (bf16 values stay exact) and moves to the device in one go.
+        model.get_parameter(name).data.copy_(torch.from_numpy(weights.float32(name)))
+    return model.eval()
+
+
+def _torch_copy_bandwidth(torch: Any, device: Any) -> float:
+    """Bytes read plus written per second by a device-to-device copy: the best of ten."""
+    source = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = math.inf
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return 2 * COPY_PROBE_BYTES / best
+
+
+class _HfRunner:
+    """One way of running transformers: prefill a prompt, then one greedy token per step."""
+
+    def __init__(self, torch: Any, model: Any):
+        self.torch = torch
+        self.model = model
+
+    def start(self, ids: list[int], steps: int) -> Any:
+        """Prefill `ids` into a fresh cache with room for `steps` more; the first token."""
+        raise NotImplementedError
+
+    def step(self, token: Any) -> Any:
+        raise NotImplementedError
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.model.device.type != "cuda"
+
+    def sync(self) -> None:
+        if not self.on_cpu:
+            self.torch.cuda.synchronize(self.model.device)
+
+    def _prefill(self, ids: list[int], cache: Any) -> tuple[Any, Any]:
+        prompt = self.torch.tensor([ids], device=self.model.device)
+        # logits_to_keep=1: a 32K-token prompt's full logits would take 10 GB.
+        out = self.model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values
+
+
+class _EagerRunner(_HfRunner):
+    """The plain loop: a DynamicCache grown by each forward, argmax on the device."""
+
+    def start(self, ids: list[int], steps: int) -> Any:
+        token, self.cache = self._prefill(ids, None)
+        return token
+
+    def step(self, token: Any) -> Any:
+        logits = self.model(input_ids=token, past_key_values=self.cache, use_cache=True).logits
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+
+class _CompiledRunner(_HfRunner):
+    """transformers' documented fast path: a StaticCache, and the one-token decode step
+    compiled with mode="reduce-overhead" (CUDA graphs); the prefill stays eager."""
+
+    def __init__(self, torch: Any, transformers: Any, model: Any):
+        super().__init__(torch, model)
+        self.transformers = transformers
+        self.decode = torch.compile(_decode_one_token, mode="reduce-overhead", fullgraph=True)
+        self.cache: Any = None
+        self.cache_len = 0
+
+    def start(self, ids: list[int], steps: int) -> Any:
+        # Sized for the request, as generate() sizes it: attention reads the whole static
+        # cache, so one sized for the longest position would slow every shorter one.
+        if self.cache_len != len(ids) + steps:
+            self.cache_len = len(ids) + steps
+            self.cache = self.transformers.StaticCache(config=self.model.config,
+                                                       max_cache_len=self.cache_len)
+        self.cache.reset()
+        token, _ = self._prefill(ids, self.cache)
+        self.position = self.torch.tensor([[len(ids)]], device=self.model.device)
+        return token
+
+    def step(self, token: Any) -> Any:
+        # The clone keeps the CUDA graph's output buffer from being fed back in as its input.
+        token = self.decode(self.model, token.clone(), self.position, self.cache)
+        self.position += 1
+        return token
+
+
+def _decode_one_token(model: Any, token: Any, position: Any, cache: Any) -> Any:
+    logits = model(input_ids=token, position_ids=position, past_key_values=cache,
+                   use_cache=True).logits
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+def _hf_rate(runner: _HfRunner, ids: list[int], steps: int, repeats: int,
+             timed_steps: int) -> float:
+    """Median tokens per second of `timed_steps` decode steps after a fresh prefill of `ids`
+    into a cache with room for `steps`."""
+    rates = []
+    for _ in range(repeats):
+        token = runner.start(ids, steps)
+        runner.sync()
+        start = time.perf_counter()
+        for _ in range(timed_steps):
+            token = runner.step(token)
+        runner.sync()
+        rates.append(timed_steps / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
+
+
+CPU_WARNING = ("the CPU reference engine takes minutes per prefill and seconds per token at "
+               "real model sizes; try small sizes, e.g. --positions 1,128 --prompts 128")
+
+
+@dataclass
+class BenchOptions:
+    config: str | None = None  # a preset name or a config.json path: random weights
+    model: str | None = None  # a model directory or hub id: its real weights
+    backend: str = "auto"
+    device: int = 0
+    ctx: int | None = None
+    settings: BenchSettings = field(default_factory=BenchSettings)
+    as_json: bool = False
+    compare_hf: bool = False
+
+
+def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """The whole command: a progress bar on `err`, then a table or one JSON object on `out`."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if options.config is not None and options.model is not None:
+        raise UsageError("give --config (random weights) or --model (a checkpoint), not both")
+    if options.device < 0:
+        raise UsageError(f"--device must be a GPU index (0 or more); got {options.device}")
+    settings = options.settings
+    console = Console(file=err)
+
+    def say(message: str) -> None:
+        console.print(f"qwenchat: {message}", markup=False, highlight=False, soft_wrap=True)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    # Only a terminal gets the bar: in a pipe or a log it would be noise.
+    with Progress(*columns, console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task("loading", total=1 + settings.planned_items(options.compare_hf))
+        started = 0
+
+        def tick(label: str) -> None:
+            nonlocal started
+            bar.update(task, description=label, completed=started)
+            started += 1
+
+        tick("building the engine")
+        name, config, weights, label = _open_weights(options)
+        try:
+            ctx = settings.default_ctx(config) if options.ctx is None else options.ctx
+            engine = create_engine(options.backend, config, weights, ctx, device=options.device,
+                                   notice=say)
+            try:
+                if isinstance(engine, ReferenceEngine):
+                    say(CPU_WARNING)
+                result = measure_engine(engine, settings, name, label, tick)
+            finally:
+                engine.close()  # frees the device for transformers
+            if options.compare_hf:
+                result.transformers = measure_transformers(config, weights, settings,
+                                                           result.ctx, options.device, tick)
+        finally:
+            weights.close()
+    if options.as_json:
+        out.write(result.to_json() + "\n")
+    else:
+        render(result, out)
+    out.flush()
+    return 0
+
+
+def _open_weights(options: BenchOptions) -> tuple[str, Qwen3Config, Checkpoint | RandomWeights,
+                                                   str]:
+    """(what is benched, its config, its weights, how the weights were made)."""
+    if options.model is not None:
+        model = open_model(options.model)
+        return model.spec, model.config, model.checkpoint, "checkpoint"
+    name = options.config or DEFAULT_CONFIG
+    config = _named_config(name)
+    return name, config, RandomWeights(config), "random (seed 0)"
+
+
+def _named_config(value: str) -> Qwen3Config:
+    if value.lower() in PRESETS:
+        return preset(value)
+    if Path(value).is_file():
+        return Qwen3Config.from_file(Path(value))
+    raise UsageError(f"--config {value!r} is neither a known size ({', '.join(PRESETS)}) nor "
+                     "a config.json file")
+
+
+def render(result: BenchResult, out: TextIO) -> None:
+    """The results as text: what was run, a prefill table, a decode table per system."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=out, highlight=False)
+    console.print(
+        f"{result.model} · {result.weights} weights · "
+        f"{_count(result.parameters)} parameters\n"
+        f"engine {result.engine} · device {result.device or '–'} · ctx {result.ctx} · "
+        f"{result.steps} decode steps, median of {result.repeats} runs\n"
+        f"a decode step reads {_bytes(result.weight_bytes_per_step)} of bf16 weights + "
+        f"{_bytes(result.kv_bytes_per_position)} of KV cache per cached position\n"
+        f"copy bandwidth {_bandwidth(result.copy_bandwidth_bytes_s)} · peak GPU memory "
+        f"{_bytes(result.peak_memory_bytes)}", markup=False, soft_wrap=True)
+
+    notes = []
+    prefill = Table(title="prefill", title_justify="left")
+    for column in ("tokens", "tok/s", "time", "TTFT"):
+        prefill.add_column(column, justify="right")
+    for p in result.prefill:
+        if p.skipped:
+            notes.append(f"prefill of {p.tokens} tokens skipped: {p.skipped}")
+        prefill.add_row(str(p.tokens), _num(p.tok_s, ",.0f", "skipped"), _ms(p.seconds),
+                        _ms(p.ttft_s))
+    console.print(prefill)
+
+    decode = Table(title="decode", title_justify="left")
+    for column in ("system", "position", "tok/s", "ms/token", "bytes/step", "GB/s", "of copy"):
+        decode.add_column(column, justify="left" if column == "system" else "right")
+    systems = [("qwenchat", result.decode, None)]
+    systems += [(f"hf {t.variant}", t.decode, t.unavailable)
+                for t in result.transformers]
+    for system, rows, unavailable in systems:
+        if unavailable:
+            notes.append(f"{system} unavailable: {unavailable}")
+            decode.add_row(system, "–", "unavailable", "–", "–", "–", "–")
+        for d in rows:
+            if d.skipped:
+                notes.append(f"{system} at position {d.position} skipped: {d.skipped}")
+            decode.add_row(system, str(d.position), _num(d.tok_s, ",.1f", "skipped"),
+                           _ms(1 / d.tok_s if d.tok_s else None), _bytes(d.bytes_per_step),
+                           _num(d.gb_s, ",.1f"), _num(d.copy_fraction, ".0%"))
+    console.print(decode)
+    for t in result.transformers:
+        if t.unavailable is None:
+            notes.append(f"hf {t.variant}: {t.device}, {t.dtype}, copy bandwidth "
+                         f"{_bandwidth(t.copy_bandwidth_bytes_s)}, peak GPU memory "
+                         f"{_bytes(t.peak_memory_bytes)}")
+    for note in notes:
+        console.print(note, markup=False, soft_wrap=True)
+
+
+def _num(value: float | None, spec: str, missing: str = "–") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1000:,.2f} ms"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "–"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _bandwidth(bytes_s: float | None) -> str:
+    return "–" if bytes_s is None else f"{bytes_s / 1e9:,.0f} GB/s (measured)"

@@ -1,0 +1,266 @@
+"""`qwenchat bench`: random weights, what the bench measures and reports, and its command line.
+
+Speeds are never asserted: these tests prove that every requested number is measured, that
+the byte arithmetic is right, and that what cannot be measured says why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hf_compare import relative_error, require_transformers
+from tiny_model import tiny_config
+
+from qwenchat.bench import (
+    BenchSettings,
+    bytes_per_step,
+    measure_engine,
+    transformers_model,
+    weight_bytes_per_step,
+)
+from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.model.checkpoint import bf16_bits_to_f32, f32_to_bf16_bits
+from qwenchat.model.config import Qwen3Config
+from qwenchat.model.presets import PRESETS
+from qwenchat.model.random_weights import RandomWeights
+
+SCRIPT = Path(sys.executable).parent / "qwenchat"
+TIED = Qwen3Config.from_dict(tiny_config())
+UNTIED = Qwen3Config.from_dict(tiny_config(tie_word_embeddings=False, hidden_size=40,
+                                           num_attention_heads=3, num_key_value_heads=1,
+                                           head_dim=24, intermediate_size=72))
+
+
+@pytest.mark.parametrize("config", [TIED, UNTIED], ids=["tied", "untied"])
+def test_random_weights_have_the_config_shapes_and_finite_bf16_values(config):
+    weights = RandomWeights(config)
+    for name, shape in config.tensor_shapes().items():
+        bits, values = weights.bf16_bits(name), weights.float32(name)
+        assert bits.shape == values.shape == shape, name
+        assert bits.dtype == np.uint16 and values.dtype == np.float32
+        assert np.isfinite(values).all(), name
+        assert weights.dtype(name) == "BF16"
+        # float32 is the bf16 value widened, and rounding it again changes nothing: the CPU
+        # engine (float32) and a GPU engine (bf16 bits) compute with identical weights.
+        np.testing.assert_array_equal(values, bf16_bits_to_f32(bits))
+        np.testing.assert_array_equal(f32_to_bf16_bits(values), bits)
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    assert weights.lm_head_name() == head
+    with pytest.raises(KeyError, match="not a tensor of this Qwen3 config"):
+        weights.float32("lm_head.weight" if config.tie_word_embeddings else "model.nothing")
+
+
+def test_random_weights_are_a_pure_function_of_seed_and_name():
+    names = list(TIED.tensor_shapes())
+    forward = {n: RandomWeights(TIED, seed=7).float32(n) for n in names}
+    backward = {n: RandomWeights(TIED, seed=7).float32(n) for n in reversed(names)}
+    other_seed = RandomWeights(TIED, seed=8)
+    for name in names:
+        np.testing.assert_array_equal(forward[name], backward[name])
+        assert not np.array_equal(forward[name], other_seed.float32(name)), name
+    q0, q1 = (forward[f"model.layers.{i}.self_attn.q_proj.weight"] for i in (0, 1))
+    assert not np.array_equal(q0, q1)
+
+
+def test_random_weights_are_scaled_for_sane_activations():
+    weights = RandomWeights(PRESETS["qwen3-0.6b"])
+    down = weights.float32("model.layers.3.mlp.down_proj.weight")  # fan-in 3072
+    norm = weights.float32("model.layers.3.input_layernorm.weight")
+    assert down.std() == pytest.approx(1 / math.sqrt(3072), rel=0.05)
+    assert abs(float(down.mean())) < 1e-3
+    assert norm.mean() == pytest.approx(1.0, abs=0.02) and norm.std() == pytest.approx(0.1, rel=0.2)
+
+
+@pytest.mark.parametrize("config", [TIED, UNTIED], ids=["tied", "untied"])
+def test_reference_engine_on_random_weights_gives_finite_varied_logits(config):
+    engine = ReferenceEngine(config, RandomWeights(config))
+    engine.prefill(list(range(1, 33)))
+    logits = engine.last_logits()
+    assert np.isfinite(logits).all()
+    assert 0.1 < logits.std() < 10, "logits neither flat nor blown up"
+
+
+@pytest.mark.parametrize("config", [TIED, UNTIED], ids=["tied", "untied"])
+def test_transformers_runs_the_same_weights(config):
+    torch, _ = require_transformers()
+    weights = RandomWeights(config)
+    ids = list(range(3, 40))
+    engine = ReferenceEngine(config, weights)
+    ours = engine.prefill_logits(ids)
+    with torch.no_grad():
+        theirs = transformers_model(config, weights)(torch.tensor([ids])).logits[0].numpy()
+    assert relative_error(ours, theirs) < 1e-4
+
+
+def bench(config: Qwen3Config, ctx: int, **settings) -> tuple:
+    labels: list[str] = []
+    engine = ReferenceEngine(config, RandomWeights(config), ctx)
+    chosen = BenchSettings(**settings)
+    return measure_engine(engine, chosen, "tiny", "random", labels.append), labels, chosen
+
+
+def test_every_prompt_size_and_position_is_measured_with_positive_numbers():
+    result, labels, settings = bench(TIED, 64, prompts=(4, 16), positions=(1, 8, 20), steps=4,
+                                     repeats=2)
+    assert [p.tokens for p in result.prefill] == [4, 16]
+    for p in result.prefill:
+        assert p.skipped is None and p.tok_s > 0 and p.seconds > 0
+        assert p.tok_s == pytest.approx(p.tokens / p.seconds)
+        assert p.ttft_s >= p.seconds
+    assert [d.position for d in result.decode] == [1, 8, 20]
+    for d in result.decode:
+        assert d.skipped is None and d.tok_s > 0
+        assert d.bytes_per_step == bytes_per_step(TIED, d.position)
+        assert d.gb_s == pytest.approx(d.bytes_per_step * d.tok_s / 1e9)
+        assert d.copy_fraction is None  # the reference engine cannot measure a ceiling
+    assert result.ctx == 64 and result.engine == ReferenceEngine.name
+    assert len(labels) == settings.planned_items(compare_hf=False)
+
+
+def test_what_does_not_fit_the_context_is_skipped_with_the_reason():
+    result, _, _ = bench(TIED, 16, prompts=(16, 17), positions=(1, 12, 13, 100), steps=4,
+                         repeats=1)
+    assert [p.skipped is None for p in result.prefill] == [True, False]
+    assert "16-token context" in result.prefill[1].skipped
+    measured = {d.position: d for d in result.decode}
+    assert measured[1].tok_s and measured[12].tok_s  # 12 + 4 steps fill the 16 slots exactly
+    for position in (13, 100):
+        assert measured[position].tok_s is None
+        assert "16-token context" in measured[position].skipped
+        assert "--ctx" in measured[position].skipped
+
+
+class _InstrumentedEngine(ReferenceEngine):
+    """What a GPU engine adds: a measured ceiling, its peak memory and its device's name."""
+
+    device_name = "Test GPU"
+
+    def copy_bandwidth(self) -> float:
+        return 2e9
+
+    def peak_memory_bytes(self) -> int:
+        return 12345
+
+
+def test_copy_bandwidth_peak_memory_and_device_come_from_the_engine():
+    engine = _InstrumentedEngine(TIED, RandomWeights(TIED), 32)
+    settings = BenchSettings(prompts=(4,), positions=(1, 8), steps=2, repeats=1)
+    result = measure_engine(engine, settings, "tiny", "random")
+    assert result.copy_bandwidth_bytes_s == 2e9
+    assert result.peak_memory_bytes == 12345 and result.device == "Test GPU"
+    for d in result.decode:
+        assert d.copy_fraction == pytest.approx(d.gb_s * 1e9 / 2e9)
+    record = json.loads(result.to_json())
+    assert record["copy_bandwidth_bytes_s"] == 2e9
+    assert record["decode"][1]["copy_fraction"] == pytest.approx(result.decode[1].copy_fraction)
+
+
+def test_bytes_per_decode_step_for_qwen3_0_6b():
+    config = PRESETS["qwen3-0.6b"]
+    h, i, q, kv, d = 1024, 3072, 16 * 128, 8 * 128, 128
+    layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * d
+    head = 151_936 * h  # tied: the embedding is read in full, once, as the LM head
+    weights = 2 * (28 * layer + head + h)
+    assert weights == weight_bytes_per_step(config)
+    assert weights == pytest.approx(1.19e9, rel=0.01)
+    assert 2 * 28 * layer == pytest.approx(28 * 31.5e6, rel=0.01)
+    assert config.kv_bytes_per_position() == 28 * 2 * 8 * 128 * 2 == 114_688
+    assert bytes_per_step(config, 4096) == weights + 4096 * 114_688
+
+
+def test_an_untied_embedding_is_not_counted_as_read():
+    tied, untied = PRESETS["qwen3-4b"], PRESETS["qwen3-8b"]
+    assert weight_bytes_per_step(tied) == 2 * tied.parameter_count()
+    embedding = 2 * untied.vocab_size * untied.hidden_size
+    assert weight_bytes_per_step(untied) == 2 * untied.parameter_count() - embedding
+
+
+def test_default_ctx_fits_the_largest_position_and_prompt_within_the_model():
+    settings = BenchSettings(prompts=(512, 4096), positions=(1, 1024), steps=64)
+    assert settings.default_ctx(PRESETS["qwen3-0.6b"]) == 4096
+    settings = BenchSettings(positions=(1, 32768), steps=64)
+    assert settings.default_ctx(PRESETS["qwen3-0.6b"]) == 32768 + 64 + 1
+    assert settings.default_ctx(TIED) == TIED.max_position_embeddings
+
+
+def qwenchat(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def tiny_config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bench") / "config.json"
+    path.write_text(json.dumps(tiny_config()))
+    return path
+
+
+SMALL = ("--backend", "cpu", "--positions", "1,8", "--prompts", "8", "--steps", "4")
+
+
+def test_cli_prints_one_json_object(tiny_config_file):
+    result = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--json")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["model"] == str(tiny_config_file)
+    assert record["config"]["hidden_size"] == 64 and record["weights"].startswith("random")
+    assert record["ctx"] == 8 + 4 + 1
+    assert [p["tokens"] for p in record["prefill"]] == [8]
+    assert record["prefill"][0]["tok_s"] > 0 and record["prefill"][0]["ttft_s"] > 0
+    assert [d["position"] for d in record["decode"]] == [1, 8]
+    assert all(d["tok_s"] > 0 and d["gb_s"] > 0 for d in record["decode"])
+    assert record["transformers"] == []
+    assert "CPU reference engine" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_prints_tables(tiny_config_file):
+    result = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--positions",
+                      "1,600")
+    assert result.returncode == 0, result.stderr
+    assert "prefill" in result.stdout and "decode" in result.stdout
+    assert "qwenchat at position 600 skipped" in result.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--config", "qwen3-0.6b", "--model", "Qwen/Qwen3-0.6B"), "not both"),
+    (("--positions", "1,x"), "--positions"),
+    (("--prompts", ""), "--prompts"),
+    (("--positions", "0,8"), "--positions"),
+    (("--steps", "0"), "--steps"),
+    (("--repeats", "0"), "--repeats"),
+    (("--config", "qwen3-9b"), "qwen3-0.6b"),
+    (("--backend", "tpu"), "--backend"),
+    (("--steps", "many"), "--steps"),
+])
+def test_cli_usage_errors_are_one_line(args, needle):
+    result = qwenchat("bench", *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qwenchat: error:"), result.stderr
+    assert needle in lines[0]
+    assert result.stdout == ""
+
+
+def test_compare_hf_on_the_cpu_reports_transformers_eager(tiny_config_file):
+    torch, _ = require_transformers()
+    result = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--compare-hf",
+                      "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    variants = {t["variant"]: t for t in json.loads(result.stdout)["transformers"]}
+    eager = variants["eager"]
+    assert eager["unavailable"] is None
+    assert [d["position"] for d in eager["decode"]] == [1, 8]
+    assert all(d["tok_s"] > 0 and d["gb_s"] > 0 for d in eager["decode"])
+    if not torch.cuda.is_available():
+        assert eager["device"] == "CPU" and eager["dtype"] == "float32"
+        assert "CUDA" in variants["static+compile"]["unavailable"]
