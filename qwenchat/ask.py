@@ -28,6 +28,7 @@ class AskOptions:
     verbose: bool = False
     ctx: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
+    device: int = 0
 
 
 def combine_prompt(argument: str | None, stdin_text: str | None) -> str:
@@ -52,8 +53,10 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     load_started = time.perf_counter()
     model = open_model(options.model)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
+    if options.device < 0:
+        raise UsageError(f"--device must be a GPU index (0 or more); got {options.device}")
     engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
-                           notice=say)
+                           device=options.device, notice=say)
     load_s = time.perf_counter() - load_started
     session = ChatSession(engine, model.tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think)

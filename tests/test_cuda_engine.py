@@ -362,3 +362,59 @@ def test_peak_memory_is_weights_plus_cache_plus_256_mib(model_dir):
     used = rt.peak_allocated_bytes() - before
     assert used <= gpu_engine.weight_bytes + gpu_engine.kv_bytes + 256 * 2**20
     gpu_engine.close()
+
+
+# ------------------------------------------------------------------------------ real shapes
+REAL_SHAPES = {"qwen3-0.6b": None, "qwen3-1.7b": 2}  # preset -> layers kept (None: all)
+
+
+@pytest.fixture(scope="module", params=list(REAL_SHAPES))
+def real_shape(request):
+    import dataclasses
+
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = PRESETS[request.param]
+    if REAL_SHAPES[request.param]:
+        config = dataclasses.replace(config, num_hidden_layers=REAL_SHAPES[request.param])
+    weights = RandomWeights(config, seed=0)
+    gpu_engine = CudaEngine(config, weights, ctx=1024)
+    yield config, weights, gpu_engine, ReferenceEngine(config, weights, ctx=1024)
+    gpu_engine.close()
+
+
+def test_real_shapes_prefill_matches_the_reference_and_transformers(real_shape):
+    config, weights, gpu_engine, ref = real_shape
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, config.vocab_size, 256)]
+    gpu_engine.truncate(0)
+    ours = gpu_engine.prefill_logits(ids)
+    ref.truncate(0)
+    assert rel_err(ours, ref.prefill_logits(ids)) <= 2e-2
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from qwenchat.bench import transformers_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers_model(config, weights, device)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
+    del model
+    assert rel_err(ours, theirs) <= 2e-2
+
+
+def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape):
+    config, _, gpu_engine, ref = real_shape
+    prompt = [int(i) for i in np.random.default_rng(6).integers(0, config.vocab_size, 32)]
+    gpu_engine.truncate(0)
+    ref.truncate(0)
+    gpu_engine.prefill(prompt)
+    ref.prefill(prompt)
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=256)),
+                              frozenset(), seed=0)
+    worst = 0.0
+    for token in gpu_engine.generate(request):
+        worst = max(worst, rel_err(gpu_engine.last_logits(), ref.last_logits()))
+        ref.prefill([token])
+    assert worst <= 2e-2

@@ -342,3 +342,11 @@ def test_allocation_counters_rise_and_fall(device):
         _ = first.ptr
     rt.reset_peak()
     assert rt.peak_allocated_bytes() == base
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_probe_leaves_the_peak_counter_alone(device, stream):
+    rt.reset_peak()
+    before = rt.peak_allocated_bytes()
+    assert rt.copy_bandwidth(64 << 20, repeats=3, stream=stream) > 0
+    assert rt.peak_allocated_bytes() == before

@@ -26,6 +26,7 @@ BackendOpt = Annotated[str, typer.Option("--backend", "-b",
 CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in tokens "
                                             "[default: the model's maximum].")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
+DeviceOpt = Annotated[int, typer.Option("--device", help="GPU index (see qwenchat info).")]
 
 
 def fail(message: str, code: int) -> None:
@@ -103,6 +104,7 @@ def ask(
                                           "thinking, token counts and timings.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr.")] = False,
     ctx: CtxOpt = None,
+    device: DeviceOpt = 0,
     debug: DebugOpt = False,
 ) -> None:
     """Answer one prompt on stdout, streaming; pipe-friendly."""
@@ -122,7 +124,7 @@ def ask(
         check_overrides(overrides)
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
-                             verbose, ctx, overrides)
+                             verbose, ctx, overrides, device)
         return run_ask(options)
 
     run_guarded(action, debug)
@@ -160,7 +162,7 @@ def bench(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Bench a real checkpoint: model directory or hub id.")] = None,
     backend: BackendOpt = "auto",
-    device: Annotated[int, typer.Option("--device", help="GPU index.")] = 0,
+    device: DeviceOpt = 0,
     ctx: Annotated[int | None, typer.Option(
         "--ctx", help="KV-cache size in tokens [default: room for the largest position and "
         "prompt, within the model's maximum].")] = None,

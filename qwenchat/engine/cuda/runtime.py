@@ -205,6 +205,12 @@ def reset_peak() -> None:
         _peak = _allocated
 
 
+def _restore_peak(value: int) -> None:
+    global _peak
+    with _memory_lock:
+        _peak = max(value, _allocated)
+
+
 def _count_allocation(nbytes: int) -> None:
     global _allocated, _peak
     with _memory_lock:
@@ -489,8 +495,13 @@ class Graph:
 def copy_bandwidth(device_buffer_bytes: int = 1 << 30, repeats: int = 20,
                    stream: Stream | None = None) -> float:
     """Device-to-device copy speed in bytes/s, counting bytes read plus written: the ceiling
-    a memory-bound kernel is measured against. Median of `repeats` after a warm-up."""
+    a memory-bound kernel is measured against. Median of `repeats` after a warm-up. Its two
+    scratch buffers are measuring tools, not the program's footprint: the peak counter is put
+    back as it was."""
+    with _memory_lock:
+        peak_before = _peak
     with ExitStack() as cleanup:
+        cleanup.callback(_restore_peak, peak_before)
         if stream is None:
             stream = Stream()
             cleanup.callback(stream.close)
