@@ -100,11 +100,22 @@ class CudaEngine(CacheBookkeeping):
         self.stream = rt.Stream()
         self._buffers: list[rt.DeviceBuffer] = []
         self._modules: list[rt.Module] = []
+        self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
         self._load_kernels(notice)
-        self._upload_weights(weights)
+        try:
+            self._upload_weights(weights)
+        except rt.CudaError as exc:
+            if "OUT_OF_MEMORY" not in str(exc):
+                raise
+            self.close()
+            free, total = self.device.mem_info()
+            need = 2 * config.parameter_count()
+            raise QwenchatError(
+                f"out of GPU memory: the weights need {need / 2**30:.2f} GiB and "
+                f"{self.device.name} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free; "
+                "close other GPU programs, pick a smaller model or use --backend cpu") from None
         super().__init__(self._choose_capacity(ctx, notice))
         self._allocate_state()
-        self._graphs: dict[int, rt.Graph] = {}
         self._logits_valid = False
 
     # ----------------------------------------------------------------------------- set-up
