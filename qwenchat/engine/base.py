@@ -18,7 +18,7 @@ import numpy as np
 
 from qwenchat.errors import ContextFullError, UsageError
 from qwenchat.model.config import Qwen3Config
-from qwenchat.sampling.params import LiveParams
+from qwenchat.sampling.params import LiveParams, SamplingParams
 
 
 class StopReason(str, Enum):
@@ -82,7 +82,57 @@ class Engine(Protocol):
 
 
 class CacheBookkeeping:
-    """Token ids in the cache and the checks every engine applies before touching it."""
+    """Token ids in the cache, the checks every engine applies before touching it, and the
+    reply loop with its stop rules. An engine supplies `_has_logits`, `_drop_logits`,
+    `_begin_reply` and `_next_token` (which feeds the previous token, if any, and samples)."""
+
+    def generate(self, request: GenerateRequest) -> Generation:
+        return Generation(self._steps(request))
+
+    def truncate(self, position: int) -> None:
+        self._check_truncate(position)
+        if position < self.position:
+            del self._tokens[position:]
+            self._drop_logits()
+
+    def _has_logits(self) -> bool:
+        raise NotImplementedError
+
+    def _drop_logits(self) -> None:
+        raise NotImplementedError
+
+    def _begin_reply(self) -> None:
+        """Reset per-reply sampling state (penalty counts) before the first token."""
+
+    def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
+        """Run `fed` (None for the first token, whose logits the prefill left) and sample."""
+        raise NotImplementedError
+
+    def _steps(self, request: GenerateRequest) -> Iterator[int]:
+        # The last token sampled is never run through the model: the cache holds the reply
+        # minus its last token, which is what the next turn's prompt starts with anyway.
+        if not self._has_logits():
+            raise RuntimeError("generate needs the logits of a prefilled position")
+        self._begin_reply()
+        step, token = 0, None
+        while True:
+            params = request.params.current
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            seed = request.seed if params.seed is None else params.seed
+            token = self._next_token(token, params, seed, step)
+            step += 1
+            yield token
+            if token in request.eos_ids:
+                return StopReason.EOS
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            if self.position >= self.capacity:
+                return StopReason.CONTEXT_FULL
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
 
     def __init__(self, capacity: int):
         self._capacity = capacity

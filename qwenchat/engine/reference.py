@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from qwenchat.engine.base import CacheBookkeeping, GenerateRequest, Generation, StopReason
+from qwenchat.engine.base import CacheBookkeeping
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
+from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.sampler import sample_token
 
 ATTENTION_SCORE_BUDGET = 32 * 1024 * 1024  # float32 scores held at once while attending
@@ -110,43 +111,24 @@ class ReferenceEngine(CacheBookkeeping):
             raise RuntimeError("no logits yet: prefill first")
         return self._logits.copy()
 
-    def truncate(self, position: int) -> None:
-        self._check_truncate(position)
-        if position < self.position:
-            del self._tokens[position:]
-            self._logits = None
-
-    def generate(self, request: GenerateRequest) -> Generation:
-        return Generation(self._steps(request))
-
     def close(self) -> None:
         self._k = self._v = np.zeros((0,), np.float32)
 
-    def _steps(self, request: GenerateRequest) -> Iterator[int]:
-        if self._logits is None:
-            raise RuntimeError("generate needs the logits of a prefilled position")
-        counts: Counter[int] = Counter()
-        step = 0
-        while True:
-            params = request.params.current
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
-            seed = request.seed if params.seed is None else params.seed
-            token = sample_token(self._logits, params, seed, step, self._tokens, counts)
-            counts[token] += 1
-            step += 1
-            yield token
-            if token in request.eos_ids:
-                return StopReason.EOS
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
-            if self.position >= self.capacity:
-                return StopReason.CONTEXT_FULL
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
-            self._logits = self._forward([token])[-1]
+    def _has_logits(self) -> bool:
+        return self._logits is not None
+
+    def _drop_logits(self) -> None:
+        self._logits = None
+
+    def _begin_reply(self) -> None:
+        self._reply_counts: Counter[int] = Counter()
+
+    def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
+        if fed is not None:
+            self._logits = self._forward([fed])[-1]
+        token = sample_token(self._logits, params, seed, step, self._tokens, self._reply_counts)
+        self._reply_counts[token] += 1
+        return token
 
     def _forward(self, ids: list[int], all_positions: bool = False) -> np.ndarray:
         cfg = self.config

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from qwenchat.engine.base import CacheBookkeeping, GenerateRequest, Generation, StopReason
+from qwenchat.engine.base import CacheBookkeeping
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
 from qwenchat.errors import BackendUnavailable, QwenchatError
@@ -377,15 +377,6 @@ class CudaEngine(CacheBookkeeping):
         self.stream.synchronize()
         return out
 
-    def truncate(self, position: int) -> None:
-        self._check_truncate(position)
-        if position < self.position:
-            del self._tokens[position:]
-            self._logits_valid = False
-
-    def generate(self, request: GenerateRequest) -> Generation:
-        return Generation(self._steps(request))
-
     def close(self) -> None:
         for graph in self._graphs.values():
             graph.close()
@@ -432,37 +423,24 @@ class CudaEngine(CacheBookkeeping):
         self.stream.synchronize()
         return int(self._host_token[0])
 
-    def _steps(self, request: GenerateRequest) -> Iterator[int]:
-        if not self._logits_valid:
-            raise RuntimeError("generate needs the logits of a prefilled position")
+    def _has_logits(self) -> bool:
+        return self._logits_valid
+
+    def _drop_logits(self) -> None:
+        self._logits_valid = False
+
+    def _begin_reply(self) -> None:
         self.device.make_current()
         self._reset_sampling_state()
-        step = 0
-        token = -1
-        while True:
-            params = request.params.current
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
-            seed = request.seed if params.seed is None else params.seed
-            self._set_params(params, seed, step)
-            if step == 0:
-                self._sample(advance=False)
-            else:
-                self._decode_graph(self.position + 1).launch(self.stream)
-                self._tokens.append(token)
-            token = self._read_token()
-            step += 1
-            yield token
-            if token in request.eos_ids:
-                return StopReason.EOS
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
-            if self.position >= self.capacity:
-                return StopReason.CONTEXT_FULL
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
+
+    def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
+        self._set_params(params, seed, step)
+        if fed is None:
+            self._sample(advance=False)
+        else:
+            self._decode_graph(self.position + 1).launch(self.stream)
+            self._tokens.append(fed)
+        return self._read_token()
 
     # ----------------------------------------------------------------------------- reports
     def peak_memory_bytes(self) -> int:
