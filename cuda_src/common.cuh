@@ -97,3 +97,37 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ unsigned ld_u32(const bf16_t* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
+
+// Loads served by L2 (".cg"), never by a possibly stale L1 line: for data that other blocks of
+// the same launch wrote (the decode megakernel reads such data after its grid barriers).
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int ld_cg_int(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned char ld_cg_u8(const unsigned char* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u8 %0, [%1];" : "=h"(v) : "l"(p));
+    return static_cast<unsigned char>(v);
+}
+
+__device__ __forceinline__ bf16_t ld_cg_bf16(const bf16_t* p) {
+    bf16_t v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 ld_cg_u4(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}

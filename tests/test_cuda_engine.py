@@ -37,12 +37,18 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-def engines(model_dir: Path, ctx: int | None = None):
+def engines(model_dir: Path, ctx: int | None = None, decode: str = "layered",
+            steps_per_launch: int | None = None):
     from qwenchat.engine.cuda.engine import CudaEngine
 
     model = open_model_dir(model_dir)
-    return (CudaEngine(model.config, model.checkpoint, ctx),
-            ReferenceEngine(model.config, model.checkpoint, ctx))
+    gpu_engine = CudaEngine(model.config, model.checkpoint, ctx, decode=decode)
+    if steps_per_launch is not None and decode == "megakernel":
+        gpu_engine.steps_per_launch = steps_per_launch  # logits stay those of the last token
+    return gpu_engine, ReferenceEngine(model.config, model.checkpoint, ctx)
+
+
+DECODES = ["megakernel", "layered"]
 
 
 SHAPES = {
@@ -65,8 +71,9 @@ def test_prefill_logits_match_the_reference_at_every_position(model_dir):
     assert rel_err(gpu_engine.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
 
 
-def test_decode_logits_match_the_reference_for_256_steps(model_dir):
-    gpu_engine, ref = engines(model_dir)
+@pytest.mark.parametrize("decode", DECODES)
+def test_decode_logits_match_the_reference_for_256_steps(model_dir, decode):
+    gpu_engine, ref = engines(model_dir, decode=decode, steps_per_launch=1)
     prompt = [int(i) for i in np.random.default_rng(1).integers(0, 400, 40)]
     gpu_engine.prefill(prompt)
     ref.prefill(prompt)
@@ -79,11 +86,12 @@ def test_decode_logits_match_the_reference_for_256_steps(model_dir):
     assert worst <= 2e-2
 
 
+@pytest.mark.parametrize("decode", DECODES)
 def test_greedy_tokens_equal_the_reference_over_512_steps(tiny_model_dir, tmp_path,
-                                                          tiny_tokenizer):
+                                                          tiny_tokenizer, decode):
     directory = write_tiny_model(tmp_path / "m", tokenizer=tiny_tokenizer,
                                  max_position_embeddings=1024)
-    gpu_engine, ref = engines(directory)
+    gpu_engine, ref = engines(directory, decode=decode)
     prompt = [int(i) for i in np.random.default_rng(2).integers(0, 400, 20)]
     outputs = []
     for engine in (gpu_engine, ref):
@@ -105,8 +113,9 @@ def test_cache_reuse_truncate_and_prefill_in_chunks(model_dir):
     assert rel_err(gpu_engine.last_logits(), ref.last_logits()) <= 2e-2
 
 
-def test_sampling_is_reproducible_and_params_apply_mid_reply(model_dir):
-    gpu_engine, _ = engines(model_dir)
+@pytest.mark.parametrize("decode", DECODES)
+def test_sampling_is_reproducible_and_params_apply_mid_reply(model_dir, decode):
+    gpu_engine, _ = engines(model_dir, decode=decode, steps_per_launch=1)
     prompt = [5, 6, 7, 8]
 
     def run(seed: int, switch_at: int | None = None) -> list[int]:
@@ -128,8 +137,9 @@ def test_sampling_is_reproducible_and_params_apply_mid_reply(model_dir):
     run(3, switch_at=10)
 
 
-def test_cancel_and_capacity_stop_the_reply(model_dir):
-    gpu_engine, _ = engines(model_dir, ctx=64)
+@pytest.mark.parametrize("decode", DECODES)
+def test_cancel_and_capacity_stop_the_reply(model_dir, decode):
+    gpu_engine, _ = engines(model_dir, ctx=64, decode=decode)
     gpu_engine.prefill(list(range(10, 50)))
     request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0)), frozenset(), seed=0)
     generation = gpu_engine.generate(request)
@@ -380,7 +390,7 @@ def real_shape(request):
     if REAL_SHAPES[request.param]:
         config = dataclasses.replace(config, num_hidden_layers=REAL_SHAPES[request.param])
     weights = RandomWeights(config, seed=0)
-    gpu_engine = CudaEngine(config, weights, ctx=1024)
+    gpu_engine = CudaEngine(config, weights, ctx=1024, decode="megakernel")
     yield config, weights, gpu_engine, ReferenceEngine(config, weights, ctx=1024)
     gpu_engine.close()
 
@@ -404,8 +414,11 @@ def test_real_shapes_prefill_matches_the_reference_and_transformers(real_shape):
     assert rel_err(ours, theirs) <= 2e-2
 
 
-def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape):
+@pytest.mark.parametrize("decode", DECODES)
+def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape, decode):
     config, _, gpu_engine, ref = real_shape
+    gpu_engine.decode = decode
+    gpu_engine.steps_per_launch = 1
     prompt = [int(i) for i in np.random.default_rng(6).integers(0, config.vocab_size, 32)]
     gpu_engine.truncate(0)
     ref.truncate(0)
@@ -418,3 +431,48 @@ def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape):
         worst = max(worst, rel_err(gpu_engine.last_logits(), ref.last_logits()))
         ref.prefill([token])
     assert worst <= 2e-2
+
+
+def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real_shape):
+    config, _, gpu_engine, ref = real_shape
+    gpu_engine.decode = "megakernel"
+    gpu_engine.steps_per_launch = 64
+    prompt = [int(i) for i in np.random.default_rng(7).integers(0, config.vocab_size, 16)]
+    gpu_engine.truncate(0)
+    gpu_engine.prefill(prompt)
+    params = LiveParams(SamplingParams(temperature=1.5, top_k=0, top_p=1.0, seed=3,
+                                       max_tokens=60))
+    tokens, sampled_before_switch = [], None
+    for token in gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)):
+        tokens.append(token)
+        if len(tokens) == 8:
+            sampled_before_switch = int(gpu_engine._mk_ring[0])  # what the kernel had chosen
+            params.update(temperature=0.0)
+    assert sampled_before_switch < len(tokens), "the launch ended before the change"
+    ref.truncate(0)
+    ref.prefill(prompt)
+    for index, token in enumerate(tokens):
+        if index > sampled_before_switch:  # one token may be in flight while the change lands
+            # Greedy from here on. bf16 on the GPU against float32 here may swap near-ties, so
+            # "greedy" means within 2% of the logit range of the top (a T=1.5 draw over the
+            # whole vocabulary lands far below it).
+            logits = ref.last_logits()
+            assert logits[token] >= logits.max() - 0.02 * (logits.max() - logits.min())
+        ref.prefill([token])
+
+
+def test_megakernel_cancel_stops_within_one_step(real_shape):
+    gpu_engine = real_shape[2]
+    gpu_engine.decode = "megakernel"
+    gpu_engine.steps_per_launch = 64
+    gpu_engine.truncate(0)
+    gpu_engine.prefill(list(range(100, 120)))
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0)), frozenset(), seed=0)
+    generation = gpu_engine.generate(request)
+    for count, _ in enumerate(generation, start=1):
+        if count == 5:
+            request.cancel.set()
+            produced_at_cancel = int(gpu_engine._mk_ring[0])
+    assert generation.stop_reason is StopReason.CANCELLED and count == 5
+    assert int(gpu_engine._mk_ring[0]) <= produced_at_cancel + 1
+    assert gpu_engine.position == 20 + 4

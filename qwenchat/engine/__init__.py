@@ -11,7 +11,18 @@ from qwenchat.model.config import Qwen3Config
 
 BACKENDS = ("auto", "cuda", "cpu")
 
-__all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason", "create_engine"]
+__all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
+           "check_engine_flags", "create_engine"]
+
+
+def check_engine_flags(backend: str, ctx: int | None, device: int) -> None:
+    """Validate --backend, --ctx and --device before anything is loaded, so mistakes fail fast."""
+    if backend not in BACKENDS:
+        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if ctx is not None and ctx < 2:
+        raise UsageError(f"--ctx must be at least 2 tokens; got {ctx}")
+    if device < 0:
+        raise UsageError(f"--device must be a GPU index (0 or more); got {device}")
 
 
 def create_engine(
@@ -21,15 +32,13 @@ def create_engine(
     ctx: int | None = None,
     device: int = 0,
     notice: Callable[[str], None] = lambda _: None,
+    decode: str = "layered",
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`."""
-    if backend not in BACKENDS:
-        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    if ctx is not None and ctx < 2:
-        raise UsageError(f"--ctx must be at least 2 tokens; got {ctx}")
+    check_engine_flags(backend, ctx, device)
     if backend in ("auto", "cuda"):
         try:
-            return _cuda_engine(config, weights, ctx, device, notice)
+            return _cuda_engine(config, weights, ctx, device, notice, decode)
         except BackendUnavailable as why:
             if backend == "cuda":
                 raise BackendUnavailable(f"--backend cuda: {why}; use --backend cpu") from None
@@ -40,7 +49,7 @@ def create_engine(
 
 
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,
-                 notice: Callable[[str], None]) -> Engine:
+                 notice: Callable[[str], None], decode: str) -> Engine:
     try:
         from qwenchat.engine.cuda.probe import probe
     except ImportError as exc:  # cuda-python missing or broken
@@ -50,4 +59,4 @@ def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, de
         raise BackendUnavailable("; ".join(found.problems) or "no usable GPU")
     from qwenchat.engine.cuda.engine import CudaEngine
 
-    return CudaEngine(config, weights, ctx, device, notice)
+    return CudaEngine(config, weights, ctx, device, notice, decode)

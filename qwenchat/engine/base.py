@@ -101,8 +101,11 @@ class CacheBookkeeping:
     def _drop_logits(self) -> None:
         raise NotImplementedError
 
-    def _begin_reply(self) -> None:
+    def _begin_reply(self, request: GenerateRequest) -> None:
         """Reset per-reply sampling state (penalty counts) before the first token."""
+
+    def _end_reply(self) -> None:
+        """The reply is over (stopped, exhausted or abandoned): let device work wind down."""
 
     def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
         """Run `fed` (None for the first token, whose logits the prefill left) and sample."""
@@ -113,7 +116,13 @@ class CacheBookkeeping:
         # minus its last token, which is what the next turn's prompt starts with anyway.
         if not self._has_logits():
             raise RuntimeError("generate needs the logits of a prefilled position")
-        self._begin_reply()
+        self._begin_reply(request)
+        try:
+            return (yield from self._reply_loop(request))
+        finally:
+            self._end_reply()
+
+    def _reply_loop(self, request: GenerateRequest) -> Iterator[int]:
         step, token = 0, None
         while True:
             params = request.params.current

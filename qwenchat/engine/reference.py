@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qwenchat.engine.base import CacheBookkeeping
+from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import SamplingParams
@@ -120,7 +120,7 @@ class ReferenceEngine(CacheBookkeeping):
     def _drop_logits(self) -> None:
         self._logits = None
 
-    def _begin_reply(self) -> None:
+    def _begin_reply(self, request: GenerateRequest) -> None:
         self._reply_counts: Counter[int] = Counter()
 
     def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:

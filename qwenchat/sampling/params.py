@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,20 @@ class LiveParams:
         self._lock = threading.Lock()
         self._params = params
         self.version = 0
+        self._listeners: list[Callable[[SamplingParams], None]] = []
+
+    def subscribe(self, listener: Callable[[SamplingParams], None]) -> Callable[[], None]:
+        """Call `listener` with the new parameters on every change (an engine that runs ahead of
+        its reader mirrors them to the device at once); returns the function that unsubscribes."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
 
     @property
     def current(self) -> SamplingParams:
@@ -159,9 +174,15 @@ class LiveParams:
         with self._lock:
             self._params = params
             self.version += 1
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(params)
 
     def update(self, **changes: Any) -> SamplingParams:
         with self._lock:
             self._params = self._params.with_updates(**changes)
             self.version += 1
-            return self._params
+            params, listeners = self._params, list(self._listeners)
+        for listener in listeners:
+            listener(params)
+        return params

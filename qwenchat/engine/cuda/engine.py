@@ -1,21 +1,25 @@
-"""The CUDA engine: NVRTC-compiled kernels from cuda_src/, tensor-core prefill, graph decode.
+"""The CUDA engine: NVRTC-compiled kernels from cuda_src/, tensor-core prefill, GPU decode.
 
 Prefill runs the new tokens through every layer as batched tensor-core GEMMs and flash
-attention, in chunks that bound the scratch memory. Decode ("layered") runs one token through
-a CUDA graph of per-op kernels whose position and input token live in device memory, so the
-same graph serves every step; sampling happens on the GPU and only the chosen id comes back.
+attention, in chunks that bound the scratch memory. Decode has two paths. "layered" (the
+default for now): one token through a CUDA graph of per-op kernels whose position and input
+token live in device memory. "megakernel": one cooperative launch runs many whole decode
+steps, sampling and stop checks on the GPU, streaming token ids to a host-mapped ring buffer
+and reading live sampling parameters and a cancel flag from host-mapped memory; correct, but
+not yet faster than the graph (docs/perf.md), so it is opt-in until it is.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from qwenchat.engine.base import CacheBookkeeping
+from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
 from qwenchat.errors import BackendUnavailable, QwenchatError
@@ -30,7 +34,12 @@ KERNELS = {
     "gemm.cu": ("gemm_store", "gemm_add"),
     "attention.cu": ("attn_prefill", "attn_decode_partial", "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
+    "megakernel.cu": ("decode_megakernel",),
 }
+DECODE_MODES = ("megakernel", "layered")
+MEGAKERNEL_THREADS = 512
+MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
+MEGAKERNEL_TIMEOUT_S = 30.0
 GEMV_ROWS_PER_BLOCK = 16  # 8 warps x 2 rows (rmsnorm_gemv2)
 RESIDUAL_ROWS_PER_BLOCK = 8  # 8 warps x 1 row (gemv_residual_*)
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
@@ -46,6 +55,18 @@ SAMPLE_PARAMS = np.dtype([
     ("presence_penalty", "<f4"), ("frequency_penalty", "<f4"), ("top_k", "<i4"), ("step", "<i4"),
     ("seed", "<u8"),
 ])
+
+
+class MegaArgs(ctypes.Structure):
+    """The decode megakernel's argument block (struct MegaArgs in cuda_src/megakernel.cu)."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "layers", "embed", "final_norm", "lm_head", "inv_freq", "x", "qkv", "attn", "gu",
+        "logits", "work", "part_o", "part_ml", "merge_count", "partial_val", "partial_idx",
+        "seen", "counts", "token", "pos", "stop", "eos", "params", "cancel", "ring", "barrier")]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [(name, ctypes.c_int) for name in (
+        "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step")]
 
 
 def unsupported_reason(config: Qwen3Config) -> str | None:
@@ -89,7 +110,11 @@ class CudaEngine(CacheBookkeeping):
         ctx: int | None = None,
         device: int = 0,
         notice: Callable[[str], None] = lambda _: None,
+        decode: str = "layered",
     ):
+        if decode not in DECODE_MODES:
+            choices = ", ".join(DECODE_MODES)
+            raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
         reason = unsupported_reason(config)
         if reason:
             raise BackendUnavailable(f"this model's {reason}; use --backend cpu")
@@ -117,6 +142,12 @@ class CudaEngine(CacheBookkeeping):
         super().__init__(self._choose_capacity(ctx, notice))
         self._allocate_state()
         self._logits_valid = False
+        self.decode = decode
+        if decode == "megakernel" and not self.device.cooperative_launch:
+            notice("this GPU cannot launch cooperative kernels: decoding layer by layer")
+            self.decode = "layered"
+        if self.decode == "megakernel":
+            self._setup_megakernel()
 
     # ----------------------------------------------------------------------------- set-up
     def _load_kernels(self, notice: Callable[[str], None]) -> None:
@@ -429,11 +460,27 @@ class CudaEngine(CacheBookkeeping):
     def _drop_logits(self) -> None:
         self._logits_valid = False
 
-    def _begin_reply(self) -> None:
+    def _begin_reply(self, request: GenerateRequest) -> None:
         self.device.make_current()
         self._reset_sampling_state()
+        self._request = request
+        if self.decode == "megakernel":
+            self._mk_cancel[0] = 0
+            self._mk_consumed = self._mk_launched = 0
+            self._mirror_params(request.params.current)
+            self._unsubscribe = request.params.subscribe(self._mirror_params)
+
+    def _end_reply(self) -> None:
+        if self.decode == "megakernel":
+            self._unsubscribe()
+            self._mk_cancel[0] = 1  # a launch still running stops after its current step
+            self.stream.synchronize()
+            self._mk_cancel[0] = 0
+            self._mk_consumed = self._mk_launched = 0
 
     def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
+        if self.decode == "megakernel":
+            return self._megakernel_token(fed, params, seed, step)
         self._set_params(params, seed, step)
         if fed is None:
             self._sample(advance=False)
@@ -441,6 +488,112 @@ class CudaEngine(CacheBookkeeping):
             self._decode_graph(self.position + 1).launch(self.stream)
             self._tokens.append(fed)
         return self._read_token()
+
+    # ----------------------------------------------------------------------------- megakernel
+    def _setup_megakernel(self) -> None:
+        cfg, kernel = self.config, self.k["decode_megakernel"]
+        hist = MEGAKERNEL_THREADS // 32 * 256 * 8
+        vector = 4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+        attention = 4 * (cfg.group_size * (cfg.head_dim + DECODE_MAX_CHUNK) + 2 * cfg.head_dim + 40)
+        self.mk_shared = max(hist, vector, attention)
+        kernel.set_max_dynamic_shared(self.mk_shared)
+        per_sm = kernel.max_active_blocks_per_sm(MEGAKERNEL_THREADS, self.mk_shared)
+        if per_sm < 1:
+            raise QwenchatError("the decode megakernel does not fit on this GPU; "
+                                "use --decode layered")
+        self.mk_blocks = self.device.sm_count  # one block per SM: the cheapest grid barrier
+        fill = math.ceil(2 * self.mk_blocks / cfg.num_key_value_heads)
+        self.mk_splits = max(math.ceil(self.capacity / DECODE_MAX_CHUNK), fill)
+        heads, hd = cfg.num_attention_heads, cfg.head_dim
+        self.mk_part_o = self._device_buffer(heads * self.mk_splits * hd * 4)
+        self.mk_part_ml = self._device_buffer(heads * self.mk_splits * 2 * 4)
+        self.mk_merge = self._device_buffer(cfg.num_key_value_heads * 4)
+        self.mk_merge.fill_u8(0)
+        self.mk_barrier = self._device_buffer(8)
+        self.mk_barrier.fill_u8(0)
+        self.mk_stop = self._device_buffer(4)
+        self.mk_partial_val = self._device_buffer(self.mk_blocks * 4)
+        self.mk_partial_idx = self._device_buffer(self.mk_blocks * 4)
+        self.mk_eos = self._device_buffer(64 * 4)
+        self.mk_attn = self._device_buffer(cfg.q_size * 4)
+        layer_ptrs = np.array([[w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
+                                w.post_norm.ptr, w.gate_up.ptr, w.down.ptr, kc.ptr, vc.ptr]
+                               for w, kc, vc in zip(self.layers, self.k_cache, self.v_cache,
+                                                    strict=True)], dtype=np.uint64)
+        self.mk_layers = self._device_buffer(layer_ptrs.nbytes)
+        self.mk_layers.upload(layer_ptrs)
+        step_seconds = self.weight_bytes / 2e12 + 100e-6
+        self.steps_per_launch = int(max(1, min(256, MEGAKERNEL_LAUNCH_SECONDS // step_seconds)))
+        self._mapped = rt.PinnedBuffer(SAMPLE_PARAMS.itemsize + 8 + 4 * (257 + 1), mapped=True)
+        self._mk_params = self._mapped.array(SAMPLE_PARAMS, 1)
+        words = self._mapped.array(np.int32)
+        base = SAMPLE_PARAMS.itemsize // 4
+        self._mk_cancel = words[base : base + 1]
+        self._mk_ring = words[base + 2 :]
+        self._mk_args = self._device_buffer(ctypes.sizeof(MegaArgs))
+        self._mk_consumed = self._mk_launched = 0
+
+    def _megakernel_args(self, steps: int, feed_first: bool, first_step: int, n_eos: int):
+        cfg, mapped = self.config, self._mapped.device_ptr
+        base = SAMPLE_PARAMS.itemsize
+        return MegaArgs(
+            self.mk_layers.ptr, self.embed.ptr, self.final_norm.ptr, self.lm_head.ptr,
+            self.inv_freq.ptr, self.x.ptr, self.qkv.ptr, self.mk_attn.ptr, self.gu.ptr,
+            self.logits.ptr, self.work.ptr, self.mk_part_o.ptr, self.mk_part_ml.ptr,
+            self.mk_merge.ptr, self.mk_partial_val.ptr, self.mk_partial_idx.ptr, self.seen.ptr,
+            self.counts.ptr, self.token.ptr, self.pos.ptr, self.mk_stop.ptr, self.mk_eos.ptr,
+            mapped, mapped + base, mapped + base + 8, self.mk_barrier.ptr,
+            cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.num_hidden_layers, self.capacity,
+            self.mk_splits, n_eos, steps, int(feed_first), first_step)
+
+    def _mirror_params(self, params: SamplingParams) -> None:
+        """Write the parameters to host-mapped memory, which the running kernel reads before
+        every token: a change made while a launch runs applies to the next token it samples."""
+        host = self._mk_params
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "top_k"):
+            host[name] = getattr(params, name)
+        seed = self._request.seed if params.seed is None else params.seed
+        host["seed"] = seed & ((1 << 64) - 1)
+
+    def _megakernel_token(self, fed: int | None, params: SamplingParams, seed: int,
+                          step: int) -> int:
+        if fed is not None:
+            self._tokens.append(fed)
+        if self._mk_consumed >= self._mk_launched:
+            self._launch_megakernel(fed, params, step)
+        waited = time.monotonic()
+        while int(self._mk_ring[0]) <= self._mk_consumed:
+            if self._request.cancel.is_set():
+                self._mk_cancel[0] = 1
+            if time.monotonic() - waited > MEGAKERNEL_TIMEOUT_S:
+                raise QwenchatError("the decode kernel stopped producing tokens; "
+                                    "rerun with --decode layered and report this")
+            time.sleep(0)
+        token = int(self._mk_ring[1 + self._mk_consumed])
+        self._mk_consumed += 1
+        return token
+
+    def _launch_megakernel(self, fed: int | None, params: SamplingParams, step: int) -> None:
+        self.stream.synchronize()  # the previous launch has written back its position
+        steps = self.steps_per_launch
+        if params.max_tokens is not None:
+            steps = max(1, min(steps, params.max_tokens - step))
+        steps = min(steps, len(self._mk_ring) - 1)
+        if fed is not None:
+            self._host_token[0] = fed
+            self.token.upload(self._host_token, stream=self.stream)
+        eos = np.asarray(sorted(self._request.eos_ids)[:64], dtype=np.int32)
+        if eos.size:
+            self.mk_eos.upload(eos, stream=self.stream)
+        self._mk_ring[0] = 0
+        self._mk_consumed, self._mk_launched = 0, steps
+        args = self._megakernel_args(steps, fed is not None, step, int(eos.size))
+        host_args = np.frombuffer(bytes(args), dtype=np.uint8)
+        self._mk_args.upload(host_args, stream=self.stream)
+        self.stream.synchronize()  # the argument block is in place before the kernel reads it
+        rt.launch(self.k["decode_megakernel"], self.mk_blocks, MEGAKERNEL_THREADS,
+                  [self._mk_args], shared=self.mk_shared, stream=self.stream, cooperative=True)
 
     # ----------------------------------------------------------------------------- reports
     def peak_memory_bytes(self) -> int:

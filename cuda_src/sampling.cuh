@@ -1,0 +1,218 @@
+// Token choice shared by the per-op sampler kernels and the decode megakernel: the rules of
+// qwenchat/sampling/sampler.py (see sampling.cu), written for a block of NT threads.
+// Thresholds are found by radix selection over the float bits, and probability masses are
+// summed as 64-bit fixed point, so the result does not depend on the order in which threads
+// add: the same seed gives the same token on every run.
+#pragma once
+#include "common.cuh"
+#include "qwen3.cuh"
+
+struct SampleParams {
+    float temperature;
+    float top_p;
+    float min_p;
+    float repetition_penalty;
+    float presence_penalty;
+    float frequency_penalty;
+    int top_k;
+    int step;
+    unsigned long long seed;
+};
+
+namespace qws {
+constexpr double FIXED_ONE = 4294967296.0;  // probabilities <= 1 scaled by 2^32
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+// Float -> unsigned key with the same order (negative floats reversed).
+__device__ __forceinline__ unsigned order_key(float f) {
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Keep the larger value; on equal values the lower id, as NumPy's and torch's argmax do.
+__device__ __forceinline__ void argmax_merge(float& val, int& idx, float other_val, int other_idx) {
+    if (other_val > val || (other_val == val && other_idx < idx)) {
+        val = other_val;
+        idx = other_idx;
+    }
+}
+
+__device__ __forceinline__ void argmax_warp(float& val, int& idx) {
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_merge(val, idx, __shfl_xor_sync(0xffffffffu, val, o),
+                     __shfl_xor_sync(0xffffffffu, idx, o));
+}
+
+template <int NT>
+struct SampleShared {
+    unsigned long long hist[256];
+    unsigned long long scan[NT / 32];
+    float fscratch[32];
+    float best_val[NT / 32];
+    int best_idx[NT / 32];
+    unsigned prefix;
+    unsigned long long above;
+    int token;
+};
+
+template <int NT>
+__device__ unsigned long long block_sum_u64(unsigned long long v, SampleShared<NT>& sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh.scan[threadIdx.x >> 5] = v;
+    __syncthreads();
+    unsigned long long total = 0;
+    for (int w = 0; w < NT / 32; ++w) total += sh.scan[w];
+    return total;
+}
+
+// Radix descent over 32-bit keys, 8 bits at a time, from the top: returns the key of the element
+// at which the running total of `weight` (in descending key order, inclusive) first reaches
+// `target`. weight_of(i, key) gives each element's weight (0 excludes it). Each warp counts
+// into its own histogram (`warp_hist`, 32 x 256 in dynamic shared memory): most keys share
+// their top bits, and one shared histogram would serialise the whole vocabulary on one bin.
+template <int NT, typename WeightFn>
+__device__ unsigned radix_descend(const float* values, unsigned long long target, WeightFn weight_of,
+                                  SampleShared<NT>& sh, unsigned long long* warp_hist) {
+    __syncthreads();  // every thread has read the previous descent's result
+    if (threadIdx.x == 0) {
+        sh.prefix = 0;
+        sh.above = 0;
+    }
+    unsigned long long* mine = warp_hist + (threadIdx.x >> 5) * 256;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < (NT / 32) * 256; b += NT) warp_hist[b] = 0;
+        __syncthreads();
+        const unsigned prefix = sh.prefix;
+        const unsigned high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+        for (int i = threadIdx.x; i < qw::vocab; i += NT) {
+            const unsigned key = order_key(ld_cg(values + i));
+            if ((key & high_mask) != (prefix & high_mask)) continue;
+            const unsigned long long w = weight_of(i, key);
+            if (w) atomicAdd(&mine[(key >> shift) & 0xffu], w);
+        }
+        __syncthreads();
+        for (int b = threadIdx.x; b < 256; b += NT) {
+            unsigned long long total = 0;
+            for (int w = 0; w < NT / 32; ++w) total += warp_hist[w * 256 + b];
+            sh.hist[b] = total;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long above = sh.above;
+            int bin = 0;
+            for (int b = 255; b >= 0; --b) {
+                if (above + sh.hist[b] >= target) {
+                    bin = b;
+                    break;
+                }
+                above += sh.hist[b];
+            }
+            sh.above = above;
+            sh.prefix = prefix | (static_cast<unsigned>(bin) << shift);
+        }
+        __syncthreads();
+    }
+    return sh.prefix;
+}
+
+// The logit after the repetition penalty (tokens in the context) and the presence/frequency
+// penalties (tokens in the reply, with their counts).
+__device__ __forceinline__ float penalized(float l, const SampleParams& p, unsigned char seen,
+                                           int count) {
+    if (p.repetition_penalty != 1.f && seen)
+        l = l > 0.f ? l / p.repetition_penalty : l * p.repetition_penalty;
+    if (count) l -= p.presence_penalty + p.frequency_penalty * static_cast<float>(count);
+    return l;
+}
+
+// With the (penalised) logits in `work`, their maximum and its first index known: the token.
+// Greedy (temperature 0) is that index; otherwise temperature, top-k, top-p, min-p and one
+// seeded draw at `step`. Every thread of the block must call it; all get the same token.
+// warp_hist: (NT / 32) x 256 unsigned long long of shared memory.
+template <int NT>
+__device__ int choose_token(const float* __restrict__ work, const SampleParams& p,
+                            float max_logit, int argmax, int step, SampleShared<NT>& sh,
+                            unsigned long long* warp_hist) {
+    const int tid = threadIdx.x;
+    __syncthreads();
+    if (tid == 0) sh.token = argmax;
+    __syncthreads();
+    if (p.temperature > 0.f) {
+        // 2. top-k: the key of the k-th largest logit (ties at the cut are kept, as on the CPU).
+        unsigned kth_key = 0;
+        if (p.top_k > 0 && p.top_k < qw::vocab) {
+            kth_key = radix_descend<NT>(work, static_cast<unsigned long long>(p.top_k),
+                                    [](int, unsigned) { return 1ull; }, sh, warp_hist);
+        }
+        // Each candidate's weight: exp((l - max) / T) in (0, 1], as 2^32 fixed point.
+        const float inv_t = 1.f / p.temperature;
+        auto fixed_prob = [&](int i, unsigned key) -> unsigned long long {
+            if (key < kth_key) return 0ull;
+            const float z = (ld_cg(work + i) - max_logit) * inv_t;
+            return static_cast<unsigned long long>(expf(z) * FIXED_ONE);
+        };
+        // 3. top-p: the smallest probability whose descending running mass reaches top_p.
+        unsigned long long local = 0;
+        for (int i = tid; i < qw::vocab; i += NT) local += fixed_prob(i, order_key(ld_cg(work + i)));
+        const unsigned long long total = block_sum_u64<NT>(local, sh);
+        unsigned p_key = 0;
+        if (p.top_p < 1.f) {
+            const unsigned long long target =
+                static_cast<unsigned long long>(static_cast<double>(p.top_p) * total);
+            p_key = radix_descend<NT>(work, target > 0 ? target : 1ull, fixed_prob, sh, warp_hist);
+        }
+        // 4. min-p relative to the most likely token, whose weight is exactly 1.
+        const unsigned long long min_fixed =
+            static_cast<unsigned long long>(static_cast<double>(p.min_p) * FIXED_ONE);
+        auto kept = [&](int i) -> unsigned long long {
+            const unsigned key = order_key(ld_cg(work + i));
+            if (key < p_key) return 0ull;
+            const unsigned long long w = fixed_prob(i, key);
+            return w >= min_fixed ? w : 0ull;
+        };
+        // 5. One draw, inverse CDF in vocabulary order over contiguous per-thread slices.
+        constexpr int PER_THREAD = (qw::vocab + NT - 1) / NT;
+        const int begin = tid * PER_THREAD, end = min(qw::vocab, begin + PER_THREAD);
+        unsigned long long mine = 0;
+        for (int i = begin; i < end; ++i) mine += kept(i);
+        // Exclusive prefix over threads, in thread order.
+        unsigned long long incl = mine;
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned long long n = __shfl_up_sync(0xffffffffu, incl, o);
+            if ((tid & 31) >= o) incl += n;
+        }
+        __syncthreads();
+        if ((tid & 31) == 31) sh.scan[tid >> 5] = incl;
+        __syncthreads();
+        unsigned long long warp_base = 0, all = 0;
+        for (int w = 0; w < NT / 32; ++w) {
+            if (w < (tid >> 5)) warp_base += sh.scan[w];
+            all += sh.scan[w];
+        }
+        const unsigned long long before = warp_base + incl - mine;
+        const unsigned long long bits = splitmix64(p.seed ^ splitmix64(static_cast<unsigned long long>(step)));
+        const double u = static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0);
+        const unsigned long long target = static_cast<unsigned long long>(u * static_cast<double>(all));
+        if (mine > 0 && target >= before && target < before + mine) {
+            unsigned long long run = before;
+            for (int i = begin; i < end; ++i) {
+                run += kept(i);
+                if (target < run) {
+                    sh.token = i;
+                    break;
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    return sh.token;
+}
+}  // namespace qws
