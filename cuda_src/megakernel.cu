@@ -99,49 +99,57 @@ __device__ void grid_barrier(unsigned* bar) {
     __syncthreads();
 }
 
-// out[r] (= or +=) W[r, :] . v over rows striped across every warp of the grid. `make_vector`
+// out[r] (= or +=) W[r, :] . v over rows striped across every warp of the grid, R rows per warp
+// at a time so that R x (K / 256) 16-byte loads per lane are in flight together. `make_vector`
 // fills vs[0..K) in shared memory (ending with __syncthreads); each lane's first weight loads
 // are issued before it, so they overlap the vector's preparation.
-template <int K, bool ADD, typename MakeVector>
+template <int K, int R, bool ADD, typename MakeVector>
 __device__ void grid_gemv(const bf16_t* __restrict__ W, int rows, float* out, float* vs,
                           MakeVector make_vector) {
     constexpr int STEPS = K / 8;
     constexpr int PER_LANE = (STEPS + 31) / 32;
-    constexpr int PRE = PER_LANE < 8 ? PER_LANE : 8;
+    constexpr int PRE = PER_LANE * R <= 16 ? PER_LANE : 16 / R;  // prefetched chunks per row
     const int lane = threadIdx.x & 31;
     const int warp_id = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    const int warps = gridDim.x * WARPS;
-    uint4 first[PRE];
+    const int stride = gridDim.x * WARPS * R;
+    auto load = [&](int row, int c) {
+        return (row < rows && c < STEPS)
+                   ? reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c]
+                   : make_uint4(0, 0, 0, 0);
+    };
+    uint4 w[R][PRE];
+    int row0 = warp_id * R;
 #pragma unroll
-    for (int p = 0; p < PRE; ++p) {
-        const int c = lane + p * 32;
-        first[p] = (warp_id < rows && c < STEPS)
-                       ? reinterpret_cast<const uint4*>(W + static_cast<long long>(warp_id) * K)[c]
-                       : make_uint4(0, 0, 0, 0);
-    }
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int p = 0; p < PRE; ++p) w[r][p] = load(row0 + r, lane + p * 32);
     make_vector();
-    for (int row = warp_id; row < rows; row += warps) {
-        float acc = 0.f;
-        if (row == warp_id) {
+    for (; row0 < rows; row0 += stride) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            acc[r] = 0.f;
 #pragma unroll
             for (int p = 0; p < PRE; ++p) {
                 const int c = lane + p * 32;
-                if (c < STEPS) acc += dot8(first[p], vs + c * 8);
-            }
-        } else {
-#pragma unroll
-            for (int p = 0; p < PRE; ++p) {
-                const int c = lane + p * 32;
-                if (c < STEPS)
-                    acc += dot8(reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c],
-                                vs + c * 8);
+                if (c < STEPS) acc[r] += dot8(w[r][p], vs + c * 8);
             }
         }
-        for (int c = lane + PRE * 32; c < STEPS; c += 32)
-            acc += dot8(reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c],
-                        vs + c * 8);
-        acc = warp_sum(acc);
-        if (lane == 0) out[row] = ADD ? ld_cg(out + row) + acc : acc;
+        for (int c = lane + PRE * 32; c < STEPS; c += 32) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] += dot8(load(row0 + r, c), vs + c * 8);
+        }
+        // The next rows' first loads go out before this row's reductions.
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int p = 0; p < PRE; ++p) w[r][p] = load(row0 + stride + r, lane + p * 32);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float total = warp_sum(acc[r]);
+            const int row = row0 + r;
+            if (lane == 0 && row < rows) out[row] = ADD ? ld_cg(out + row) + total : total;
+        }
     }
 }
 
@@ -267,18 +275,49 @@ __device__ void attention_item(const MegaArgs& a, const MegaLayer& L, int kvh, i
         l[gh] = block_sum(sum, sh.scratch);
     }
     __syncthreads();
-    // P . V: thread (d) sums over the chunk's keys; the new value from shared memory.
-    for (int d = threadIdx.x; d < qw::group * HD; d += THREADS) {
-        const int gh = d / HD, dim = d % HD;
-        float acc = 0.f;
-        for (int i = 0; i < count; ++i) {
-            const int key = k_begin + i;
-            const float v = key == pos ? bf16_to_f32(f32_to_bf16(sh.new_v[dim]))
-                                       : bf16_to_f32(ld_cg_bf16(vc + static_cast<long long>(key) * HD + dim));
-            acc += sh.p[gh][i] * v;
+    // P . V with 16-byte value loads: LANES_PER_KEY threads cover a key, KEYS_PER_PASS keys at
+    // a time; the passes' partial sums are then added in shared memory (p is free by then).
+    const int slot = threadIdx.x / LANES_PER_KEY, dim0 = (threadIdx.x % LANES_PER_KEY) * 8;
+    float acc[qw::group][8];
+#pragma unroll
+    for (int gh = 0; gh < qw::group; ++gh)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[gh][e] = 0.f;
+    for (int i = slot; i < count; i += KEYS_PER_PASS) {
+        const int key = k_begin + i;
+        float vf[8];
+        if (key == pos) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) vf[e] = bf16_to_f32(f32_to_bf16(sh.new_v[dim0 + e]));
+        } else {
+            const uint4 v = ld_cg_u4(vc + static_cast<long long>(key) * HD + dim0);
+            vf[0] = bf16_lo(v.x); vf[1] = bf16_hi(v.x); vf[2] = bf16_lo(v.y); vf[3] = bf16_hi(v.y);
+            vf[4] = bf16_lo(v.z); vf[5] = bf16_hi(v.z); vf[6] = bf16_lo(v.w); vf[7] = bf16_hi(v.w);
         }
-        const int head = kvh * qw::group + gh;
-        a.part_o[(static_cast<long long>(head) * splits + split) * HD + dim] = acc;
+#pragma unroll
+        for (int gh = 0; gh < qw::group; ++gh) {
+            const float pw = sh.p[gh][i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[gh][e] += pw * vf[e];
+        }
+    }
+    __syncthreads();
+    float* sums = &sh.p[0][0];  // [group][HD], added slot by slot in a fixed order
+    for (int s = 0; s < KEYS_PER_PASS; ++s) {
+        if (slot == s) {
+#pragma unroll
+            for (int gh = 0; gh < qw::group; ++gh)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    float* dst = sums + gh * HD + dim0 + e;
+                    *dst = s == 0 ? acc[gh][e] : *dst + acc[gh][e];
+                }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < qw::group * HD; i += THREADS) {
+        const int head = kvh * qw::group + i / HD;
+        a.part_o[(static_cast<long long>(head) * splits + split) * HD + i % HD] = sums[i];
     }
     if (threadIdx.x < qw::group) {
         const int head = kvh * qw::group + threadIdx.x;
@@ -345,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_megakernel(const
                 const MegaLayer L = a.layers[layer];
                 // Q, K, V from the normed residual (layer 0 reads the embedding row directly,
                 // and block 0 writes it as the residual stream).
-                grid_gemv<qw::hidden, false>(L.qkv, qw::q_size + 2 * qw::kv_size, a.qkv, vs, [&] {
+                grid_gemv<qw::hidden, 2, false>(L.qkv, qw::q_size + 2 * qw::kv_size, a.qkv, vs, [&] {
                     make_normed(a.x, layer == 0 ? embed_row : nullptr, L.input_norm, a.eps, vs,
                                 scratch);
                     if (layer == 0 && blockIdx.x == 0)
@@ -358,24 +397,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_megakernel(const
                     merge_if_last(a, item / splits, splits, attn_sh);
                 }
                 grid_barrier(a.barrier);
-                grid_gemv<qw::q_size, true>(L.o, qw::hidden, a.x, vs, [&] {
+                grid_gemv<qw::q_size, 1, true>(L.o, qw::hidden, a.x, vs, [&] {
                     for (int j = threadIdx.x; j < qw::q_size; j += THREADS)
                         vs[j] = ld_cg(a.attn + j);
                     __syncthreads();
                 });
                 grid_barrier(a.barrier);
-                grid_gemv<qw::hidden, false>(L.gate_up, 2 * qw::intermediate, a.gu, vs, [&] {
+                grid_gemv<qw::hidden, 2, false>(L.gate_up, 2 * qw::intermediate, a.gu, vs, [&] {
                     make_normed(a.x, nullptr, L.post_norm, a.eps, vs, scratch);
                 });
                 grid_barrier(a.barrier);
-                grid_gemv<qw::intermediate, true>(L.down, qw::hidden, a.x, vs, [&] {
+                grid_gemv<qw::intermediate, 1, true>(L.down, qw::hidden, a.x, vs, [&] {
                     for (int j = threadIdx.x; j < qw::intermediate; j += THREADS)
                         vs[j] = silu(ld_cg(a.gu + j)) * ld_cg(a.gu + qw::intermediate + j);
                     __syncthreads();
                 });
                 grid_barrier(a.barrier);
             }
-            grid_gemv<qw::hidden, false>(a.lm_head, qw::vocab, a.logits, vs, [&] {
+            grid_gemv<qw::hidden, 4, false>(a.lm_head, qw::vocab, a.logits, vs, [&] {
                 make_normed(a.x, nullptr, a.final_norm, a.eps, vs, scratch);
             });
             ++pos;
