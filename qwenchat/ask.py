@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from qwenchat.engine import create_engine
+from qwenchat.engine import check_engine_flags, create_engine
 from qwenchat.errors import UsageError
 from qwenchat.model.loader import open_model
 from qwenchat.sampling.params import LiveParams, check_value, generation_defaults
@@ -47,14 +47,11 @@ def check_overrides(overrides: dict[str, Any]) -> None:
 
 def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     check_overrides(options.overrides)
-    if options.ctx is not None and options.ctx < 2:
-        raise UsageError(f"--ctx must be at least 2 tokens; got {options.ctx}")
+    check_engine_flags(options.backend, options.ctx, options.device)
     say = _stderr_line(err)
     load_started = time.perf_counter()
     model = open_model(options.model)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
-    if options.device < 0:
-        raise UsageError(f"--device must be a GPU index (0 or more); got {options.device}")
     engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
                            device=options.device, notice=say)
     load_s = time.perf_counter() - load_started

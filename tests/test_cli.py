@@ -201,3 +201,67 @@ def test_ask_and_info_work_where_textual_and_cuda_python_cannot_load(tiny_model_
                           text=True, timeout=60)
     assert info.returncode == 0, info.stderr
     assert "cuda-python is not importable" in "".join(info.stdout.split("\n"))
+
+
+@pytest.mark.parametrize("args", [
+    ["chat", "--temperature", "5"],
+    ["--top-p", "0"],  # no command: the chat, with the same checks
+    ["chat", "--max-tokens", "0"],
+    ["chat", "--backend", "tpu"],
+    ["chat", "--ctx", "1"],
+    ["chat", "--device", "-1"],
+    ["chat", "--model", "/nowhere/at/all"],
+    ["chat", "--no-such-flag"],
+])
+def test_chat_flags_are_checked_before_the_app_starts(tiny_model_dir, args, isolated_home):
+    if "--model" not in args:
+        args = [*args, "--model", str(tiny_model_dir)]
+    result = qwenchat(*args)
+    assert_one_error_line(result, 2)
+    assert not (isolated_home / "data").exists()  # nothing started, nothing written
+
+
+def test_chat_needs_a_terminal(tiny_model_dir):
+    result = qwenchat("chat", "--model", str(tiny_model_dir))
+    assert_one_error_line(result, 2, "needs a terminal", "qwenchat ask")
+
+
+def test_help_lists_the_commands_and_chat_takes_the_ask_flags():
+    assert "chat" in qwenchat("--help").stdout
+    chat_help, ask_help = qwenchat("chat", "--help").stdout, qwenchat("ask", "--help").stdout
+    for flag in ("--model", "--backend", "--system", "--temperature", "--top-p", "--top-k",
+                 "--min-p", "--repetition-penalty", "--presence-penalty",
+                 "--frequency-penalty", "--seed", "--max-tokens", "--think", "--ctx",
+                 "--device", "--debug"):
+        assert flag in chat_help and flag in ask_help
+    assert "--no-history" in chat_help
+
+
+def test_chat_runs_in_a_terminal_and_quits_with_ctrl_q(tiny_model_dir, isolated_home):
+    pty = pytest.importorskip("pty")
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: qwenchat in a pseudo-terminal, 100 × 30
+        os.environ.update(HF_HUB_OFFLINE="1", COLUMNS="100", LINES="30", TERM="xterm-256color")
+        os.execv(str(SCRIPT), [str(SCRIPT), "--backend", "cpu", "--model", str(tiny_model_dir)])
+    screen = b""
+    deadline = time.monotonic() + 60
+    while b"Enter sends" not in screen and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                screen += os.read(fd, 65536)
+            except OSError:
+                break
+    assert b"Enter sends" in screen, screen[-2000:]
+    os.write(fd, b"\x11")  # Ctrl+Q
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                if not os.read(fd, 65536):
+                    break
+            except OSError:
+                break
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert (isolated_home / "data" / "qwenchat" / "history.sqlite3").is_file()

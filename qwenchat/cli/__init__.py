@@ -8,14 +8,29 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from qwenchat import __version__
 from qwenchat.errors import QwenchatError
 
+
+class _ChatByDefault(TyperGroup):
+    """`qwenchat` alone, or followed only by options, opens the chat: `qwenchat -m DIR`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not args or (args[0].startswith("-") and args[0] not in _ROOT_OPTIONS):
+            args = ["chat", *args]
+        return super().parse_args(ctx, args)
+
+
+_ROOT_OPTIONS = ("-h", "--help", "--version")
+
 app = typer.Typer(
+    cls=_ChatByDefault,
     add_completion=False,
     pretty_exceptions_enable=False,
-    help="Chat with Qwen3 models in the terminal, on your own NVIDIA GPU or on the CPU.",
+    help="Chat with Qwen3 models in the terminal, on your own NVIDIA GPU or on the CPU. "
+    "With no command, opens the chat.",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -27,6 +42,25 @@ CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in toke
                                             "[default: the model's maximum].")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
 DeviceOpt = Annotated[int, typer.Option("--device", help="GPU index (see qwenchat info).")]
+SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
+ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
+
+# Sampling flags, shared by `ask` and `chat`; None means "the mode's recommended value".
+TemperatureOpt = Annotated[float | None, typer.Option(help="0 to 2; 0 = greedy.")]
+TopPOpt = Annotated[float | None, typer.Option(help="Nucleus mass, (0, 1].")]
+TopKOpt = Annotated[int | None, typer.Option(help="Keep the k most likely; 0 = off.")]
+MinPOpt = Annotated[float | None, typer.Option(help="Drop below min-p × the top probability; "
+                                               "0 = off.")]
+RepetitionOpt = Annotated[float | None, typer.Option(help="(0, 2]; 1 = off.")]
+PresenceOpt = Annotated[float | None, typer.Option(help="-2 to 2; 0 = off.")]
+FrequencyOpt = Annotated[float | None, typer.Option(help="-2 to 2; 0 = off.")]
+SeedOpt = Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")]
+MaxTokensOpt = Annotated[int | None, typer.Option(help="Most tokens in the reply.")]
+
+
+def sampling_overrides(**flags: Any) -> dict[str, Any]:
+    """The sampling flags the user gave, by parameter name."""
+    return {name: value for name, value in flags.items() if value is not None}
 
 
 def fail(message: str, code: int) -> None:
@@ -69,14 +103,53 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback(invoke_without_command=True)
+@app.callback()
 def root(
-    ctx: typer.Context,
     version: Annotated[bool, typer.Option("--version", callback=_version_callback,
                                           is_eager=True, help="Print the version.")] = False,
 ) -> None:
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
+    """Options before the command apply to qwenchat itself."""
+
+
+@app.command()
+def chat(
+    model: ModelOpt = "Qwen/Qwen3-0.6B",
+    backend: BackendOpt = "auto",
+    system: SystemOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepetitionOpt = None,
+    presence_penalty: PresenceOpt = None,
+    frequency_penalty: FrequencyOpt = None,
+    seed: SeedOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    think: ThinkOpt = False,
+    ctx: CtxOpt = None,
+    device: DeviceOpt = 0,
+    no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
+                                             "lives in memory only.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Chat interactively (the default command): streaming replies, live sampler, history."""
+    overrides = sampling_overrides(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, max_tokens=max_tokens)
+
+    def action() -> int:
+        from qwenchat.tui.options import ChatOptions, check_chat_options, require_terminal
+
+        options = ChatOptions(model, backend, system, think, overrides, ctx, device,
+                              history=not no_history, debug=debug)
+        check_chat_options(options)
+        require_terminal()
+        from qwenchat.tui.app import run_chat  # Textual loads only once the flags are good
+
+        return run_chat(options)
+
+    run_guarded(action, debug)
 
 
 @app.command()
@@ -85,19 +158,17 @@ def ask(
                                                       "(stdin first, then this).")] = None,
     model: ModelOpt = "Qwen/Qwen3-0.6B",
     backend: BackendOpt = "auto",
-    system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="0 to 2; 0 = greedy.")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus mass, (0, 1].")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Keep the k most likely; 0 = off.")] = None,
-    min_p: Annotated[float | None, typer.Option(help="Drop below min-p × the top "
-                                                     "probability; 0 = off.")] = None,
-    repetition_penalty: Annotated[float | None, typer.Option(help="(0, 2]; 1 = off.")] = None,
-    presence_penalty: Annotated[float | None, typer.Option(help="-2 to 2; 0 = off.")] = None,
-    frequency_penalty: Annotated[float | None, typer.Option(help="-2 to 2; 0 = off.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Most tokens in the reply.")] = None,
-    think: Annotated[bool, typer.Option("--think/--no-think",
-                                        help="Let the model think first.")] = False,
+    system: SystemOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepetitionOpt = None,
+    presence_penalty: PresenceOpt = None,
+    frequency_penalty: FrequencyOpt = None,
+    seed: SeedOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    think: ThinkOpt = False,
     show_thinking: Annotated[bool, typer.Option(help="Print the thinking, in <think> tags, "
                                                      "before the answer.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, "
@@ -108,15 +179,10 @@ def ask(
     debug: DebugOpt = False,
 ) -> None:
     """Answer one prompt on stdout, streaming; pipe-friendly."""
-    overrides: dict[str, Any] = {
-        name: value
-        for name, value in {
-            "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-            "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty, "seed": seed, "max_tokens": max_tokens,
-        }.items()
-        if value is not None
-    }
+    overrides = sampling_overrides(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, max_tokens=max_tokens)
 
     def action() -> int:
         from qwenchat.ask import AskOptions, check_overrides, combine_prompt, run_ask

@@ -1,0 +1,1 @@
+"""The interactive chat (Textual). Textual is imported only inside this package."""

@@ -1,0 +1,60 @@
+"""Loading the model and engine for the chat, one reported step at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from qwenchat.engine import Engine, create_engine
+from qwenchat.model.loader import open_model
+from qwenchat.model.tokenizer import Tokenizer
+from qwenchat.tui.options import ChatOptions
+
+Report = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    """What a chat session needs: an engine with its KV cache, the tokenizer and stop ids."""
+
+    spec: str  # the model as the user named it
+    directory: Path | None  # holds generation_config.json; None: Qwen's presets only
+    engine: Engine
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int]
+
+    @property
+    def device_name(self) -> str:
+        return getattr(self.engine, "device_name", "CPU")
+
+
+# A loader runs in a worker thread: `step` says what it starts doing now, `notice` reports
+# something the user should still see once the chat is open.
+Loader = Callable[[Report, Report], LoadedModel]
+
+
+def model_loader(options: ChatOptions) -> Loader:
+    def load(step: Report, notice: Report) -> LoadedModel:
+        if Path(options.model).expanduser().is_dir():
+            step(f"reading {options.model}")
+        else:
+            step(f"finding {options.model} in the Hugging Face cache (downloading it when "
+                 "missing)")
+        model = open_model(options.model)
+        size = model.config.parameter_count() / 1e9
+        step(f"loading {size:.2f} B parameters into the {options.backend} engine")
+
+        def engine_message(text: str) -> None:
+            # The engine reports kernel compilation and warnings through one callback; only
+            # warnings matter once the chat is open.
+            if text.startswith("compiling "):
+                step(text)
+            else:
+                notice(text)
+
+        engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
+                               options.device, notice=engine_message)
+        return LoadedModel(model.spec, model.directory, engine, model.tokenizer, model.eos_ids)
+
+    return load

@@ -1,0 +1,42 @@
+"""What `qwenchat chat` was asked for, checked before any model loads or the screen changes."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qwenchat.ask import check_overrides
+from qwenchat.engine import check_engine_flags
+from qwenchat.errors import UsageError
+from qwenchat.model.locate import looks_like_path, resolve_model
+
+
+@dataclass
+class ChatOptions:
+    model: str
+    backend: str = "auto"
+    system: str | None = None
+    think: bool = False
+    overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
+    ctx: int | None = None
+    device: int = 0
+    history: bool = True  # False: --no-history, nothing is written to disk
+    debug: bool = False
+
+
+def check_chat_options(options: ChatOptions) -> None:
+    """The same checks, and the same one-line errors, as `ask`: before the app starts."""
+    check_overrides(options.overrides)
+    check_engine_flags(options.backend, options.ctx, options.device)
+    # A local path that is wrong is a typo to report now; a hub id may need a download,
+    # which the loading screen shows.
+    if looks_like_path(options.model) or Path(options.model).expanduser().exists():
+        resolve_model(options.model)
+
+
+def require_terminal() -> None:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("the chat needs a terminal: run qwenchat in one, or use "
+                         "`qwenchat ask` in pipes and scripts")

@@ -1,0 +1,95 @@
+"""The status bar: engine and GPU, live speed and timings, prompt reuse, and the KV gauge."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import Static
+
+from qwenchat.session import ReplyStats
+from qwenchat.tui.stats import kv_level, rate_text, ttft_text
+
+GAUGE_CELLS = 10
+
+
+class KVGauge(Widget):
+    """How full the KV cache is: amber from 75 %, red from 90 %."""
+
+    position: reactive[int] = reactive(0, layout=True)  # the text's width changes
+    capacity: reactive[int] = reactive(1, layout=True)
+
+    def render(self) -> Text:
+        used = min(1.0, self.position / self.capacity) if self.capacity else 0.0
+        filled = round(used * GAUGE_CELLS)
+        bar = Text("KV ")
+        bar.append("█" * filled, style="bold")
+        bar.append("░" * (GAUGE_CELLS - filled), style="dim")
+        bar.append(f" {self.position:,}/{self.capacity:,}")
+        return bar
+
+    def watch_position(self) -> None:
+        self._set_level()
+
+    def watch_capacity(self) -> None:
+        self._set_level()
+
+    def _set_level(self) -> None:
+        level = kv_level(self.position, self.capacity)
+        self.set_class(level == "warn", "-warn")
+        self.set_class(level == "full", "-full")
+
+
+class StatusBar(Horizontal):
+    def __init__(self, engine: str, device: str, id: str | None = None):
+        super().__init__(id=id)
+        label = f"{engine} · {device}" if device not in engine else engine
+        self._engine = Static(label, id="engine", markup=False)
+        self._activity = Static("", id="activity", markup=False)
+        self._numbers = Static("", id="numbers", markup=False)
+        self._gauge = KVGauge(id="kv")
+
+    def compose(self) -> ComposeResult:
+        yield self._engine
+        yield self._activity
+        yield self._numbers
+        yield self._gauge
+
+    def live(self, stats: ReplyStats, rate_now: float | None, stopping: bool) -> None:
+        """While a reply streams: speed now and on average, TTFT, prompt reuse."""
+        if stopping:
+            activity = "■ stopping"
+        elif stats.generated_tokens:
+            activity = "● generating"
+        else:
+            activity = "● reading the prompt"
+        self._show(activity, f"{rate_text(rate_now)} tok/s (avg {rate_text(stats.decode_tok_s)})"
+                             f" · {self._common(stats)}")
+        self.gauge(stats.position or stats.prompt_tokens, stats.capacity)
+
+    def idle(self, stats: ReplyStats | None, position: int, capacity: int) -> None:
+        """Between replies: the last reply's numbers, and the cache as it is now."""
+        numbers = ""
+        if stats is not None:
+            numbers = f"{rate_text(stats.decode_tok_s)} tok/s · {self._common(stats)}"
+        self._show("", numbers)
+        self.gauge(position, capacity)
+
+    def starting(self) -> None:
+        self._show("● reading the prompt", "")
+
+    def gauge(self, position: int, capacity: int) -> None:
+        self._gauge.capacity = max(capacity, 1)
+        self._gauge.position = position
+
+    def _show(self, activity: str, numbers: str) -> None:
+        self._activity.update(activity)
+        self._activity.display = bool(activity)
+        self._numbers.update(numbers)
+
+    @staticmethod
+    def _common(stats: ReplyStats) -> str:
+        return (f"TTFT {ttft_text(stats)} · prompt {stats.prefill_tokens:,} new + "
+                f"{stats.reused_tokens:,} cached")
