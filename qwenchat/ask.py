@@ -29,6 +29,7 @@ class AskOptions:
     ctx: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
     device: int = 0
+    decode: str = "layered"
 
 
 def combine_prompt(argument: str | None, stdin_text: str | None) -> str:
@@ -47,13 +48,13 @@ def check_overrides(overrides: dict[str, Any]) -> None:
 
 def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     check_overrides(options.overrides)
-    check_engine_flags(options.backend, options.ctx, options.device)
+    check_engine_flags(options.backend, options.ctx, options.device, options.decode)
     say = _stderr_line(err)
     load_started = time.perf_counter()
     model = open_model(options.model)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
     engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
-                           device=options.device, notice=say)
+                           device=options.device, notice=say, decode=options.decode)
     load_s = time.perf_counter() - load_started
     session = ChatSession(engine, model.tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think)

@@ -513,6 +513,7 @@ class BenchOptions:
     settings: BenchSettings = field(default_factory=BenchSettings)
     as_json: bool = False
     compare_hf: bool = False
+    decode: str = "layered"  # the CUDA engine's decode path
 
 
 def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -547,7 +548,7 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
         try:
             ctx = settings.default_ctx(config) if options.ctx is None else options.ctx
             engine = create_engine(options.backend, config, weights, ctx, device=options.device,
-                                   notice=say)
+                                   notice=say, decode=options.decode)
             try:
                 if isinstance(engine, ReferenceEngine):
                     say(CPU_WARNING)

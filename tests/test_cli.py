@@ -145,6 +145,7 @@ def test_out_of_range_parameters_exit_2_naming_the_range(tiny_model_dir, flag, v
     ["ask", "--temperature", "warm", "Hi"],
     ["ask", "--no-such-flag", "Hi"],
     ["ask", "--backend", "tpu", "Hi"],
+    ["ask", "--decode", "fast", "Hi"],
     ["ask", "--ctx", "1", "Hi"],
     ["ask"],
     ["ask", "   "],

@@ -42,6 +42,9 @@ CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in toke
                                             "[default: the model's maximum].")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
 DeviceOpt = Annotated[int, typer.Option("--device", help="GPU index (see qwenchat info).")]
+DecodeOpt = Annotated[str, typer.Option(
+    "--decode", help="CUDA decode path: layered (per-op CUDA graph) or megakernel "
+    "(experimental: many steps per cooperative launch).")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
 ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
 
@@ -176,6 +179,7 @@ def ask(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr.")] = False,
     ctx: CtxOpt = None,
     device: DeviceOpt = 0,
+    decode: DecodeOpt = "layered",
     debug: DebugOpt = False,
 ) -> None:
     """Answer one prompt on stdout, streaming; pipe-friendly."""
@@ -190,7 +194,7 @@ def ask(
         check_overrides(overrides)
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
-                             verbose, ctx, overrides, device)
+                             verbose, ctx, overrides, device, decode)
         return run_ask(options)
 
     run_guarded(action, debug)
@@ -229,6 +233,7 @@ def bench(
         "--model", "-m", help="Bench a real checkpoint: model directory or hub id.")] = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = 0,
+    decode: DecodeOpt = "layered",
     ctx: Annotated[int | None, typer.Option(
         "--ctx", help="KV-cache size in tokens [default: room for the largest position and "
         "prompt, within the model's maximum].")] = None,
@@ -253,7 +258,7 @@ def bench(
         settings = BenchSettings(parse_sizes(prompts, "--prompts"),
                                  parse_sizes(positions, "--positions"), steps, repeats)
         return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
-                                      compare_hf))
+                                      compare_hf, decode))
 
     run_guarded(action, debug)
 

@@ -10,15 +10,20 @@ from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 
 BACKENDS = ("auto", "cuda", "cpu")
+DECODES = ("layered", "megakernel")  # the CUDA engine's decode paths
 
 __all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
            "check_engine_flags", "create_engine"]
 
 
-def check_engine_flags(backend: str, ctx: int | None, device: int) -> None:
-    """Validate --backend, --ctx and --device before anything is loaded, so mistakes fail fast."""
+def check_engine_flags(backend: str, ctx: int | None, device: int,
+                       decode: str = "layered") -> None:
+    """Validate --backend, --ctx, --device and --decode before anything is loaded, so mistakes
+    fail fast."""
     if backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if decode not in DECODES:
+        raise UsageError(f"--decode must be one of {', '.join(DECODES)}; got {decode!r}")
     if ctx is not None and ctx < 2:
         raise UsageError(f"--ctx must be at least 2 tokens; got {ctx}")
     if device < 0:
@@ -35,7 +40,7 @@ def create_engine(
     decode: str = "layered",
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`."""
-    check_engine_flags(backend, ctx, device)
+    check_engine_flags(backend, ctx, device, decode)
     if backend in ("auto", "cuda"):
         try:
             return _cuda_engine(config, weights, ctx, device, notice, decode)
