@@ -211,6 +211,7 @@ def test_ask_and_info_work_where_textual_and_cuda_python_cannot_load(tiny_model_
     ["chat", "--backend", "tpu"],
     ["chat", "--ctx", "1"],
     ["chat", "--device", "-1"],
+    ["chat", "--decode", "fastest"],
     ["chat", "--model", "/nowhere/at/all"],
     ["chat", "--no-such-flag"],
 ])
@@ -233,7 +234,7 @@ def test_help_lists_the_commands_and_chat_takes_the_ask_flags():
     for flag in ("--model", "--backend", "--system", "--temperature", "--top-p", "--top-k",
                  "--min-p", "--repetition-penalty", "--presence-penalty",
                  "--frequency-penalty", "--seed", "--max-tokens", "--think", "--ctx",
-                 "--device", "--debug"):
+                 "--device", "--decode", "--debug"):
         assert flag in chat_help and flag in ask_help
     assert "--no-history" in chat_help
 

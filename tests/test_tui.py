@@ -763,6 +763,33 @@ def test_the_model_loader_opens_the_chat_on_the_reference_engine(tmp_path, tiny_
     drive(app, scenario)
 
 
+@pytest.mark.gpu
+def test_the_chat_runs_on_the_cuda_engine_across_worker_threads(tmp_path, tiny_model_dir):
+    # The engine is built on the loading thread and each reply runs on a worker thread: the
+    # CUDA context must follow.
+    try:
+        from qwenchat.engine.cuda.probe import probe
+    except ImportError as exc:
+        pytest.skip(f"cuda-python not importable: {exc}")
+    found = probe()
+    if not found.usable:
+        pytest.skip("no usable CUDA GPU: " + "; ".join(found.problems))
+    options = ChatOptions(str(tiny_model_dir), backend="cuda",
+                          overrides={"temperature": 0.0, "max_tokens": 8})
+    app = QwenchatApp(options, history=tmp_path / "history.sqlite3")
+
+    async def scenario(pilot, screen):
+        assert "cuda" in str(screen.query_one("#engine").render())
+        await send(pilot, screen, "Hello")
+        await send(pilot, screen, "And again?")
+        stats = screen.chat.session.last_reply.stats
+        assert stats.generated_tokens == 8 and stats.reused_tokens > 0
+        await press_and_wait_for_reply(pilot, screen, "ctrl+r")
+        assert screen.chat.session.last_reply.stats.generated_tokens == 8
+
+    drive(app, scenario)
+
+
 @pytest.mark.parametrize(("error", "shown"), [
     (ModelError("Qwen/Qwen3-0.6B is not in the Hugging Face cache and cannot be downloaded "
                 "now: connect to the network"), "connect to the network"),

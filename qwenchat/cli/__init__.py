@@ -131,6 +131,7 @@ def chat(
     think: ThinkOpt = False,
     ctx: CtxOpt = None,
     device: DeviceOpt = 0,
+    decode: DecodeOpt = "layered",
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
                                              "lives in memory only.")] = False,
     debug: DebugOpt = False,
@@ -144,7 +145,7 @@ def chat(
     def action() -> int:
         from qwenchat.tui.options import ChatOptions, check_chat_options, require_terminal
 
-        options = ChatOptions(model, backend, system, think, overrides, ctx, device,
+        options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
                               history=not no_history, debug=debug)
         check_chat_options(options)
         require_terminal()

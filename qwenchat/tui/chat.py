@@ -6,6 +6,7 @@ through `_save`, so a full disk or a locked file becomes a notice, never a crash
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,7 +34,6 @@ class Chat:
         warn: Callable[[str], None] = lambda _: None,
     ):
         self.store = store
-        self.model = model
         self.settings = settings
         self.record = record  # None until the first message: empty chats are not kept
         self.stored = list(stored or [])  # the history's rows, one per session message
@@ -160,8 +160,6 @@ class Chat:
         if self.record is None:
             raise UsageError("nothing to export yet: send a message first")
         if kind == "json":
-            import json
-
             return json.dumps(self.store.export_json(self.record.id), ensure_ascii=False,
                               indent=2) + "\n"
         return self.store.export_markdown(self.record.id)

@@ -22,6 +22,7 @@ class ChatOptions:
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
     ctx: int | None = None
     device: int = 0
+    decode: str = "layered"  # the CUDA engine's decode path
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
 
@@ -29,7 +30,7 @@ class ChatOptions:
 def check_chat_options(options: ChatOptions) -> None:
     """The same checks, and the same one-line errors, as `ask`: before the app starts."""
     check_overrides(options.overrides)
-    check_engine_flags(options.backend, options.ctx, options.device)
+    check_engine_flags(options.backend, options.ctx, options.device, options.decode)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.
     if looks_like_path(options.model) or Path(options.model).expanduser().exists():

@@ -57,6 +57,8 @@ PROMPT_KEYS = [
     ("Ctrl+J, Alt+Enter, Shift+Enter", "new line in the message (Shift+Enter where the "
                                        "terminal reports it)"),
     ("Up, in an empty prompt", "edit and resend the last message"),
+    ("Tab, Shift+Tab", "move between the prompt, the conversation (arrows and Page Up/Down "
+                       "scroll it) and the sampler panel"),
 ]
 
 # The command palette (Ctrl+P): every action, with what it does.
@@ -94,6 +96,7 @@ class ActiveReply:
 
 
 class ChatScreen(Screen[None]):
+    AUTO_FOCUS = "#prompt"
     # The tooltips are what /help says about each key.
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop",

@@ -14,8 +14,6 @@ Turn = UserMessage | AssistantMessage
 
 
 class Conversation(VerticalScroll):
-    can_focus = False  # the prompt keeps the keyboard; the mouse wheel still scrolls
-
     def __init__(self, id: str | None = None):
         super().__init__(id=id)
         self.turns: list[Turn] = []  # one per session message, in the same order

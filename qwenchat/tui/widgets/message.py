@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from contextlib import suppress
 from dataclasses import replace
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Markdown, Static
-from textual.widgets.markdown import MarkdownStream
 
 from qwenchat.session import ReplyStats, TextPiece
 from qwenchat.tui.stats import reply_summary
 from qwenchat.tui.widgets.thinking import ThinkingBlock
+
+RENDER_PACE = 4.0  # after a Markdown update, pause four times as long as it took
 
 
 class UserMessage(Static):
@@ -31,7 +35,10 @@ class AssistantMessage(Vertical):
             ThinkingBlock(thinking, streaming=False) if thinking else None)
         self._markdown = Markdown(answer)
         self._summary = Static("", markup=False, classes="summary")
-        self._stream: MarkdownStream | None = None
+        self._unshown = ""  # answer text not yet handed to the Markdown widget
+        self._arrived = asyncio.Event()
+        self._ending = asyncio.Event()
+        self._appender: asyncio.Task[None] | None = None
         self._final = (stats, stopped) if not streaming else None
 
     def compose(self) -> ComposeResult:
@@ -62,19 +69,41 @@ class AssistantMessage(Vertical):
         if self._thinking is not None and self._thinking.streaming:
             self._thinking.finish()
         self._answer += piece.text
-        if self._stream is None:
-            # MarkdownStream merges what arrives while the widget is still rendering the
-            # previous fragment, so a fast engine never queues up redraws.
-            self._stream = Markdown.get_stream(self._markdown)
-        await self._stream.write(piece.text)
+        self._unshown += piece.text
+        self._arrived.set()
+        if self._appender is None:
+            self._appender = asyncio.create_task(self._append_unshown())
+
+    async def _append_unshown(self) -> None:
+        """Append what arrived to the Markdown, in one piece per round, then pause for a
+        multiple of what that round cost: a long code block is re-highlighted and
+        re-rendered whole on every append, and the keyboard must get its turn."""
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            if self._unshown:
+                text, self._unshown = self._unshown, ""
+                started = time.perf_counter()
+                await self._markdown.append(text)
+                pause = RENDER_PACE * (time.perf_counter() - started)
+                with suppress(asyncio.TimeoutError):  # the reply's end cuts the pause short
+                    await asyncio.wait_for(self._ending.wait(), pause)
+            if self._ending.is_set() and not self._unshown:
+                return
 
     async def finish(self, stats: ReplyStats, stopped: bool) -> None:
-        if self._stream is not None:
-            await self._stream.stop()
+        if self._appender is not None:
+            self._ending.set()
+            self._arrived.set()
+            await self._appender
         if self._thinking is not None and self._thinking.streaming:
             self._thinking.finish()
         self.remove_class("-streaming")
         self._show_summary(stats, stopped)
+
+    def on_unmount(self) -> None:
+        if self._appender is not None:  # removed mid-reply: the app is closing
+            self._appender.cancel()
 
     def _show_summary(self, stats: ReplyStats | None, stopped: bool) -> None:
         if stats is not None and stopped and stats.stop_reason is None:
