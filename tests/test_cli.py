@@ -239,6 +239,19 @@ def test_help_lists_the_commands_and_chat_takes_the_ask_flags():
     assert "--no-history" in chat_help
 
 
+@pytest.mark.parametrize(("command", "defaults"), [
+    ("chat", ["[default: (the model's maximum)]"]),
+    ("ask", ["[default: (the model's maximum)]"]),
+    ("bench", ["[default: (qwen3-0.6b)]",
+               "[default: (room for the largest position and prompt, within the model's "
+               "maximum)]"]),
+])
+def test_help_keeps_the_defaults_that_are_not_values(command, defaults):
+    # Rich takes "[default: ...]" written into a help text for a style tag and drops it.
+    text = qwenchat(command, "--help", env={"COLUMNS": "250"}).stdout
+    for default in defaults:
+        assert default in text, text
+
 def test_chat_runs_in_a_terminal_and_quits_with_ctrl_q(tiny_model_dir, isolated_home):
     pty = pytest.importorskip("pty")
     import select

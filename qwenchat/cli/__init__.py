@@ -38,8 +38,10 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model directory or
                                        "hub id.", envvar="QWENCHAT_MODEL")]
 BackendOpt = Annotated[str, typer.Option("--backend", "-b",
                                          help="auto (GPU if usable, else CPU), cuda or cpu.")]
-CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in tokens "
-                                            "[default: the model's maximum].")]
+# Defaults that are not values go through show_default: typer escapes them for Rich, which
+# would take "[default: ...]" written into a help text for a style tag and drop it.
+CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in tokens.",
+                                            show_default="the model's maximum")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
 DeviceOpt = Annotated[int, typer.Option("--device", help="GPU index (see qwenchat info).")]
 DecodeOpt = Annotated[str, typer.Option(
@@ -229,15 +231,16 @@ def info(debug: DebugOpt = False) -> None:
 def bench(
     config: Annotated[str | None, typer.Option(
         "--config", help="Random weights of a known size (qwen3-0.6b, qwen3-1.7b, qwen3-4b, "
-        "qwen3-8b) or of a config.json file [default: qwen3-0.6b].")] = None,
+        "qwen3-8b) or of a config.json file.", show_default="qwen3-0.6b")] = None,
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Bench a real checkpoint: model directory or hub id.")] = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = 0,
     decode: DecodeOpt = "layered",
     ctx: Annotated[int | None, typer.Option(
-        "--ctx", help="KV-cache size in tokens [default: room for the largest position and "
-        "prompt, within the model's maximum].")] = None,
+        "--ctx", help="KV-cache size in tokens.",
+        show_default="room for the largest position and prompt, within the model's maximum")
+    ] = None,
     positions: Annotated[str, typer.Option(
         help="Decode at these cache positions (comma-separated).")] = "1,1024,4096,16384,32768",
     prompts: Annotated[str, typer.Option(
