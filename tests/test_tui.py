@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 from fake_engine import fake_model
 from textual import events
-from textual.widgets import OptionList
+from textual.widgets import Footer, OptionList
+from textual.widgets._toast import Toast
 
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.errors import ModelError
@@ -53,10 +54,11 @@ def make_app(tmp_path: Path, model: LoadedModel, **options) -> QwenchatApp:
                        loader=lambda step, notice: model, history=tmp_path / "history.sqlite3")
 
 
-def drive(app: QwenchatApp, scenario, size=SIZE) -> None:
-    """Run the app headless until the chat screen is up, then play `scenario(pilot, screen)`."""
+def drive(app: QwenchatApp, scenario, size=SIZE, notifications: bool = False) -> None:
+    """Run the app headless until the chat screen is up, then play `scenario(pilot, screen)`;
+    `notifications` shows toasts, as a terminal does (headless runs leave them out)."""
     async def main() -> None:
-        async with app.run_test(size=size) as pilot:
+        async with app.run_test(size=size, notifications=notifications) as pilot:
             await until(pilot, lambda: isinstance(app.screen, ChatScreen))
             await scenario(pilot, app.screen)
 
@@ -606,6 +608,26 @@ def test_dropped_turns_show_a_notice_and_dim_the_old_turns(tmp_path, tiny_model_
         assert any("context is" in n.message for n in app._notifications)
 
     drive(app, scenario)
+
+
+def test_the_context_warning_leaves_the_status_bar_and_footer_visible(tmp_path, tiny_model_dir):
+    model = fake_model(tiny_model_dir, "Short answer here.", eos=False, capacity=128)
+    app = make_app(tmp_path, model, overrides={"max_tokens": 110})
+
+    async def scenario(pilot, screen):
+        await send(pilot, screen, "Question about the fox")
+        await until(pilot, lambda: any("context is" in str(t.render())
+                                       for t in screen.query(Toast)))
+        await pilot.pause()
+
+        def shown_on_row(y: int) -> set[type]:
+            return {type(app.screen.get_widget_at(x, y)[0]) for x in range(SIZE[0])}
+
+        status_row, footer_row = screen.status.region.y, screen.query_one(Footer).region.y
+        assert Toast in shown_on_row(status_row - 1)  # the notice is up, just above them
+        assert Toast not in shown_on_row(status_row) | shown_on_row(footer_row)
+
+    drive(app, scenario, notifications=True)
 
 
 def test_a_prompt_too_long_for_the_context_goes_back_to_the_prompt(tmp_path, tiny_model_dir):
