@@ -25,12 +25,15 @@ class FakeEngine(CacheBookkeeping):
     device_name = "Fake GPU 9000"
 
     def __init__(self, config: Qwen3Config, script: Sequence[int], capacity: int = 4096,
-                 rate: float | None = None, hold_at: int | None = None):
+                 rate: float | None = None, hold_at: int | None = None,
+                 stubborn: bool = False):
         super().__init__(capacity)
         self.config = config
         self.script = list(script)  # replayed in a loop until a stop condition holds
         self.rate = rate  # tokens per second; None: as fast as Python goes
         self.hold_at = hold_at  # step at which each reply waits for `release`
+        self.stubborn = stubborn  # the hold ignores cancel, as a long kernel would
+        self.closed = False
         self.holding = threading.Event()
         self.release = threading.Event()
         self.seen: list[SamplingParams] = []  # the parameters in force at every step
@@ -47,7 +50,7 @@ class FakeEngine(CacheBookkeeping):
         return np.zeros(self.config.vocab_size, np.float32)
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
     def _has_logits(self) -> bool:
         return self._logits
@@ -75,7 +78,7 @@ class FakeEngine(CacheBookkeeping):
         self.holding.set()
         give_up = time.monotonic() + 20  # a failed test must not hang the run
         while not self.release.wait(0.005):
-            if self._cancel.is_set() or time.monotonic() > give_up:
+            if (self._cancel.is_set() and not self.stubborn) or time.monotonic() > give_up:
                 break
         self.holding.clear()
         self.release.clear()

@@ -250,6 +250,44 @@ def test_a_crash_mid_reply_loses_nothing_already_on_screen(tmp_path, tiny_model_
     assert messages[1].stopped and messages[1].content.startswith(on_screen["text"])
 
 
+def test_quitting_closes_the_engine(tmp_path, tiny_model_dir):
+    model = reference_model(tiny_model_dir)
+    app = make_app(tmp_path, model, overrides={"max_tokens": 4})
+
+    async def scenario(pilot, screen):
+        await send(pilot, screen, "Hi")
+        assert model.engine._k.size > 0
+        await pilot.press("ctrl+q")
+
+    drive(app, scenario)
+    app.close_everything()  # what run_chat does once the app has exited
+    assert model.engine._k.size == 0 and model.engine._v.size == 0  # the KV cache is freed
+    app.close_everything()  # and again, harmlessly
+
+
+def test_quitting_inside_a_step_that_ignores_cancel_neither_hangs_nor_frees_the_engine(
+        tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("qwenchat.tui.screens.chat.SHUTDOWN_WAIT_S", 0.2)
+    model = fake_model(tiny_model_dir, REPLY, hold_at=3, stubborn=True)
+    app = make_app(tmp_path, model)
+
+    async def scenario(pilot, screen):
+        screen.prompt.load_text("Hi")
+        await pilot.press("enter")
+        await until(pilot, lambda: model.engine.holding.is_set())
+        app.exit()  # torn down while the generation thread is inside the engine
+
+    try:
+        started = time.monotonic()
+        drive(app, scenario)
+        app.close_everything()
+        # The app's exit does not join the generation thread (the hold lasts 20 s)...
+        assert time.monotonic() - started < 10
+        assert not model.engine.closed  # ...nor frees the engine under it: the process's exit
+    finally:
+        model.engine.release.set()
+
+
 # ------------------------------------------------------------------ regenerate, edit, clear
 def test_regenerate_replaces_the_last_reply(tmp_path, tiny_model_dir):
     app = make_app(tmp_path, reference_model(tiny_model_dir),

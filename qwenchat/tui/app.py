@@ -66,6 +66,7 @@ class QwenchatApp(App[int]):
             history = ChatStore.default_path() if options.history else None
         self._history = history
         self.store: ChatStore | None = None
+        self.model: LoadedModel | None = None  # once loaded; closed on the way out
         self.chat_screen: ChatScreen | None = None
         self.error_message: str | None = None  # why the app could not start
         self._notices: list[str] = []
@@ -103,6 +104,7 @@ class QwenchatApp(App[int]):
         if isinstance(self.screen, LoadingScreen):
             self.screen.finish()
         assert self.store is not None
+        self.model = message.model
         self.chat_screen = ChatScreen(self.store, message.model, self.options, self.clock)
         await self.switch_screen(self.chat_screen)
         for notice in self._notices:
@@ -132,16 +134,28 @@ class QwenchatApp(App[int]):
         self.exit(code, return_code=code)
 
     def close_everything(self) -> None:
-        """Save a reply cut short, then close the history; safe to repeat.
+        """Save a reply cut short, close the history, then the engine; safe to repeat.
 
-        The engine is left to the process's exit, which frees its memory: a CUDA context is
-        current only on the threads that made it so, and this one never did.
+        An engine that a reply's thread is still inside (it did not stop within
+        SHUTDOWN_WAIT_S) is left to the process's exit, which frees its memory anyway:
+        freeing it under a running step could crash that thread.
         """
+        in_use = False
         if self.chat_screen is not None:
             self.chat_screen.save_now()
+            in_use = self.chat_screen.engine_in_use
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.model is not None and not in_use:
+            model, self.model = self.model, None
+            try:
+                model.close()
+            except Exception:
+                # The process is ending, which frees the memory anyway: a failure here must
+                # not turn a clean quit into a traceback.
+                if self.options.debug:
+                    raise
 
 
 def _runner(screen: ChatScreen, action: str) -> Callable[[], object]:

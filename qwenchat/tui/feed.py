@@ -59,6 +59,11 @@ class ReplyFeed:
     def wait_ended(self, timeout: float) -> bool:
         return self._ended.wait(timeout)
 
+    @property
+    def ended(self) -> bool:
+        """The generation has returned: its thread no longer touches the engine."""
+        return self._ended.is_set()
+
     def pump(self, events: Iterable[Event]) -> None:
         """Run in the generation thread: feed every event, then close with the outcome."""
         try:

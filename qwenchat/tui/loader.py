@@ -28,6 +28,16 @@ class LoadedModel:
     def device_name(self) -> str:
         return getattr(self.engine, "device_name", "CPU")
 
+    def close(self) -> None:
+        """Free the engine's memory (its KV cache, and on a GPU its weights), from whichever
+        thread quits: a CUDA context is current only on the threads that made it so (the
+        loading thread, each reply's worker), so it is made current here first."""
+        device = getattr(self.engine, "device", None)
+        make_current = getattr(device, "make_current", None)
+        if callable(make_current):
+            make_current()
+        self.engine.close()
+
 
 # A loader runs in a worker thread: `step` says what it starts doing now, `notice` reports
 # something the user should still see once the chat is open.

@@ -173,6 +173,11 @@ class ChatScreen(Screen[None]):
     def generating(self) -> bool:
         return self._reply is not None
 
+    @property
+    def engine_in_use(self) -> bool:
+        """A reply's generation thread has not returned yet (it may still be in the engine)."""
+        return self._reply is not None and not self._reply.feed.ended
+
     def key_help(self) -> list[tuple[str, str]]:
         keys = list(PROMPT_KEYS)
         for binding in self.BINDINGS:
@@ -230,8 +235,12 @@ class ChatScreen(Screen[None]):
         feed = ReplyFeed()
         self._reply = ActiveReply(view, feed, cancel, saved_at=self.clock())
         self.status.starting()
-        self.run_worker(partial(feed.pump, events), name="reply", group="reply", thread=True,
-                        exit_on_error=False)
+        # A daemon thread, not a thread worker: workers run on asyncio's default executor,
+        # which the app's exit joins, so quitting while a step that cannot be cancelled runs
+        # (a long prefill on the CPU) would hang after the screen has gone. Quitting waits
+        # SHUTDOWN_WAIT_S at most; the engine is then left to the process's exit.
+        threading.Thread(target=feed.pump, args=(events,), name="qwenchat-reply",
+                         daemon=True).start()
         self._drain_timer = self.set_interval(FLUSH_S, self._tick)
         self.refresh_bindings()
 
