@@ -12,12 +12,13 @@ from pathlib import Path
 
 import huggingface_hub
 import huggingface_hub.constants
+import huggingface_hub.errors
 import numpy as np
 import pytest
 
 from qwenchat.errors import ModelError, UsageError
 from qwenchat.model.loader import open_model
-from qwenchat.model.locate import resolve_model
+from qwenchat.model.locate import download_bars, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO_ID = "Org/Name"
@@ -133,6 +134,52 @@ def test_hub_id_not_in_the_cache_offline_says_how_to_get_it(hub_cache):
     assert "Org/Missing" in message
     assert "network" in message
     assert "--model DIR" in message
+
+
+# --- download progress, as the chat's loading screen shows it ---------------------------------
+
+
+def test_a_download_is_reported_as_one_line_of_bytes_speed_and_files(capsys):
+    lines, now = [], [0.0]
+    bar = download_bars(lines.append, clock=lambda: now[0])
+    files = bar(total=5, desc="Fetching 5 files")
+    assert lines[-1] == "0 of 5 files"
+    data = bar(total=1_500_000_000, unit="B", unit_scale=True, desc="Downloading")
+    data.update(100_000_000)
+    assert lines[-1] == "100 MB of 1.50 GB · 0 of 5 files"  # no speed yet: too soon
+    now[0] = 2.0
+    data.update(76_400_000)
+    files.update(2)
+    assert lines[-1] == "176 MB of 1.50 GB · 38.2 MB/s · 2 of 5 files"
+    data.close()
+    files.close()
+    assert capsys.readouterr() == ("", "")  # nothing drawn on the terminal
+
+
+def test_a_download_of_unknown_size_reports_the_bytes_so_far():
+    lines = []
+    bar = download_bars(lines.append)
+    bar(unit="B", desc="Downloading bytes").update(5_300)
+    assert lines[-1] == "5.30 kB"
+
+
+def test_a_hub_download_reports_its_progress_through_huggingface_hubs_bars(hub_cache,
+                                                                          tiny_model_dir,
+                                                                          monkeypatch):
+    # What snapshot_download does with tqdm_class: a bar for the files, one for the bytes.
+    def fake_snapshot_download(repo_id, *, local_files_only=False, tqdm_class=None, **_):
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError(f"{repo_id} is not cached")
+        with tqdm_class(total=1, desc="Fetching 1 files") as files, \
+                tqdm_class(total=2_000, unit="B", desc="Downloading") as data:
+            data.update(2_000)
+            files.update(1)
+        return str(tiny_model_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    lines = []
+    assert resolve_model(REPO_ID, lines.append) == tiny_model_dir
+    assert lines[-1] == "2.00 kB of 2.00 kB · 1 of 1 files"
 
 
 # --- through the command line ----------------------------------------------------------------

@@ -51,7 +51,17 @@ def reference_model(model_dir: Path, ctx: int | None = None) -> LoadedModel:
 def make_app(tmp_path: Path, model: LoadedModel, **options) -> QwenchatApp:
     """The app on `model`, its history in tmp_path (never the user's data dir)."""
     return QwenchatApp(ChatOptions("tiny-qwen3", **options),
-                       loader=lambda step, notice: model, history=tmp_path / "history.sqlite3")
+                       loader=lambda *reports: model, history=tmp_path / "history.sqlite3")
+
+
+def chat_ready(app: QwenchatApp) -> bool:
+    """The chat screen is up and takes keys: mounted, with the prompt focused.
+
+    `app.screen` is the chat screen as soon as the switch to it begins, before its widgets
+    are mounted and the prompt has the focus: a key pressed then is lost.
+    """
+    screen = app.screen
+    return isinstance(screen, ChatScreen) and screen.is_mounted and app.focused is screen.prompt
 
 
 def drive(app: QwenchatApp, scenario, size=SIZE, notifications: bool = False) -> None:
@@ -59,7 +69,7 @@ def drive(app: QwenchatApp, scenario, size=SIZE, notifications: bool = False) ->
     `notifications` shows toasts, as a terminal does (headless runs leave them out)."""
     async def main() -> None:
         async with app.run_test(size=size, notifications=notifications) as pilot:
-            await until(pilot, lambda: isinstance(app.screen, ChatScreen))
+            await until(pilot, lambda: chat_ready(app))
             await scenario(pilot, app.screen)
 
     asyncio.run(main())
@@ -702,7 +712,7 @@ def test_corrupted_history_is_moved_aside_with_a_notice(tmp_path, tiny_model_dir
 def test_no_history_keeps_nothing_on_disk(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     app = QwenchatApp(ChatOptions("tiny-qwen3", history=False),
-                      loader=lambda step, notice: fake_model(tiny_model_dir, "Yes."))
+                      loader=lambda *reports: fake_model(tiny_model_dir, "Yes."))
 
     async def scenario(pilot, screen):
         assert app.store.path is None
@@ -781,7 +791,7 @@ def test_loading_screen_shows_each_step_while_it_runs(tmp_path, tiny_model_dir):
     release = threading.Event()
     model = fake_model(tiny_model_dir, "Yes.")
 
-    def loader(step, notice):
+    def loader(step, notice, progress):
         step("finding tiny-qwen3")
         step("compiling kernels for sm_90")
         notice("context reduced to 4096 tokens")
@@ -804,9 +814,56 @@ def test_loading_screen_shows_each_step_while_it_runs(tmp_path, tiny_model_dir):
             release.set()
             await until(pilot, lambda: any("context reduced" in n.message
                                            for n in app._notifications))
-            assert isinstance(app.screen, ChatScreen)
+            await until(pilot, lambda: chat_ready(app))
 
     asyncio.run(main())
+
+
+def test_the_loading_screen_shows_a_hub_download_as_it_runs(tmp_path, tiny_model_dir,
+                                                            monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    halfway, release = threading.Event(), threading.Event()
+
+    def fake_snapshot_download(repo_id, *, local_files_only=False, tqdm_class=None, **_):
+        # As huggingface_hub does: a bar for the files, one for the bytes, from its threads.
+        if local_files_only:
+            raise LocalEntryNotFoundError(f"{repo_id} is not in the cache")
+        files = tqdm_class(total=5, desc="Fetching 5 files")
+        data = tqdm_class(total=1_500_000_000, unit="B", unit_scale=True, desc="Downloading")
+        data.update(412_000_000)
+        files.update(2)
+        halfway.set()
+        release.wait(10)
+        data.update(1_088_000_000)
+        files.update(3)
+        data.close()
+        files.close()
+        return str(tiny_model_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    app = QwenchatApp(ChatOptions("Org/Name", backend="cpu"), history=None)
+
+    def shown() -> str:
+        return str(app.screen.query_one("#loading-steps").render())
+
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, LoadingScreen)
+                        and "2 of 5 files" in shown())
+            finding, downloading, progress = shown().splitlines()
+            assert finding.startswith("✓") and "finding Org/Name" in finding
+            assert downloading.endswith("downloading Org/Name from the Hugging Face hub")
+            assert not downloading.startswith("✓")
+            assert progress.strip() == "412 MB of 1.50 GB · 2 of 5 files"
+            release.set()
+            await until(pilot, lambda: chat_ready(app))
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
 
 
 def test_the_model_loader_opens_the_chat_on_the_reference_engine(tmp_path, tiny_model_dir):
@@ -846,8 +903,15 @@ def test_the_chat_runs_on_the_cuda_engine_across_worker_threads(tmp_path, tiny_m
         assert stats.generated_tokens == 8 and stats.reused_tokens > 0
         await press_and_wait_for_reply(pilot, screen, "ctrl+r")
         assert screen.chat.session.last_reply.stats.generated_tokens == 8
+        await pilot.press("ctrl+q")
 
+    from qwenchat.engine.cuda import runtime
+
+    before = runtime.allocated_bytes()
     drive(app, scenario)
+    assert runtime.allocated_bytes() > before
+    app.close_everything()  # on this thread, where no context was ever made current
+    assert runtime.allocated_bytes() == before
 
 
 @pytest.mark.parametrize(("error", "shown"), [
@@ -856,7 +920,7 @@ def test_the_chat_runs_on_the_cuda_engine_across_worker_threads(tmp_path, tiny_m
     (RuntimeError("kaboom"), "RuntimeError: kaboom (rerun with --debug for the traceback)"),
 ])
 def test_a_load_failure_is_a_readable_screen_then_one_line(tmp_path, error, shown):
-    def loader(step, notice):
+    def loader(step, notice, progress):
         raise error
 
     app = QwenchatApp(ChatOptions("Qwen/Qwen3-0.6B"), loader=loader, history=None)
@@ -873,7 +937,7 @@ def test_a_load_failure_is_a_readable_screen_then_one_line(tmp_path, error, show
 
 
 def test_debug_shows_the_traceback_on_the_error_screen(tmp_path):
-    def loader(step, notice):
+    def loader(step, notice, progress):
         raise RuntimeError("kaboom")
 
     app = QwenchatApp(ChatOptions("x", debug=True), loader=loader, history=None)
@@ -956,11 +1020,11 @@ def frozen_session_clock(monkeypatch) -> None:
 
 def snapshot_app(tmp_path, model, **options) -> QwenchatApp:
     return QwenchatApp(ChatOptions("tiny-qwen3", **options),
-                       loader=lambda step, notice: model, history=None, clock=lambda: 100.0)
+                       loader=lambda *reports: model, history=None, clock=lambda: 100.0)
 
 
 async def wait_for_chat(pilot) -> ChatScreen:
-    await until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
+    await until(pilot, lambda: chat_ready(pilot.app))
     return pilot.app.screen
 
 
@@ -1034,7 +1098,7 @@ def test_snapshot_chat_list(snap_compare, tmp_path, tiny_model_dir, monkeypatch)
 def test_snapshot_loading(snap_compare, tmp_path):
     release = threading.Event()
 
-    def loader(step, notice):
+    def loader(step, notice, progress):
         step("finding Qwen/Qwen3-0.6B (downloading it if it is not in the cache)")
         step("loading 0.60 B parameters into the cuda engine")
         step("compiling decode.cu for sm_90")
@@ -1056,7 +1120,7 @@ def test_snapshot_loading(snap_compare, tmp_path):
 
 
 def test_snapshot_error(snap_compare, tmp_path):
-    def loader(step, notice):
+    def loader(step, notice, progress):
         raise ModelError("Qwen/Qwen3-0.6B is not in the Hugging Face cache and cannot be "
                          "downloaded now: connect to the network (and unset HF_HUB_OFFLINE) "
                          "to fetch it once, or pass --model DIR with a local copy")

@@ -8,7 +8,7 @@ from pathlib import Path
 from qwenchat.errors import ModelError
 from qwenchat.model.checkpoint import Checkpoint
 from qwenchat.model.config import Qwen3Config
-from qwenchat.model.locate import resolve_model
+from qwenchat.model.locate import DownloadProgress, resolve_model
 from qwenchat.model.tokenizer import Tokenizer
 from qwenchat.sampling.params import eos_token_ids
 
@@ -26,8 +26,9 @@ class Model:
         self.checkpoint.close()
 
 
-def open_model(spec: str) -> Model:
-    directory = resolve_model(spec)
+def open_model(spec: str, progress: DownloadProgress | None = None) -> Model:
+    """`progress` gets a line on a hub download's progress (else huggingface_hub's bars)."""
+    directory = resolve_model(spec, progress)
     return open_model_dir(directory, spec)
 
 

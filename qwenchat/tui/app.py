@@ -38,6 +38,9 @@ class QwenchatApp(App[int]):
             self.text = text
             self.notice = notice
 
+    class LoadProgress(Message):
+        """The current step's progress has changed: the latest is in `_progress_text`."""
+
     class Loaded(Message):
         def __init__(self, model: LoadedModel):
             super().__init__()
@@ -70,6 +73,10 @@ class QwenchatApp(App[int]):
         self.chat_screen: ChatScreen | None = None
         self.error_message: str | None = None  # why the app could not start
         self._notices: list[str] = []
+        # A download reports often, from its own threads: only its latest line matters, so
+        # at most one LoadProgress message is on its way at a time.
+        self._progress_lock = threading.Lock()
+        self._progress_text: str | None = None
 
     def on_mount(self) -> None:
         self.push_screen(LoadingScreen(self.options.model, self.clock))
@@ -85,11 +92,25 @@ class QwenchatApp(App[int]):
         """In the loading thread: every step and notice goes to the UI as a message."""
         try:
             model = self._loader(lambda text: self.post_message(self.LoadStep(text)),
-                                 lambda text: self.post_message(self.LoadStep(text, True)))
+                                 lambda text: self.post_message(self.LoadStep(text, True)),
+                                 self._progress)
         except BaseException as exc:  # shown on the error screen, never as a traceback
             self.post_message(self.LoadFailed(exc))
         else:
             self.post_message(self.Loaded(model))
+
+    def _progress(self, text: str) -> None:
+        with self._progress_lock:
+            pending = self._progress_text is not None
+            self._progress_text = text
+        if not pending:
+            self.post_message(self.LoadProgress())
+
+    def on_qwenchat_app_load_progress(self) -> None:
+        with self._progress_lock:
+            text, self._progress_text = self._progress_text, None
+        if text is not None and isinstance(self.screen, LoadingScreen):
+            self.screen.progress(text)
 
     def on_qwenchat_app_load_step(self, message: LoadStep) -> None:
         if message.notice:

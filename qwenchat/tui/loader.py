@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,18 +41,27 @@ class LoadedModel:
 
 
 # A loader runs in a worker thread: `step` says what it starts doing now, `notice` reports
-# something the user should still see once the chat is open.
-Loader = Callable[[Report, Report], LoadedModel]
+# something the user should still see once the chat is open, `progress` how far the current
+# step has got (a download's bytes and files).
+Loader = Callable[[Report, Report, Report], LoadedModel]
 
 
 def model_loader(options: ChatOptions) -> Loader:
-    def load(step: Report, notice: Report) -> LoadedModel:
+    def load(step: Report, notice: Report, progress: Report) -> LoadedModel:
         if Path(options.model).expanduser().is_dir():
             step(f"reading {options.model}")
         else:
             step(f"finding {options.model} in the Hugging Face cache (downloading it when "
                  "missing)")
-        model = open_model(options.model)
+        downloading = threading.Event()
+
+        def download(text: str) -> None:  # from the download's threads
+            if not downloading.is_set():
+                downloading.set()
+                step(f"downloading {options.model} from the Hugging Face hub")
+            progress(text)
+
+        model = open_model(options.model, progress=download)
         size = model.config.parameter_count() / 1e9
         step(f"loading {size:.2f} B parameters into the {options.backend} engine")
 

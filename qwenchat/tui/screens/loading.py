@@ -24,6 +24,7 @@ class LoadingScreen(Screen[None]):
         self._clock = clock
         self._started = clock()
         self._steps: list[tuple[str, float, float | None]] = []  # text, start, end
+        self._details: dict[int, str] = {}  # a step's progress (a download's bytes), by index
         self._notes: list[str] = []  # warnings that came up on the way
 
     def compose(self) -> ComposeResult:
@@ -44,6 +45,12 @@ class LoadingScreen(Screen[None]):
         self._steps.append((text, now, None))
         self._render_steps()
 
+    def progress(self, text: str) -> None:
+        """How far the current step has got; shown under it (and kept once it is done)."""
+        if self._steps:
+            self._details[len(self._steps) - 1] = text
+            self._render_steps()
+
     def note(self, text: str) -> None:
         self._notes.append(text)
         self._render_steps()
@@ -62,9 +69,11 @@ class LoadingScreen(Screen[None]):
             return
         now = self._clock()
         lines = []
-        for text, start, end in self._steps:
+        for index, (text, start, end) in enumerate(self._steps):
             mark = "✓" if end is not None else SPINNER[int(now * 10) % len(SPINNER)]
             lines.append(f"{mark} {(end or now) - start:5.1f} s  {text}")
+            if index in self._details:
+                lines.append(f"{'':11}{self._details[index]}")
         lines += [f"⚠ {note}" for note in self._notes]
         self.query_one("#loading-steps", Static).update("\n".join(lines) or "…")
         self.query_one("#loading-total", Static).update(
