@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from fake_engine import fake_model
 from textual import events
+from textual._xterm_parser import XTermParser
 from textual.widgets import Footer, OptionList
 from textual.widgets._toast import Toast
 
@@ -363,6 +364,27 @@ def test_newline_keys_insert_a_line_and_enter_sends(tmp_path, tiny_model_dir):
         await pilot.press("enter")
         await until(pilot, lambda: not screen.generating and len(replies(screen)) == 1)
         assert screen.conversation.turns[0].text == "a\nb\nc\nd"
+
+    drive(app, scenario)
+
+
+def terminal_keys(data: str) -> list[events.Key]:
+    """`data` as Textual reads it from a terminal (the parser, not Pilot's key names)."""
+    parser = XTermParser()
+    return [e for e in [*parser.feed(data), *parser.feed("")] if isinstance(e, events.Key)]
+
+
+def test_alt_enter_from_a_terminal_starts_a_new_line(tmp_path, tiny_model_dir):
+    # Most terminals (and tmux) send Alt+Enter as ESC CR, which Textual reads as Enter.
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        keys = terminal_keys("a\x1b\rb")
+        assert [k.key for k in keys] == ["a", "alt+enter", "b"]
+        for key in keys:
+            app._driver.send_message(key)
+        await pilot.pause()
+        assert screen.prompt.text == "a\nb" and not screen.conversation.turns
 
     drive(app, scenario)
 

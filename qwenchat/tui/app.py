@@ -18,6 +18,7 @@ from textual.screen import Screen
 
 from qwenchat.errors import QwenchatError
 from qwenchat.store import ChatStore
+from qwenchat.tui.keys import read_alt_enter
 from qwenchat.tui.loader import LoadedModel, Loader, model_loader
 from qwenchat.tui.options import ChatOptions
 from qwenchat.tui.screens.chat import PALETTE, ChatScreen
@@ -62,6 +63,7 @@ class QwenchatApp(App[int]):
         None keeps nothing on disk, and ... means the user's data dir (or None with
         --no-history)."""
         super().__init__()
+        read_alt_enter()
         self.options = options
         self.clock = clock
         self._loader = loader or model_loader(options)
