@@ -389,6 +389,51 @@ def test_alt_enter_from_a_terminal_starts_a_new_line(tmp_path, tiny_model_dir):
     drive(app, scenario)
 
 
+def burst(app: QwenchatApp, keys: str) -> None:
+    """Keys from a terminal arriving together, none waiting for the one before (fast typing,
+    or keys typed while the UI is busy): Pilot's press waits after each key."""
+    for key in terminal_keys(keys):
+        app._driver.send_message(key)
+
+
+def test_keys_arriving_together_keep_their_order(tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        burst(app, "ab\x7fc")  # Backspace is a binding; the letters are typed characters
+        await pilot.pause()
+        assert screen.prompt.text == "ac"
+        burst(app, "\x15next")  # Ctrl+U: the line is deleted before "next", not after
+        await pilot.pause()
+        assert screen.prompt.text == "next"
+
+    drive(app, scenario)
+
+
+def test_text_typed_right_after_enter_stays_for_the_next_message(tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        burst(app, "first\rsecond")
+        await until(pilot, lambda: not screen.generating and len(replies(screen)) == 1)
+        assert screen.conversation.turns[0].text == "first"
+        assert screen.prompt.text == "second"
+
+    drive(app, scenario)
+
+
+def test_a_message_that_fails_comes_back_before_what_was_typed_since(tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        burst(app, "/set top-p 5\r more")
+        await until(pilot, lambda: screen.prompt_error.display)
+        assert screen.prompt.text == "/set top-p 5 more"
+        assert "top-p" in str(screen.prompt_error.render())
+
+    drive(app, scenario)
+
+
 def test_clear_and_new_chat(tmp_path, tiny_model_dir):
     app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
 
@@ -603,6 +648,21 @@ def test_chat_list_switches_renames_and_deletes_chats(tmp_path, tiny_model_dir):
 
     drive(app, scenario)
     assert [chat.title for chat, _ in stored(tmp_path)] == ["Second chat"]
+
+
+def test_renaming_a_chat_with_keys_arriving_together(tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        await send(pilot, screen, "About foxes")
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: isinstance(app.screen, ChatListScreen))
+        await pilot.press("r")
+        burst(app, "\x15Foxes\r")  # Ctrl+U clears the old title first, then "Foxes"
+        await until(pilot, lambda: not app.screen.query_one("#rename").display)
+        assert app.store.list_chats()[0].title == "Foxes"
+
+    drive(app, scenario)
 
 
 def test_export_writes_markdown_and_json(tmp_path, tiny_model_dir):

@@ -194,14 +194,11 @@ class ChatScreen(Screen[None]):
         try:
             typed = interpret(event.text)
             if isinstance(typed, Command):
-                self.prompt.clear()
                 await self._command(typed)
             else:
                 await self._send(typed)
         except QwenchatError as exc:
-            if not self.prompt.text:
-                self.prompt.load_text(event.text)
-                self.prompt.move_cursor(self.prompt.document.end)
+            self.prompt.give_back(event.text)
             self._prompt_error(str(exc))
 
     @on(PromptInput.Changed)
@@ -224,7 +221,6 @@ class ChatScreen(Screen[None]):
             self._stop_editing()
         else:
             events = self.chat.send(text, cancel)
-        self.prompt.clear()
         self._show_title()
         await self.conversation.add_user(text)
         await self._stream(events, cancel)
@@ -289,9 +285,7 @@ class ChatScreen(Screen[None]):
         restored = self.chat.finish_reply()
         if restored is not None:  # the turn never started: its text goes back to the prompt
             await self.conversation.drop_turns_from(len(self.conversation.turns) - 2)
-            if not self.prompt.text:
-                self.prompt.load_text(restored)
-                self.prompt.move_cursor(self.prompt.document.end)
+            self.prompt.give_back(restored)
             self._status_idle(None)
         else:
             last = self.chat.session.last_reply

@@ -17,6 +17,7 @@ from textual.widgets.option_list import Option
 
 from qwenchat.errors import QwenchatError
 from qwenchat.store import ChatStore
+from qwenchat.tui.keys import FieldInput
 from qwenchat.tui.screens.confirm import ConfirmScreen
 
 
@@ -46,7 +47,7 @@ class ChatListScreen(ModalScreen[ChatChoice]):
         with Vertical(id="chats-box"):
             yield Static("Chats", classes="panel-title")
             yield OptionList(id="chat-options")
-            yield Input(id="rename", placeholder="new title, Enter to save, Esc to cancel")
+            yield FieldInput(id="rename", placeholder="new title, Enter to save, Esc to cancel")
             yield Static("Enter open · n new · r rename · d delete · Esc close",
                          classes="hint")
 

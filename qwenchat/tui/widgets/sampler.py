@@ -11,6 +11,7 @@ from textual.message import Message
 from textual.widgets import Input, Label, Static, Switch
 
 from qwenchat.sampling.params import RANGES, SamplingParams
+from qwenchat.tui.keys import FieldInput
 
 LABELS = {
     "temperature": "temperature",
@@ -51,7 +52,7 @@ class SamplerPanel(VerticalScroll):
         self._switch = Switch(id="thinking", animate=False)
         self._labels = {name: Label(label, id=f"label-{name}", classes="param-label")
                         for name, label in LABELS.items()}
-        self._fields = {name: Input(id=f"param-{name}", tooltip=f"{label}: {RANGES[name][4]}",
+        self._fields = {name: FieldInput(id=f"param-{name}", tooltip=f"{label}: {RANGES[name][4]}",
                                     select_on_focus=True, compact=True)
                         for name, label in LABELS.items()}
         self._errors = {name: Static("", id=f"error-{name}", classes="param-error",
