@@ -78,7 +78,10 @@ class SamplerPanel(VerticalScroll):
         self._switch.value = thinking
         for name, label in LABELS.items():
             self._labels[name].update(f"{label}{' •' if name in user_set else ''}")
-            self._shown[name] = shown_value(getattr(params, name))
+            shown = shown_value(getattr(params, name))
+            if shown != self._shown.get(name):  # a new value in force (/set, a mode switch):
+                self.clear_error(name)  # an error about an earlier attempt no longer applies
+            self._shown[name] = shown
             if not self._fields[name].has_focus:
                 self._fields[name].value = self._shown[name]
 
