@@ -514,6 +514,27 @@ def test_invalid_panel_value_shows_an_error_beside_the_field(tmp_path, tiny_mode
     drive(app, scenario)
 
 
+def test_a_field_error_goes_once_the_value_in_force_changes_elsewhere(tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        await pilot.press("ctrl+s")
+        error = screen.query_one("#error-top_p")
+        for change in ("/think", "/set top-p 0.9"):
+            field = screen.query_one("#param-top_p")
+            field.focus()
+            field.value = "5"
+            await pilot.press("enter")
+            await until(pilot, lambda: error.display)
+            screen.prompt.focus()
+            screen.prompt.load_text(change)
+            await pilot.press("enter")
+            await until(pilot, lambda: not error.display)  # no error beside the new value
+        assert screen.query_one("#param-top_p").value == "0.9"
+
+    drive(app, scenario)
+
+
 def test_panel_edit_mid_reply_applies_to_the_following_tokens(tmp_path, tiny_model_dir):
     model = fake_model(tiny_model_dir, REPLY, hold_at=5)
     app = make_app(tmp_path, model)
@@ -701,6 +722,7 @@ def test_export_by_default_goes_to_the_current_directory(tmp_path, tiny_model_di
 def test_copy_puts_the_reply_or_its_code_block_on_the_clipboard(tmp_path, tiny_model_dir,
                                                                  monkeypatch):
     monkeypatch.setenv("TERM_PROGRAM", "WezTerm")
+    monkeypatch.delenv("TMUX", raising=False)  # tmux may ignore the request: not tested here
     app = make_app(tmp_path, fake_model(tiny_model_dir, REPLY))
 
     async def scenario(pilot, screen):

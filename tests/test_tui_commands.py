@@ -183,5 +183,20 @@ def test_last_code_block_finds_the_last_fence_even_if_unclosed():
     ({"VTE_VERSION": "7600", "TMUX": "/tmp/tmux"}, None),
 ])
 def test_terminals_that_ignore_clipboard_requests_are_named(env, expected):
-    reason = unsupported_reason(env)
+    reason = unsupported_reason(env, tmux=lambda name: "on")
     assert (reason is None) if expected is None else (expected in reason)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [
+    ("external", "set-clipboard is external"),  # tmux's default: programs are ignored
+    ("off", "set-clipboard is off"),
+    ("on", None),
+    (None, None),  # tmux could not be asked: nothing is known
+])
+def test_tmux_passes_clipboard_requests_on_only_with_set_clipboard_on(setting, expected):
+    asked = []
+    reason = unsupported_reason({"TMUX": "/tmp/tmux-0/default,1,0"},
+                                tmux=lambda name: asked.append(name) or setting)
+    assert asked == ["set-clipboard"]
+    assert (reason is None) if expected is None else (expected in reason)
+    assert reason is None or "tmux set -g set-clipboard on" in reason

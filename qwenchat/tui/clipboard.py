@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import subprocess
+from collections.abc import Callable, Mapping
 
 FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})")
 
@@ -29,13 +30,31 @@ def last_code_block(markdown: str) -> str | None:
     return "\n".join(blocks[-1]) if blocks else None
 
 
-def unsupported_reason(env: Mapping[str, str] | None = None) -> str | None:
+def tmux_option(name: str) -> str | None:
+    """A global tmux option of the server this process runs under, or None if unknown."""
+    try:
+        done = subprocess.run(["tmux", "show-options", "-gv", name], capture_output=True,
+                              text=True, timeout=2, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def unsupported_reason(env: Mapping[str, str] | None = None,
+                       tmux: Callable[[str], str | None] = tmux_option) -> str | None:
     """Why this terminal will not take text from a program (OSC 52), when that is known."""
     env = os.environ if env is None else env
     if env.get("TERM_PROGRAM") == "Apple_Terminal":
         return "macOS Terminal does not let programs set the clipboard"
     if env.get("TERM") == "linux":
         return "the Linux console has no clipboard"
+    if env.get("TMUX"):
+        # tmux drops a program's clipboard request unless set-clipboard is "on"; its
+        # default, "external", lets only tmux itself set the clipboard.
+        setting = tmux("set-clipboard")
+        if setting is not None and setting != "on":
+            return (f"tmux ignores clipboard requests from programs while set-clipboard is "
+                    f"{setting} (`tmux set -g set-clipboard on` lets them through)")
     if env.get("VTE_VERSION") and not env.get("TMUX"):
         return "VTE terminals (GNOME Terminal, Tilix) ignore clipboard requests from programs"
     return None
