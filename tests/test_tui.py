@@ -609,6 +609,30 @@ def test_thinking_streams_dimmed_and_folds_away_when_the_answer_starts(tmp_path,
                                                            "Foxes are quick.")
 
 
+def test_a_reply_stopped_while_thinking_keeps_its_thinking_open(tmp_path, tiny_model_dir):
+    model = fake_model(tiny_model_dir, THOUGHT_REPLY)
+    model.engine.hold_at = model.engine.script.index(model.tokenizer.think_end_id)
+    app = make_app(tmp_path, model, think=True)
+
+    async def scenario(pilot, screen):
+        screen.prompt.load_text("Foxes?")
+        await pilot.press("enter")
+        await until(pilot, lambda: model.engine.holding.is_set())
+        await until(pilot, lambda: replies(screen) and "foxes." in replies(screen)[-1].thinking)
+        await pilot.press("escape")
+        await until(pilot, lambda: not screen.generating)
+        reply = replies(screen)[-1]
+        assert reply.answer == "" and reply.has_class("-stopped")
+        assert not reply.query_one(ThinkingBlock).collapsed  # the thinking is all there is
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: not replies(screen))
+        await screen.open_chat(app.store.list_chats()[0].id)  # and from the history
+        await until(pilot, lambda: replies(screen))
+        assert not replies(screen)[-1].query_one(ThinkingBlock).collapsed
+
+    drive(app, scenario)
+
+
 def test_folding_the_thinking_does_not_stop_following_the_reply(tmp_path, tiny_model_dir):
     model = fake_model(tiny_model_dir, "<think>\n" + "hmm\n\n" * 40 + "</think>\n\n"
                        + "word\n\n" * 40)

@@ -32,7 +32,7 @@ class AssistantMessage(Vertical):
         super().__init__(classes="-streaming" if streaming else "")
         self._answer = answer
         self._thinking: ThinkingBlock | None = (
-            ThinkingBlock(thinking, streaming=False) if thinking else None)
+            ThinkingBlock(thinking, streaming=False, folded=bool(answer)) if thinking else None)
         self._markdown = Markdown(answer)
         self._summary = Static("", markup=False, classes="summary")
         self._unshown = ""  # answer text not yet handed to the Markdown widget
@@ -97,7 +97,7 @@ class AssistantMessage(Vertical):
             self._arrived.set()
             await self._appender
         if self._thinking is not None and self._thinking.streaming:
-            self._thinking.finish()
+            self._thinking.finish(fold=False)  # still thinking: no answer to fold it for
         self.remove_class("-streaming")
         self._show_summary(stats, stopped)
 

@@ -8,12 +8,14 @@ from textual.widgets import Collapsible, Static
 
 
 class ThinkingBlock(Collapsible):
-    def __init__(self, text: str = "", streaming: bool = True):
+    def __init__(self, text: str = "", streaming: bool = True, folded: bool = True):
+        """`folded` is for a finished block: a reply that has no answer keeps it open."""
         self._thought = text
         self.streaming = streaming
         self._folding = False
         self._body = Static(text, markup=False, classes="thinking-text")
-        super().__init__(self._body, title=self._heading(streaming), collapsed=not streaming)
+        super().__init__(self._body, title=self._heading(streaming),
+                         collapsed=folded and not streaming)
 
     @property
     def text(self) -> str:
@@ -23,14 +25,17 @@ class ThinkingBlock(Collapsible):
         self._thought += text
         self._body.update(self._thought)
 
-    def finish(self) -> None:
-        """The answer has begun: fold the thinking away (it stays one click or Enter away)."""
+    def finish(self, fold: bool = True) -> None:
+        """The answer has begun: fold the thinking away (it stays one click or Enter away).
+        A reply that ends with no answer (stopped, out of tokens) leaves it open: the
+        thinking is all it has to show."""
         self.streaming = False
         self._thought = self._thought.rstrip("\n")
         self._body.update(self._thought)
         self.title = self._heading(streaming=False)
-        self._folding = True
-        self.collapsed = True
+        if fold:
+            self._folding = True
+            self.collapsed = True
 
     def scroll_visible(self, *args: Any, **kwargs: Any) -> None:
         # Collapsible scrolls itself into view whenever it folds or opens. Folding as the
