@@ -14,6 +14,7 @@ import pytest
 from fake_engine import fake_model
 from textual import events
 from textual._xterm_parser import XTermParser
+from textual.command import CommandPalette
 from textual.widgets import Footer, OptionList
 from textual.widgets._toast import Toast
 
@@ -945,6 +946,39 @@ def test_loading_screen_shows_each_step_while_it_runs(tmp_path, tiny_model_dir):
             await until(pilot, lambda: chat_ready(app))
 
     asyncio.run(main())
+
+
+def test_the_command_palette_open_while_loading_misses_no_step(tmp_path, tiny_model_dir):
+    model = fake_model(tiny_model_dir, "Yes.")
+    palette_open, release = threading.Event(), threading.Event()
+
+    def loader(step, notice, progress):
+        step("finding tiny-qwen3")
+        palette_open.wait(10)
+        step("compiling kernels for sm_90")
+        release.wait(10)
+        return model
+
+    app = QwenchatApp(ChatOptions("tiny-qwen3"), loader=loader, history=None)
+
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, LoadingScreen))
+            loading = app.screen
+            await pilot.press("ctrl+p")
+            await until(pilot, lambda: isinstance(app.screen, CommandPalette))
+            palette_open.set()
+            await until(pilot, lambda: len(loading._steps) == 2)  # reached it underneath
+            release.set()
+            await until(pilot, lambda: chat_ready(app))  # the palette closed for the chat
+            assert loading not in app.screen_stack and len(app.screen_stack) == 2
+            assert all(end is not None for _, _, end in loading._steps)
+
+    try:
+        asyncio.run(main())
+    finally:
+        palette_open.set()
+        release.set()
 
 
 def test_the_loading_screen_shows_a_hub_download_as_it_runs(tmp_path, tiny_model_dir,

@@ -73,6 +73,7 @@ class QwenchatApp(App[int]):
         self.store: ChatStore | None = None
         self.model: LoadedModel | None = None  # once loaded; closed on the way out
         self.chat_screen: ChatScreen | None = None
+        self._loading: LoadingScreen
         self.error_message: str | None = None  # why the app could not start
         self._notices: list[str] = []
         # A download reports often, from its own threads: only its latest line matters, so
@@ -81,7 +82,9 @@ class QwenchatApp(App[int]):
         self._progress_text: str | None = None
 
     def on_mount(self) -> None:
-        self.push_screen(LoadingScreen(self.options.model, self.clock))
+        # Held: the command palette (or help) may be open above it while the model loads.
+        self._loading = LoadingScreen(self.options.model, self.clock)
+        self.push_screen(self._loading)
         self.store = ChatStore(self._history, notice=self._notices.append)
         for notice in self._notices:
             self.notify(notice, title="chat history", severity="warning", timeout=15)
@@ -111,25 +114,23 @@ class QwenchatApp(App[int]):
     def on_qwenchat_app_load_progress(self) -> None:
         with self._progress_lock:
             text, self._progress_text = self._progress_text, None
-        if text is not None and isinstance(self.screen, LoadingScreen):
-            self.screen.progress(text)
+        if text is not None:
+            self._loading.progress(text)
 
     def on_qwenchat_app_load_step(self, message: LoadStep) -> None:
         if message.notice:
             self._notices.append(message.text)  # shown again once the chat is open
-        if isinstance(self.screen, LoadingScreen):
-            if message.notice:
-                self.screen.note(message.text)
-            else:
-                self.screen.step(message.text)
+        if message.notice:
+            self._loading.note(message.text)
+        else:
+            self._loading.step(message.text)
 
     async def on_qwenchat_app_loaded(self, message: Loaded) -> None:
-        if isinstance(self.screen, LoadingScreen):
-            self.screen.finish()
+        self._loading.finish()
         assert self.store is not None
         self.model = message.model
         self.chat_screen = ChatScreen(self.store, message.model, self.options, self.clock)
-        await self.switch_screen(self.chat_screen)
+        await self._replace_loading(self.chat_screen)
         for notice in self._notices:
             self.notify(notice, severity="warning", timeout=10)
         self._notices.clear()
@@ -142,7 +143,13 @@ class QwenchatApp(App[int]):
             self.error_message = (f"{type(error).__name__}: {error} (rerun with --debug for "
                                   "the traceback)")
         details = "".join(traceback.format_exception(error)) if self.options.debug else None
-        await self.switch_screen(ErrorScreen(self.error_message, details))
+        await self._replace_loading(ErrorScreen(self.error_message, details))
+
+    async def _replace_loading(self, screen: Screen) -> None:
+        """Put `screen` where the loading screen is, closing anything opened above it."""
+        while self._loading in self.screen_stack and self.screen is not self._loading:
+            await self.pop_screen()
+        await self.switch_screen(screen)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         if isinstance(screen, ChatScreen):
