@@ -1,25 +1,85 @@
 // The decode megakernel: whole decode steps, many per launch, in one cooperative grid.
+//
 // Each step runs every layer (RMSNorm + Q/K/V, QK-norm + RoPE + KV append + flash-decoding
-// attention, o_proj + residual, RMSNorm + gate/up, SwiGLU + down + residual), the final norm and
+// attention, o_proj + residual, RMSNorm + gate/up + SwiGLU, down + residual), the final norm and
 // LM head, then samples on the GPU, streams the token to a host-mapped ring buffer and checks the
 // stop conditions (EOS ids, step budget, capacity, a host-written cancel flag). Sampling
 // parameters are read from host-mapped memory every step, so a change applies to the next token.
 // The host never sits in the per-token loop.
 //
-// Phases are separated by a grid-wide barrier (all blocks are resident: cooperative launch).
-// Attention needs none of its own: the block whose chunk holds the new position computes that
-// key and value itself, and the last block to finish a key/value head merges its chunks
-// (an atomic counter per head), so a layer costs five barriers.
+// Weights never wait for a barrier. Every block owns a fixed slice of every weight matrix (and,
+// for attention, a fixed set of key/value chunks), so the whole sequence of bytes a block will
+// read is known in advance: a ring of shared-memory stages is refilled by bulk asynchronous
+// copies (TMA on sm_90, cp.async before) as soon as a stage is consumed, running ahead across
+// phases, grid barriers, layers and steps. The dependent chain of a phase is then only its input
+// vector (a few KB from L2), the math on shared memory, and the barrier.
+//
+// Phases are separated by a grid-wide barrier (all blocks are resident: cooperative launch):
+// Q/K/V | attention | o_proj | gate/up | down, five a layer, plus two a step for sampling.
+// Attention needs no barrier of its own: the block whose chunk holds the new position computes
+// that key and value itself, and the last block to finish a key/value head merges its chunks.
+//
+// QW_MK_SKIP leaves parts out, for timing only (the results are then wrong): 1 weight copies,
+// 2 attention, 4 grid barriers, 8 sampling.
 #include "sampling.cuh"
 
-namespace {
+#ifndef QW_MK_STAGES
+#define QW_MK_STAGES 4
+#endif
+#ifndef QW_MK_STAGE_BYTES
+#define QW_MK_STAGE_BYTES 32768
+#endif
+#ifndef QW_MK_SKIP
+#define QW_MK_SKIP 0
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
+#define QW_MK_TMA 1
+#else
+#define QW_MK_TMA 0
+#endif
+
+namespace mk {
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
+constexpr int STAGES = QW_MK_STAGES;
+constexpr int STAGE = QW_MK_STAGE_BYTES;
 constexpr int HD = qw::head_dim;
-constexpr int MAX_CHUNK = 256;
-constexpr int LANES_PER_KEY = HD / 8;
-constexpr int KEYS_PER_PASS = THREADS / LANES_PER_KEY;
-}  // namespace
+constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
+
+// A matrix-vector phase over K columns: each warp holds one segment of the input vector in
+// registers (CPL 16-byte chunks per lane), NSEG segments cover K, and WARPS / NSEG row groups
+// take the rows of a stage in turn; a row's segment sums are added in a fixed order.
+__host__ __device__ constexpr int chunks(int k) { return k / 8; }
+__host__ __device__ constexpr int nseg(int k) {
+    return (k + 1023) / 1024 < WARPS ? (k + 1023) / 1024 : WARPS;
+}
+__host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
+__host__ __device__ constexpr int rows_per_stage(int k) { return STAGE / (2 * k); }
+constexpr int PAIRS_PER_STAGE = STAGE / (4 * qw::hidden);  // gate/up rows, both halves
+constexpr int KEYS = STAGE / (4 * HD);                      // keys (K and V rows) per stage
+constexpr int RED = 1024;                                   // segment sums kept per stage
+
+static_assert(STAGE % 128 == 0, "stages are 128-byte aligned");
+static_assert(rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
+                  rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1,
+              "QW_MK_STAGE_BYTES must hold a whole weight row (and a gate/up pair)");
+static_assert(rows_per_stage(qw::hidden) * nseg(qw::hidden) <= RED &&
+                  rows_per_stage(qw::q_size) * nseg(qw::q_size) <= RED &&
+                  rows_per_stage(qw::intermediate) * nseg(qw::intermediate) <= RED &&
+                  2 * PAIRS_PER_STAGE * nseg(qw::hidden) <= RED,
+              "a stage holds more rows than the segment-sum buffer");
+static_assert(KEYS >= 32 && KEYS * (HD / 8) % THREADS == 0, "attention stage geometry");
+static_assert(qw::group + 2 <= WARPS, "a warp per query head of a group, plus two");
+
+enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };
+
+__host__ __device__ constexpr int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+constexpr int HIST_BYTES = WARPS * 256 * 8;
+constexpr int VEC_FLOATS = max3(qw::hidden, qw::q_size, qw::intermediate);
+constexpr int UNION_BYTES = HIST_BYTES > 4 * VEC_FLOATS ? HIST_BYTES : 4 * VEC_FLOATS;
+constexpr int RESID = 512;       // residual rows a block may own
+constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most
+}  // namespace mk
 
 struct MegaLayer {
     const bf16_t* input_norm;
@@ -34,33 +94,38 @@ struct MegaLayer {
     bf16_t* v_cache;
 };
 
+// Values other blocks wait for are "tagged": 8 bytes, the float (or int) bits and the number
+// of the phase that wrote them. A consumer spins until every value it needs carries the tag
+// it expects, so no grid-wide barrier is needed anywhere: a phase waits only for the data it
+// reads, one L2 round trip after the last producer's store. The host zeroes the tags (and the
+// merge counters) before each launch.
+typedef unsigned long long tagged_t;
+
 struct MegaArgs {
     const MegaLayer* layers;
     const bf16_t* embed;
     const bf16_t* final_norm;
     const bf16_t* lm_head;
     const float* inv_freq;
-    float* x;
-    float* qkv;
-    float* attn;
-    float* gu;
+    tagged_t* x;       // [hidden] the residual stream
+    tagged_t* qkv;     // [q_size + 2 kv_size]
+    tagged_t* attn;    // [q_size]
+    tagged_t* h;       // [intermediate] SwiGLU output
+    tagged_t* best;    // [2 x blocks] each block's best logit and its index
+    tagged_t* chosen;  // [1] the token block 0 chose, bit 31: stop
     float* logits;
     float* work;
     float* part_o;
     float* part_ml;
-    unsigned* merge_count;  // [kv_heads], zero between layers
-    float* partial_val;
-    int* partial_idx;
+    unsigned* merge_count;  // [kv_heads] chunks finished, counting up through the launch
     unsigned char* seen;
     int* counts;
-    int* token;  // the token to feed next (in), the last token sampled (out)
+    int* token;  // the token to feed first (in), the last token sampled (out)
     int* pos;    // cache length (in/out)
-    int* stop;   // block 0 tells the others
     const int* eos;
-    const SampleParams* params;  // host-mapped
-    const int* cancel;           // host-mapped
-    int* ring;                   // host-mapped: [0] tokens written by this launch, then the ids
-    unsigned* barrier;           // [0] arrivals, [1] generation
+    const unsigned* host;  // host-mapped: SampleParams, then the cancel flag
+    SampleParams* params;  // this step's parameters, copied from the host by block 0
+    int* ring;             // host-mapped: (token, sequence number) pairs
     float eps;
     float scale;
     int num_layers;
@@ -70,382 +135,907 @@ struct MegaArgs {
     int max_steps;
     int feed_first;
     int first_step;
+    int epoch;  // the launch's number (12 bits), the high bits of every tag
 };
 
 namespace {
+using namespace mk;
+
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
-__device__ __forceinline__ int ld_volatile_int(const int* p) {
-    return *reinterpret_cast<const volatile int*>(p);
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// Sense-reversing grid barrier over all (co-resident) blocks.
-__device__ void grid_barrier(unsigned* bar) {
+__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void put(tagged_t* p, float v, unsigned tag) {
+    const tagged_t w = (static_cast<tagged_t>(tag) << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+
+// A weak load (served by the nearest L2 copy) is tried first; it may be stale, so a tag that
+// does not match yet is polled with strong loads (the coherent copy), backing off a little so
+// that 132 blocks polling the same lines leave the producers' stores room. Tags carry the
+// launch's epoch: a stale copy from an earlier launch can never match.
+__device__ __forceinline__ tagged_t ld_tagged_weak(const tagged_t* p) {
+    tagged_t w;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    return w;
+}
+
+__device__ __forceinline__ tagged_t ld_tagged(const tagged_t* p) {
+    tagged_t w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    return w;
+}
+
+__device__ __forceinline__ void back_off() { asm volatile("nanosleep.u32 64;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned tag_of(tagged_t w) { return static_cast<unsigned>(w >> 32); }
+__device__ __forceinline__ float value_of(tagged_t w) {
+    return __uint_as_float(static_cast<unsigned>(w));
+}
+
+// The value at p once it carries `tag` (QW_MK_SKIP & 4: whatever is there, for timing).
+__device__ __forceinline__ float take(const tagged_t* p, unsigned tag) {
+    tagged_t w = ld_tagged_weak(p);
+    while (!(QW_MK_SKIP & 4) && tag_of(w) != tag) {
+        back_off();
+        w = ld_tagged(p);
+    }
+    return value_of(w);
+}
+
+// ------------------------------------------------------------------ the stage pipeline
+// This block's contiguous share of n rows, for the four row counts the phases use (computed
+// once: the producer asks for them at every stage).
+__shared__ int2 row_ranges[4];
+
+__device__ __forceinline__ int range_index(int n) {
+    return n == QKV_ROWS ? 0 : n == qw::hidden ? 1 : n == qw::intermediate ? 2 : 3;
+}
+
+__device__ void init_ranges() {
+    if (threadIdx.x < 4) {
+        const int counts[4] = {QKV_ROWS, qw::hidden, qw::intermediate, qw::vocab};
+        const long long n = counts[threadIdx.x];
+        row_ranges[threadIdx.x] = make_int2(static_cast<int>(n * blockIdx.x / gridDim.x),
+                                            static_cast<int>(n * (blockIdx.x + 1) / gridDim.x));
+    }
+}
+
+__device__ __forceinline__ void block_range(int n, int& lo, int& hi) {
+    const int2 r = row_ranges[range_index(n)];
+    lo = r.x;
+    hi = r.y;
+}
+
+__device__ __forceinline__ int range_tiles(int n, int per_tile) {
+    int lo, hi;
+    block_range(n, lo, hi);
+    return (hi - lo + per_tile - 1) / per_tile;
+}
+
+// Flash-decoding geometry for `len` keys: chunks of whole stages, at most `most` per kv head.
+struct AttnGeom {
+    int splits, chunk;
+};
+
+__device__ __forceinline__ AttnGeom attn_geom(int len, int most) {
+    int splits = min(most, (len + KEYS - 1) / KEYS);
+    splits = max(1, splits);
+    const int chunk = ((len + splits - 1) / splits + KEYS - 1) / KEYS * KEYS;
+    return {(len + chunk - 1) / chunk, chunk};
+}
+
+// This block's attention items are blockIdx.x, + gridDim.x, ...; each is a (kv head, chunk).
+__device__ __forceinline__ int item_keys(const AttnGeom& g, int len, int item) {
+    const int split = item % g.splits;
+    return min(len, (split + 1) * g.chunk) - split * g.chunk;
+}
+
+__device__ int attn_tiles(const AttnGeom& g, int len) {
+    int total = 0;
+    for (int item = blockIdx.x; item < qw::kv_heads * g.splits; item += gridDim.x)
+        total += (item_keys(g, len, item) + KEYS - 1) / KEYS;
+    return total;
+}
+
+// Where the block's stream of stages is: forward f (position pos0 + f), layer (num_layers is
+// the LM head), phase, tile. Kept in shared memory and advanced by the issuing thread(s) only.
+struct Cursor {
+    int f, layer, phase, t, count;
+};
+
+struct Producer {
+    Cursor c;
+    unsigned issued;
+    int more, forwards, pos0;
+};
+
+// Dynamic shared memory: the stages, then the input vector of a phase (or, while sampling,
+// the radix histograms), then the table of layer pointers.
+extern __shared__ __align__(128) unsigned char stage_mem[];
+__shared__ __align__(8) unsigned long long stage_bars[STAGES];
+__shared__ Producer producer;
+
+__device__ __forceinline__ float* vec_buf() {
+    return reinterpret_cast<float*>(stage_mem + STAGES * STAGE);
+}
+__device__ __forceinline__ MegaLayer* layer_table() {
+    return reinterpret_cast<MegaLayer*>(stage_mem + STAGES * STAGE + UNION_BYTES);
+}
+
+__device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
+    if (layer == a.num_layers) return range_tiles(qw::vocab, rows_per_stage(qw::hidden));
+    switch (phase) {
+        case QKV: return range_tiles(QKV_ROWS, rows_per_stage(qw::hidden));
+        case ATTN: {
+            if (QW_MK_SKIP & 2) return 0;
+            const int len = producer.pos0 + f + 1;
+            return attn_tiles(attn_geom(len, a.splits), len);
+        }
+        case OPROJ: return range_tiles(qw::hidden, rows_per_stage(qw::q_size));
+        case GATEUP: return range_tiles(qw::intermediate, PAIRS_PER_STAGE);
+        default: return range_tiles(qw::hidden, rows_per_stage(qw::intermediate));
+    }
+}
+
+// Moves the producer cursor to the next tile of the stream (false at its end).
+__device__ bool advance(const MegaArgs& a) {
+    Cursor c = producer.c;
+    ++c.t;
+    while (c.t >= c.count) {
+        c.t = 0;
+        if (c.layer == a.num_layers) {
+            if (++c.f >= producer.forwards) return false;
+            c.layer = 0;
+            c.phase = QKV;
+        } else if (++c.phase == NPHASES) {
+            c.phase = 0;
+            ++c.layer;
+        }
+        c.count = phase_tiles(a, c.layer, c.phase, c.f);
+    }
+    producer.c = c;
+    return true;
+}
+
+// The bytes of the cursor's tile: one or two contiguous ranges (the second at `offset1`).
+struct TileSource {
+    const void* src0;
+    const void* src1;
+    unsigned bytes0, bytes1, offset1;
+    bool weights;
+};
+
+__device__ TileSource tile_source(const MegaArgs& a) {
+    const Cursor c = producer.c;
+    TileSource s{nullptr, nullptr, 0, 0, 0, true};
+    int lo, hi;
+    auto rows = [&](const bf16_t* w, int n, int k) {
+        const int per = rows_per_stage(k);
+        block_range(n, lo, hi);
+        const int r0 = lo + c.t * per, r1 = min(hi, r0 + per);
+        s.src0 = w + static_cast<long long>(r0) * k;
+        s.bytes0 = static_cast<unsigned>((r1 - r0) * k * 2);
+    };
+    if (c.layer == a.num_layers) {
+        rows(a.lm_head, qw::vocab, qw::hidden);
+        return s;
+    }
+    const MegaLayer& L = layer_table()[c.layer];
+    switch (c.phase) {
+        case QKV: rows(L.qkv, QKV_ROWS, qw::hidden); break;
+        case OPROJ: rows(L.o, qw::hidden, qw::q_size); break;
+        case DOWN: rows(L.down, qw::hidden, qw::intermediate); break;
+        case GATEUP: {
+            block_range(qw::intermediate, lo, hi);
+            const int r0 = lo + c.t * PAIRS_PER_STAGE, r1 = min(hi, r0 + PAIRS_PER_STAGE);
+            s.src0 = L.gate_up + static_cast<long long>(r0) * qw::hidden;
+            s.src1 = L.gate_up + static_cast<long long>(qw::intermediate + r0) * qw::hidden;
+            s.bytes0 = s.bytes1 = static_cast<unsigned>((r1 - r0) * qw::hidden * 2);
+            s.offset1 = PAIRS_PER_STAGE * qw::hidden * 2;
+            break;
+        }
+        default: {  // ATTN: find the item and the stage within it
+            const int len = producer.pos0 + c.f + 1;
+            const AttnGeom g = attn_geom(len, a.splits);
+            int t = c.t;
+            for (int item = blockIdx.x;; item += gridDim.x) {
+                const int keys = item_keys(g, len, item);
+                const int tiles = (keys + KEYS - 1) / KEYS;
+                if (t < tiles) {
+                    const int kvh = item / g.splits;
+                    const int k0 = (item % g.splits) * g.chunk + t * KEYS;
+                    const int n = min(KEYS, keys - t * KEYS);
+                    const long long off = (static_cast<long long>(kvh) * a.capacity + k0) * HD;
+                    s.src0 = L.k_cache + off;
+                    s.src1 = L.v_cache + off;
+                    s.bytes0 = s.bytes1 = static_cast<unsigned>(n * HD * 2);
+                    s.offset1 = KEYS * HD * 2;
+                    s.weights = false;
+                    break;
+                }
+                t -= tiles;
+            }
+        }
+    }
+    return s;
+}
+
+// Issues the cursor's tile into the next free stage. Called by every thread at the same point
+// (right after the __syncthreads that ended the stage's previous use). With TMA one thread
+// does it all; without, every thread copies 16-byte pieces and the block syncs around the
+// cursor's move.
+__device__ void issue(const MegaArgs& a) {
+#if QW_MK_TMA
+    if (threadIdx.x != 0 || !producer.more) return;
+    const int stage = producer.issued % STAGES;
+    unsigned char* dst = stage_mem + stage * STAGE;
+    const unsigned bar = smem_u32(stage_bars + stage);
+    const TileSource s = tile_source(a);
+    if (!((QW_MK_SKIP & 1) && s.weights)) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                     "r"(s.bytes0 + s.bytes1)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+            "[%3];" ::"r"(smem_u32(dst)),
+            "l"(s.src0), "r"(s.bytes0), "r"(bar)
+            : "memory");
+        if (s.bytes1)
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                "%2, [%3];" ::"r"(smem_u32(dst + s.offset1)),
+                "l"(s.src1), "r"(s.bytes1), "r"(bar)
+                : "memory");
+    } else {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+    }
+    ++producer.issued;
+    producer.more = advance(a);
+#else
+    if (!producer.more) return;  // every thread sees the same value
+    const int stage = producer.issued % STAGES;
+    unsigned char* dst = stage_mem + stage * STAGE;
+    const TileSource s = tile_source(a);
+    if (!((QW_MK_SKIP & 1) && s.weights)) {
+        for (unsigned off = threadIdx.x * 16; off < s.bytes0; off += THREADS * 16)
+            cp_async_16(dst + off, static_cast<const unsigned char*>(s.src0) + off, 16);
+        for (unsigned off = threadIdx.x * 16; off < s.bytes1; off += THREADS * 16)
+            cp_async_16(dst + s.offset1 + off, static_cast<const unsigned char*>(s.src1) + off, 16);
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem_u32(stage_bars + stage))
+                 : "memory");
     __syncthreads();
     if (threadIdx.x == 0) {
-        volatile unsigned* generation = bar + 1;
-        const unsigned gen = *generation;
-        __threadfence();
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            bar[0] = 0;
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (*generation == gen) {
-            }
-        }
-        __threadfence();
+        ++producer.issued;
+        producer.more = advance(a);
     }
     __syncthreads();
+#endif
 }
 
-// out[r] (= or +=) W[r, :] . v over rows striped across every warp of the grid, R rows per warp
-// at a time so that R x (K / 256) 16-byte loads per lane are in flight together. `make_vector`
-// fills vs[0..K) in shared memory (ending with __syncthreads); each lane's first weight loads
-// are issued before it, so they overlap the vector's preparation.
-template <int K, int R, bool ADD, typename MakeVector>
-__device__ void grid_gemv(const bf16_t* __restrict__ W, int rows, float* out, float* vs,
-                          MakeVector make_vector) {
-    constexpr int STEPS = K / 8;
-    constexpr int PER_LANE = (STEPS + 31) / 32;
-    constexpr int PRE = PER_LANE * R <= 16 ? PER_LANE : 16 / R;  // prefetched chunks per row
-    const int lane = threadIdx.x & 31;
-    const int warp_id = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    const int stride = gridDim.x * WARPS * R;
-    auto load = [&](int row, int c) {
-        return (row < rows && c < STEPS)
-                   ? reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c]
-                   : make_uint4(0, 0, 0, 0);
-    };
-    uint4 w[R][PRE];
-    int row0 = warp_id * R;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int p = 0; p < PRE; ++p) w[r][p] = load(row0 + r, lane + p * 32);
-    make_vector();
-    for (; row0 < rows; row0 += stride) {
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            acc[r] = 0.f;
-#pragma unroll
-            for (int p = 0; p < PRE; ++p) {
-                const int c = lane + p * 32;
-                if (c < STEPS) acc[r] += dot8(w[r][p], vs + c * 8);
-            }
+// Sets up the stream of `forwards` steps from position pos0 and fills every stage.
+__device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+#if QW_MK_TMA
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(stage_bars + s)));
+#else
+            asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(stage_bars + s)),
+                         "r"(THREADS));
+#endif
         }
-        for (int c = lane + PRE * 32; c < STEPS; c += 32) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] += dot8(load(row0 + r, c), vs + c * 8);
-        }
-        // The next rows' first loads go out before this row's reductions.
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int p = 0; p < PRE; ++p) w[r][p] = load(row0 + stride + r, lane + p * 32);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float total = warp_sum(acc[r]);
-            const int row = row0 + r;
-            if (lane == 0 && row < rows) out[row] = ADD ? ld_cg(out + row) + total : total;
-        }
+        producer.issued = 0;
+        producer.pos0 = pos0;
+        producer.forwards = forwards;
+        producer.c = {0, 0, QKV, -1, 0};
+        producer.c.count = forwards > 0 ? phase_tiles(a, 0, QKV, 0) : 0;
+        producer.more = forwards > 0 && advance(a);
     }
+    __syncthreads();
+    for (int s = 0; s < STAGES; ++s) issue(a);
 }
 
-// vs = rmsnorm(v) * w over the hidden size; v is a float vector or (layer 0) an embedding row.
-__device__ void make_normed(const float* v, const bf16_t* embed_row, const bf16_t* w, float eps,
-                            float* vs, float* scratch) {
+// Waits for stage `consumed` of the stream and returns it.
+__device__ __forceinline__ const unsigned char* pipe_wait(unsigned consumed) {
+    const int stage = consumed % STAGES;
+    const unsigned b = smem_u32(stage_bars + stage), parity = (consumed / STAGES) & 1;
+    unsigned done = 0;
+    while (!done) {
+#if QW_MK_TMA
+        asm volatile(
+            "{ .reg .pred ok; mbarrier.try_wait.parity.shared::cta.b64 ok, [%1], %2; "
+            "selp.u32 %0, 1, 0, ok; }"
+            : "=r"(done)
+            : "r"(b), "r"(parity)
+            : "memory");
+#else
+        asm volatile(
+            "{ .reg .pred ok; mbarrier.test_wait.parity.shared.b64 ok, [%1], %2; "
+            "selp.u32 %0, 1, 0, ok; }"
+            : "=r"(done)
+            : "r"(b), "r"(parity)
+            : "memory");
+#endif
+    }
+    return stage_mem + stage * STAGE;
+}
+
+// The stage just used is free (every thread is past a __syncthreads): refill it.
+__device__ __forceinline__ void pipe_release(const MegaArgs& a, unsigned& consumed) {
+    ++consumed;
+    issue(a);
+}
+
+// Before the kernel ends (after a __syncthreads): wait for the copies still in flight.
+__device__ void pipe_drain(unsigned consumed) {
+    const unsigned issued = producer.issued;
+    for (; consumed < issued; ++consumed) pipe_wait(consumed);
+}
+
+// ------------------------------------------------------------------ matrix-vector phases
+template <int K>
+struct Vec {
+    float v[cpl(K)][8];
+};
+
+// The block's warps sum their squares here (the vector itself goes to vec_buf()).
+__shared__ float warp_sums[WARPS];
+
+__device__ __forceinline__ void ld_tagged2(const tagged_t* p, tagged_t& a, tagged_t& b,
+                                           bool strong) {
+    if (strong)
+        asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];"
+                     : "=l"(a), "=l"(b) : "l"(p) : "memory");
+    else
+        asm volatile("ld.global.cg.v2.u64 {%0,%1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+
+// Loads a K-vector that other blocks are writing with `tag` (or, with `row`, a bf16 embedding
+// row) into vec_buf() with the whole block, returning the sum of squares when asked.
+template <int K>
+__device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t* row, unsigned tag,
+                                              bool squares, bool wait = true) {
+    float* buf = vec_buf();
     float ss = 0.f;
-    for (int j = threadIdx.x; j < qw::hidden; j += THREADS) {
-        const float e = embed_row ? bf16_to_f32(embed_row[j]) : ld_cg(v + j);
-        vs[j] = e;
-        ss += e * e;
+    for (int j = threadIdx.x * 4; j < K; j += THREADS * 4) {
+        float4 e;
+        if (row) {
+            const uint2 r = *reinterpret_cast<const uint2*>(row + j);
+            e = make_float4(bf16_lo(r.x), bf16_hi(r.x), bf16_lo(r.y), bf16_hi(r.y));
+        } else {
+            tagged_t w0, w1, w2, w3;
+            for (bool strong = false;; strong = true) {
+                if (strong) back_off();
+                ld_tagged2(src + j, w0, w1, strong);
+                ld_tagged2(src + j + 2, w2, w3, strong);
+                if ((QW_MK_SKIP & 4) || !wait ||
+                    (tag_of(w0) == tag && tag_of(w1) == tag && tag_of(w2) == tag && tag_of(w3) == tag))
+                    break;
+            }
+            e = make_float4(value_of(w0), value_of(w1), value_of(w2), value_of(w3));
+        }
+        *reinterpret_cast<float4*>(buf + j) = e;
+        ss += e.x * e.x + e.y * e.y + e.z * e.z + e.w * e.w;
     }
-    const float rstd = rsqrtf(block_sum(ss, scratch) / qw::hidden + eps);
-    for (int j = threadIdx.x; j < qw::hidden; j += THREADS) vs[j] *= rstd * bf16_to_f32(w[j]);
-    __syncthreads();
-}
-
-// RMSNorm over head_dim with weight w, then rotate-half RoPE at `pos`, of src (float) into dst.
-__device__ void norm_rope_head(const float* src, const bf16_t* w, const float* inv_freq, int pos,
-                               float eps, float* dst, float* scratch) {
-    const int i = threadIdx.x;
-    float a = 0.f, b = 0.f;
-    if (i < HD / 2) {
-        a = ld_cg(src + i);
-        b = ld_cg(src + i + HD / 2);
-    }
-    const float rstd = rsqrtf(block_sum(a * a + b * b, scratch) / HD + eps);
-    if (i < HD / 2) {
-        a *= rstd * bf16_to_f32(w[i]);
-        b *= rstd * bf16_to_f32(w[i + HD / 2]);
-        float s, c;
-        sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
-        dst[i] = a * c - b * s;
-        dst[i + HD / 2] = b * c + a * s;
+    if (squares) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
     }
     __syncthreads();
+    float total = 0.f;
+    if (squares) {
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
+    }
+    return total;
 }
 
+// The warp's segment of rmsnorm(src) * w, src a float vector or (layer 0) a bf16 row.
+template <int K>
+__device__ __forceinline__ void load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
+                                            unsigned tag, const bf16_t* w, float eps) {
+    const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
+    const float* buf = vec_buf();
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        if (c < chunks(K)) {
+            const uint4 g = *reinterpret_cast<const uint4*>(w + c * 8);
+            const float gw[8] = {bf16_lo(g.x), bf16_hi(g.x), bf16_lo(g.y), bf16_hi(g.y),
+                                 bf16_lo(g.z), bf16_hi(g.z), bf16_lo(g.w), bf16_hi(g.w)};
+            const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
+            const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
+            const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) out.v[q][j] = e[j] * rstd * gw[j];
+        }
+    }
+}
+
+// The warp's segment of a float vector other blocks are writing with `tag`.
+template <int K>
+__device__ __forceinline__ void load_plain(Vec<K>& out, const tagged_t* src, unsigned tag,
+                                           bool wait = true) {
+    stage_vector<K>(src, nullptr, tag, false, wait);
+    const float* buf = vec_buf();
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        if (c < chunks(K)) {
+            const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
+            const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
+            out.v[q][0] = lo.x; out.v[q][1] = lo.y; out.v[q][2] = lo.z; out.v[q][3] = lo.w;
+            out.v[q][4] = hi.x; out.v[q][5] = hi.y; out.v[q][6] = hi.z; out.v[q][7] = hi.w;
+        }
+    }
+}
+
+// The warp's partial dot product of one weight row in shared memory with its vector segment.
+template <int K>
+__device__ __forceinline__ float row_dot(const bf16_t* row, const Vec<K>& v) {
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+    float acc = 0.f;
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        if (c < chunks(K)) acc += dot8(reinterpret_cast<const uint4*>(row)[c], v.v[q]);
+    }
+    return warp_sum(acc);
+}
+
+// Rows [lo, hi) of this block's slice, stage by stage. `load(v)` first fills the warp's vector
+// segment. Row lo + i belongs to thread i % THREADS, which calls `pre(row)` when the row's
+// stage is waited for (to start loads the emit will need) and `emit(row, sum, up, pre)` after
+// the stage is released. With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE rows)
+// the matching up rows, and `up` is the up row's sum. Not inlined: each phase gets all the
+// registers.
+template <int K, bool PAIRS, typename Load, typename Pre, typename Emit>
+__device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
+                                        float* red, Load load, Pre pre, Emit emit) {
+    constexpr int NSEG = nseg(K), GROUPS = WARPS / NSEG;
+    constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage(K);
+    static_assert(PER <= THREADS, "a stage holds more rows than the block has threads");
+    Vec<K> v;
+    load(v);
+    const int warp = threadIdx.x >> 5, seg = warp % NSEG, group = warp / NSEG;
+    int lo, hi;
+    block_range(n_rows, lo, hi);
+    for (int r0 = lo; r0 < hi; r0 += PER) {
+        const int n = min(PER, hi - r0);
+        const int mine = r0 + ((static_cast<int>(threadIdx.x) - (r0 - lo)) % THREADS + THREADS) % THREADS;
+        const bool has_row = mine < r0 + n;
+        const int extra = has_row ? pre(mine) : 0;
+        float* sums = red + (consumed & 1) * RED;
+        const bf16_t* tile = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
+        if (group < GROUPS) {
+            for (int r = group; r < (PAIRS ? 2 * PER : n); r += GROUPS) {
+                if (PAIRS && r % PER >= n) continue;
+                const float d = row_dot<K>(tile + static_cast<long long>(r) * K, v);
+                if ((threadIdx.x & 31) == 0) sums[r * NSEG + seg] = d;
+            }
+        }
+        __syncthreads();
+        pipe_release(a, consumed);
+        if (has_row) {
+            const int r = mine - r0;
+            float total = 0.f, up = 0.f;
+#pragma unroll
+            for (int s = 0; s < NSEG; ++s) total += sums[r * NSEG + s];
+            if (PAIRS) {
+#pragma unroll
+                for (int s = 0; s < NSEG; ++s) up += sums[(PER + r) * NSEG + s];
+            }
+            emit(mine, total, up, extra);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ attention
 struct AttnShared {
     float q[qw::group][HD];
-    float new_k[HD];
-    float new_v[HD];
-    float p[qw::group][MAX_CHUNK];
-    float scratch[32];
+    float k_new[HD];
+    float v_new[HD];
+    float s[qw::group][KEYS];
+    float m[qw::group], l[qw::group], alpha[qw::group];
+    float comb[THREADS > qw::group * HD ? THREADS : qw::group * HD];
+    float merge_w[qw::group][MAX_SPLITS];  // a chunk's weight in the merge
+    float merge_l[qw::group];
     int last;
 };
 
-// One (kv head, chunk) item of flash-decoding at position pos; the block holding the new
-// position also appends its key and value to the cache. Returns after writing the partial.
-__device__ void attention_item(const MegaArgs& a, const MegaLayer& L, int kvh, int split, int pos,
-                               int splits, AttnShared& sh) {
-    const int len = pos + 1;
-    const int chunk = max(16, (len + splits - 1) / splits);
-    const int k_begin = split * chunk, k_end = min(len, k_begin + chunk);
-    const int count = k_end - k_begin;
-    const float* qkv = a.qkv;
-    if (count <= 0) {
-        for (int i = threadIdx.x; i < qw::group * HD; i += THREADS) {
-            const int head = kvh * qw::group + i / HD;
-            a.part_o[(static_cast<long long>(head) * splits + split) * HD + i % HD] = 0.f;
-        }
-        if (threadIdx.x < qw::group) {
-            const int head = kvh * qw::group + threadIdx.x;
-            a.part_ml[(head * splits + split) * 2] = QW_NEG_INF;
-            a.part_ml[(head * splits + split) * 2 + 1] = 0.f;
-        }
-        return;
+// RMSNorm over head_dim with weight w, then rotate-half RoPE at pos; one warp.
+__device__ __forceinline__ void norm_rope_warp(const tagged_t* src, unsigned tag, const bf16_t* w,
+                                               const float* inv_freq, int pos, float eps,
+                                               float* dst) {
+    constexpr int PER = (HD / 2 + 31) / 32;
+    const int lane = threadIdx.x & 31;
+    float x0[PER], x1[PER], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = lane + 32 * j;
+        x0[j] = i < HD / 2 ? take(src + i, tag) : 0.f;
+        x1[j] = i < HD / 2 ? take(src + i + HD / 2, tag) : 0.f;
+        ss += x0[j] * x0[j] + x1[j] * x1[j];
     }
-    for (int gh = 0; gh < qw::group; ++gh)
-        norm_rope_head(qkv + (kvh * qw::group + gh) * HD, L.q_norm, a.inv_freq, pos, a.eps,
-                       sh.q[gh], sh.scratch);
-    const bool has_new = k_begin <= pos && pos < k_end;
-    bf16_t* kc = L.k_cache + static_cast<long long>(kvh) * a.capacity * HD;
-    bf16_t* vc = L.v_cache + static_cast<long long>(kvh) * a.capacity * HD;
-    if (has_new) {
-        norm_rope_head(qkv + qw::q_size + kvh * HD, L.k_norm, a.inv_freq, pos, a.eps, sh.new_k,
-                       sh.scratch);
-        for (int d = threadIdx.x; d < HD; d += THREADS) {
-            sh.new_v[d] = ld_cg(qkv + qw::q_size + qw::kv_size + kvh * HD + d);
-            kc[static_cast<long long>(pos) * HD + d] = f32_to_bf16(sh.new_k[d]);
-            vc[static_cast<long long>(pos) * HD + d] = f32_to_bf16(sh.new_v[d]);
+    const float rstd = rsqrtf(warp_sum(ss) / HD + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = lane + 32 * j;
+        if (i < HD / 2) {
+            const float a0 = x0[j] * rstd * bf16_to_f32(w[i]);
+            const float a1 = x1[j] * rstd * bf16_to_f32(w[i + HD / 2]);
+            float s, c;
+            sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
+            dst[i] = a0 * c - a1 * s;
+            dst[i + HD / 2] = a1 * c + a0 * s;
         }
-        __syncthreads();
-    }
-    // Scores: LANES_PER_KEY lanes per key, 16 bytes each; the new key comes from shared memory
-    // (rounded to bf16 like the cached ones, so every chunk sees the same key).
-    const int sub = threadIdx.x / LANES_PER_KEY, part = threadIdx.x % LANES_PER_KEY;
-    for (int base = 0; base < count; base += KEYS_PER_PASS) {
-        const int kidx = base + sub;
-        const int key = k_begin + kidx;
-        uint4 kv = make_uint4(0, 0, 0, 0);
-        if (kidx < count) {
-            if (key == pos) {
-                const float* nk = sh.new_k + part * 8;
-                kv = make_uint4(pack_bf16x2(nk[0], nk[1]), pack_bf16x2(nk[2], nk[3]),
-                                pack_bf16x2(nk[4], nk[5]), pack_bf16x2(nk[6], nk[7]));
-            } else {
-                kv = ld_cg_u4(kc + static_cast<long long>(key) * HD + part * 8);
-            }
-        }
-#pragma unroll
-        for (int gh = 0; gh < qw::group; ++gh) {
-            float dot = dot8(kv, &sh.q[gh][part * 8]);
-#pragma unroll
-            for (int o = LANES_PER_KEY / 2; o > 0; o >>= 1)
-                dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            if (part == 0 && kidx < count) sh.p[gh][kidx] = dot * a.scale;
-        }
-    }
-    __syncthreads();
-    float m[qw::group], l[qw::group];
-#pragma unroll
-    for (int gh = 0; gh < qw::group; ++gh) {
-        float mx = QW_NEG_INF;
-        for (int i = threadIdx.x; i < count; i += THREADS) mx = fmaxf(mx, sh.p[gh][i]);
-        m[gh] = block_max(mx, sh.scratch);
-        float sum = 0.f;
-        for (int i = threadIdx.x; i < count; i += THREADS) {
-            const float e = __expf(sh.p[gh][i] - m[gh]);
-            sh.p[gh][i] = e;
-            sum += e;
-        }
-        l[gh] = block_sum(sum, sh.scratch);
-    }
-    __syncthreads();
-    // P . V with 16-byte value loads: LANES_PER_KEY threads cover a key, KEYS_PER_PASS keys at
-    // a time; the passes' partial sums are then added in shared memory (p is free by then).
-    const int slot = threadIdx.x / LANES_PER_KEY, dim0 = (threadIdx.x % LANES_PER_KEY) * 8;
-    float acc[qw::group][8];
-#pragma unroll
-    for (int gh = 0; gh < qw::group; ++gh)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[gh][e] = 0.f;
-    for (int i = slot; i < count; i += KEYS_PER_PASS) {
-        const int key = k_begin + i;
-        float vf[8];
-        if (key == pos) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) vf[e] = bf16_to_f32(f32_to_bf16(sh.new_v[dim0 + e]));
-        } else {
-            const uint4 v = ld_cg_u4(vc + static_cast<long long>(key) * HD + dim0);
-            vf[0] = bf16_lo(v.x); vf[1] = bf16_hi(v.x); vf[2] = bf16_lo(v.y); vf[3] = bf16_hi(v.y);
-            vf[4] = bf16_lo(v.z); vf[5] = bf16_hi(v.z); vf[6] = bf16_lo(v.w); vf[7] = bf16_hi(v.w);
-        }
-#pragma unroll
-        for (int gh = 0; gh < qw::group; ++gh) {
-            const float pw = sh.p[gh][i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[gh][e] += pw * vf[e];
-        }
-    }
-    __syncthreads();
-    float* sums = &sh.p[0][0];  // [group][HD], added slot by slot in a fixed order
-    for (int s = 0; s < KEYS_PER_PASS; ++s) {
-        if (slot == s) {
-#pragma unroll
-            for (int gh = 0; gh < qw::group; ++gh)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    float* dst = sums + gh * HD + dim0 + e;
-                    *dst = s == 0 ? acc[gh][e] : *dst + acc[gh][e];
-                }
-        }
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < qw::group * HD; i += THREADS) {
-        const int head = kvh * qw::group + i / HD;
-        a.part_o[(static_cast<long long>(head) * splits + split) * HD + i % HD] = sums[i];
-    }
-    if (threadIdx.x < qw::group) {
-        const int head = kvh * qw::group + threadIdx.x;
-        a.part_ml[(head * splits + split) * 2] = m[threadIdx.x];
-        a.part_ml[(head * splits + split) * 2 + 1] = l[threadIdx.x];
     }
 }
 
-// Chunks per kv head for a context of `len` keys: at most 256 keys a chunk, and about two
-// items per block once the context is long enough to fill the grid (fewer for short contexts,
-// where a chunk of at least 32 keys keeps the merge small).
-__device__ __forceinline__ int splits_for(int len, int most) {
-    const int fill = (2 * gridDim.x + qw::kv_heads - 1) / qw::kv_heads;
-    const int wanted = max((len + 255) / 256, min((len + 31) / 32, fill));
-    return min(most, max(1, wanted));
-}
-
-// The last block to finish a kv head's chunks merges them into attn (its group's heads).
-__device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, AttnShared& sh) {
+// The last block to finish a kv head's chunks merges them into attn (its group's heads). The
+// counters only grow during a launch: this layer's chunks are the ones after merge_base.
+__device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned merge_base,
+                              unsigned tag, AttnShared& sh) {
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0)
-        sh.last = atomicAdd(&a.merge_count[kvh], 1u) == static_cast<unsigned>(splits) - 1u;
+        sh.last = atomicAdd(&a.merge_count[kvh], 1u) + 1u == merge_base + splits;
     __syncthreads();
     if (!sh.last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < qw::group * HD; i += THREADS) {
-        const int head = kvh * qw::group + i / HD, d = i % HD;
-        float mx = QW_NEG_INF;
-        for (int s = 0; s < splits; ++s)
-            mx = fmaxf(mx, ld_cg(a.part_ml + (head * splits + s) * 2));
-        float acc = 0.f, total = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const float l = ld_cg(a.part_ml + (head * splits + s) * 2 + 1);
-            if (l == 0.f) continue;
-            const float w = __expf(ld_cg(a.part_ml + (head * splits + s) * 2) - mx);
-            acc += w * ld_cg(a.part_o + (static_cast<long long>(head) * splits + s) * HD + d);
-            total += w * l;
+    // Every chunk's (max, sum) at once, then each output's chunks eight loads at a time.
+    if (threadIdx.x < qw::group * 32) {
+        const int gh = threadIdx.x / 32, lane = threadIdx.x % 32;
+        const int head = kvh * qw::group + gh;
+        float m[MAX_SPLITS / 32], l[MAX_SPLITS / 32], mx = QW_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) {
+            const int sp = lane + 32 * j;
+            m[j] = sp < splits ? ld_cg(a.part_ml + (head * a.splits + sp) * 2) : QW_NEG_INF;
+            l[j] = sp < splits ? ld_cg(a.part_ml + (head * a.splits + sp) * 2 + 1) : 0.f;
+            mx = fmaxf(mx, m[j]);
         }
-        a.attn[head * HD + d] = acc / total;
+        mx = warp_max(mx);
+        float total = 0.f;
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) {
+            const float w = lane + 32 * j < splits ? __expf(m[j] - mx) : 0.f;
+            if (lane + 32 * j < splits) sh.merge_w[gh][lane + 32 * j] = w;
+            total += w * l[j];
+        }
+        total = warp_sum(total);
+        if (lane == 0) sh.merge_l[gh] = total;
     }
-    if (threadIdx.x == 0) a.merge_count[kvh] = 0;
-}
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_megakernel(const MegaArgs* args) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ float scratch[32];
-    __shared__ qws::SampleShared<THREADS> sample_sh;
-    __shared__ SampleParams step_params;
-    const MegaArgs a = *args;
-    float* vs = reinterpret_cast<float*>(smem_raw);
-    AttnShared& attn_sh = *reinterpret_cast<AttnShared*>(smem_raw);
-    unsigned long long* warp_hist = reinterpret_cast<unsigned long long*>(smem_raw);
-    int pos = *a.pos;
-    int written = 0;
-
-    for (int i = 0; i < a.max_steps; ++i) {
-        if (i > 0 || a.feed_first) {
-            const int token = ld_cg_int(a.token);
-            const int splits = splits_for(pos + 1, a.splits);
-            const bf16_t* embed_row = a.embed + static_cast<long long>(token) * qw::hidden;
-            for (int layer = 0; layer < a.num_layers; ++layer) {
-                const MegaLayer L = a.layers[layer];
-                // Q, K, V from the normed residual (layer 0 reads the embedding row directly,
-                // and block 0 writes it as the residual stream).
-                grid_gemv<qw::hidden, 2, false>(L.qkv, qw::q_size + 2 * qw::kv_size, a.qkv, vs, [&] {
-                    make_normed(a.x, layer == 0 ? embed_row : nullptr, L.input_norm, a.eps, vs,
-                                scratch);
-                    if (layer == 0 && blockIdx.x == 0)
-                        for (int j = threadIdx.x; j < qw::hidden; j += THREADS)
-                            a.x[j] = bf16_to_f32(embed_row[j]);
-                });
-                grid_barrier(a.barrier);
-                for (int item = blockIdx.x; item < qw::kv_heads * splits; item += gridDim.x) {
-                    attention_item(a, L, item / splits, item % splits, pos, splits, attn_sh);
-                    merge_if_last(a, item / splits, splits, attn_sh);
-                }
-                grid_barrier(a.barrier);
-                grid_gemv<qw::q_size, 1, true>(L.o, qw::hidden, a.x, vs, [&] {
-                    for (int j = threadIdx.x; j < qw::q_size; j += THREADS)
-                        vs[j] = ld_cg(a.attn + j);
-                    __syncthreads();
-                });
-                grid_barrier(a.barrier);
-                grid_gemv<qw::hidden, 2, false>(L.gate_up, 2 * qw::intermediate, a.gu, vs, [&] {
-                    make_normed(a.x, nullptr, L.post_norm, a.eps, vs, scratch);
-                });
-                grid_barrier(a.barrier);
-                grid_gemv<qw::intermediate, 1, true>(L.down, qw::hidden, a.x, vs, [&] {
-                    for (int j = threadIdx.x; j < qw::intermediate; j += THREADS)
-                        vs[j] = silu(ld_cg(a.gu + j)) * ld_cg(a.gu + qw::intermediate + j);
-                    __syncthreads();
-                });
-                grid_barrier(a.barrier);
-            }
-            grid_gemv<qw::hidden, 4, false>(a.lm_head, qw::vocab, a.logits, vs, [&] {
-                make_normed(a.x, nullptr, a.final_norm, a.eps, vs, scratch);
-            });
-            ++pos;
-            grid_barrier(a.barrier);
+    __syncthreads();
+    for (int i = threadIdx.x; i < qw::group * HD; i += THREADS) {
+        const int gh = i / HD, head = kvh * qw::group + gh, d = i % HD;
+        const float* po = a.part_o + static_cast<long long>(head) * a.splits * HD + d;
+        float acc = 0.f;
+        for (int s0 = 0; s0 < splits; s0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = s0 + j < splits ? ld_cg(po + (s0 + j) * HD) : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (s0 + j < splits) acc += sh.merge_w[gh][s0 + j] * v[j];
         }
+        put(a.attn + head * HD + d, acc / sh.merge_l[gh], tag);
+    }
+}
 
-        // Sampling: penalties and partial maxima over the grid, then block 0 chooses. The
-        // parameters live in host memory (each read crosses PCIe): one thread per block reads
-        // them, the block shares them.
-        if (threadIdx.x == 0) {
-            const volatile SampleParams* hp = a.params;
-            step_params.temperature = hp->temperature;
-            step_params.top_p = hp->top_p;
-            step_params.min_p = hp->min_p;
-            step_params.repetition_penalty = hp->repetition_penalty;
-            step_params.presence_penalty = hp->presence_penalty;
-            step_params.frequency_penalty = hp->frequency_penalty;
-            step_params.top_k = hp->top_k;
-            step_params.step = a.first_step + i;
-            step_params.seed = hp->seed;
+// This block's flash-decoding items at position pos (the cache then holds len = pos + 1 keys,
+// the last one computed here by the block whose chunk holds it).
+// Its inputs are tagged `tag`, its outputs `tag + 1`.
+__device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consumed,
+                                             const MegaLayer& L, int pos, unsigned tag,
+                                             unsigned merge_base, AttnShared& sh) {
+    constexpr int OUTS = qw::group * HD;
+    constexpr int NH = THREADS / OUTS > 0 ? THREADS / OUTS : 1;  // key slots per output
+    constexpr int OPT = (OUTS + THREADS - 1) / THREADS;          // outputs per thread
+    constexpr int LPK = HD / 8, KPP = THREADS / LPK;
+    const int len = pos + 1;
+    const AttnGeom g = attn_geom(len, a.splits);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int item = blockIdx.x; item < qw::kv_heads * g.splits; item += gridDim.x) {
+        const int kvh = item / g.splits, split = item % g.splits;
+        const int k_begin = split * g.chunk, keys = item_keys(g, len, item);
+        const bool has_new = k_begin <= pos && pos < k_begin + keys;
+        if (warp < qw::group) {
+            norm_rope_warp(a.qkv + (kvh * qw::group + warp) * HD, tag, L.q_norm, a.inv_freq, pos,
+                           a.eps, sh.q[warp]);
+            if (lane == 0) {
+                sh.m[warp] = QW_NEG_INF;
+                sh.l[warp] = 0.f;
+            }
+        } else if (has_new && warp == qw::group) {
+            norm_rope_warp(a.qkv + qw::q_size + kvh * HD, tag, L.k_norm, a.inv_freq, pos, a.eps,
+                           sh.k_new);
+        } else if (has_new && warp == qw::group + 1) {
+            for (int d = lane; d < HD; d += 32)
+                sh.v_new[d] = take(a.qkv + qw::q_size + qw::kv_size + kvh * HD + d, tag);
         }
         __syncthreads();
-        const SampleParams p = step_params;
+        if (has_new && threadIdx.x < HD) {  // the new key and value join the cache
+            const long long at = (static_cast<long long>(kvh) * a.capacity + pos) * HD + threadIdx.x;
+            L.k_cache[at] = f32_to_bf16(sh.k_new[threadIdx.x]);
+            L.v_cache[at] = f32_to_bf16(sh.v_new[threadIdx.x]);
+        }
+        float acc[OPT];
+#pragma unroll
+        for (int o = 0; o < OPT; ++o) acc[o] = 0.f;
+        for (int k0 = 0; k0 < keys; k0 += KEYS) {
+            const int n = min(KEYS, keys - k0);
+            const bf16_t* kt = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
+            const bf16_t* vt = kt + KEYS * HD;
+            const int new_row = pos - (k_begin + k0);
+            if (has_new && new_row >= 0 && new_row < n) {  // the copy predates the new key
+                if (threadIdx.x < HD) {
+                    const_cast<bf16_t*>(kt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.k_new[threadIdx.x]);
+                    const_cast<bf16_t*>(vt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.v_new[threadIdx.x]);
+                }
+                __syncthreads();
+            }
+            // Scores: LPK lanes per key, 16 bytes each.
+            const int part = threadIdx.x % LPK;
+#pragma unroll
+            for (int kk0 = 0; kk0 < KEYS; kk0 += KPP) {
+                const int kk = kk0 + threadIdx.x / LPK;
+                const uint4 kv = kk < n ? reinterpret_cast<const uint4*>(kt + kk * HD)[part]
+                                        : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int gh = 0; gh < qw::group; ++gh) {
+                    float dot = dot8(kv, &sh.q[gh][part * 8]);
+#pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    if (part == 0) sh.s[gh][kk] = kk < n ? dot * a.scale : QW_NEG_INF;
+                }
+            }
+            __syncthreads();
+            // Online softmax, one warp per query head.
+            if (warp < qw::group) {
+                float mt = QW_NEG_INF;
+                for (int kk = lane; kk < KEYS; kk += 32) mt = fmaxf(mt, sh.s[warp][kk]);
+                mt = warp_max(mt);
+                const float m_old = sh.m[warp], m_new = fmaxf(m_old, mt);
+                float sum = 0.f;
+                for (int kk = lane; kk < KEYS; kk += 32) {
+                    const float e = __expf(sh.s[warp][kk] - m_new);
+                    sh.s[warp][kk] = e;
+                    sum += e;
+                }
+                sum = warp_sum(sum);
+                __syncwarp();
+                if (lane == 0) {
+                    const float alpha = __expf(m_old - m_new);
+                    sh.alpha[warp] = alpha;
+                    sh.l[warp] = sh.l[warp] * alpha + sum;
+                    sh.m[warp] = m_new;
+                }
+            }
+            __syncthreads();
+            // P . V: each output (head, dim) over NH key slots.
+#pragma unroll
+            for (int o = 0; o < OPT; ++o) {
+                const int idx = threadIdx.x % (NH * OUTS) + o * THREADS;
+                if (threadIdx.x < NH * OUTS && idx < OUTS * NH) {
+                    const int out = OPT > 1 ? idx : idx % OUTS, slot = OPT > 1 ? 0 : idx / OUTS;
+                    if (out < OUTS) {
+                        const int gh = out / HD, d = out % HD;
+                        float sum = 0.f;
+#pragma unroll 8
+                        for (int kk = slot; kk < n; kk += NH)
+                            sum += sh.s[gh][kk] * bf16_to_f32(vt[kk * HD + d]);
+                        acc[o] = acc[o] * sh.alpha[gh] + sum;
+                    }
+                }
+            }
+            __syncthreads();
+            pipe_release(a, consumed);
+        }
+        // The new key and value are visible to the next steps' copies (on other SMs) before
+        // anything this item publishes (merge_if_last fences too).
+        if (has_new && g.splits == 1 && threadIdx.x < HD) __threadfence();
+        // Add the key slots in a fixed order, then write the chunk's result.
+#pragma unroll
+        for (int o = 0; o < OPT; ++o) {
+            const int idx = threadIdx.x + o * THREADS;
+            if (threadIdx.x < NH * OUTS && idx < NH * OUTS) sh.comb[idx] = acc[o];
+        }
+        __syncthreads();
+        for (int out = threadIdx.x; out < OUTS; out += THREADS) {
+            float total = 0.f;
+            for (int slot = 0; slot < NH; ++slot) total += sh.comb[slot * OUTS + out];
+            const int gh = out / HD, head = kvh * qw::group + gh, d = out % HD;
+            if (g.splits == 1) {
+                put(a.attn + head * HD + d, total / sh.l[gh], tag + 1);
+            } else {
+                a.part_o[(static_cast<long long>(head) * a.splits + split) * HD + d] = total;
+                if (d == 0) {
+                    a.part_ml[(head * a.splits + split) * 2] = sh.m[gh];
+                    a.part_ml[(head * a.splits + split) * 2 + 1] = sh.l[gh];
+                }
+            }
+        }
+        if (g.splits > 1) merge_if_last(a, kvh, g.splits, merge_base, tag + 1, sh);
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ SampleParams read_host_params(const MegaArgs& a, int step) {
+    // Three 16-byte reads across PCIe: the parameters (40 bytes), the cancel flag and padding.
+    static_assert(sizeof(SampleParams) == 40, "SampleParams layout");
+    uint4 w0, w1, w2;
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(w0.x), "=r"(w0.y), "=r"(w0.z), "=r"(w0.w) : "l"(a.host));
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(w1.x), "=r"(w1.y), "=r"(w1.z), "=r"(w1.w) : "l"(a.host + 4));
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(w2.x), "=r"(w2.y), "=r"(w2.z), "=r"(w2.w) : "l"(a.host + 8));
+    SampleParams p;
+    p.temperature = __uint_as_float(w0.x);
+    p.top_p = __uint_as_float(w0.y);
+    p.min_p = __uint_as_float(w0.z);
+    p.repetition_penalty = __uint_as_float(w0.w);
+    p.presence_penalty = __uint_as_float(w1.x);
+    p.frequency_penalty = __uint_as_float(w1.y);
+    p.top_k = static_cast<int>(w1.z);
+    p.step = step;
+    p.seed = (static_cast<unsigned long long>(w2.y) << 32) | w2.x;
+    return p;
+}
+
+// Every thread's copy of this step's parameters (written by block 0 before a grid barrier).
+__device__ __forceinline__ void load_params(SampleParams* out, const SampleParams* p) {
+    const int* src = reinterpret_cast<const int*>(p);
+    int* dst = reinterpret_cast<int*>(out);
+    for (int i = threadIdx.x; i < 10; i += THREADS) dst[i] = ld_cg_int(src + i);
+}
+__device__ __forceinline__ bool penalties_on(const SampleParams& p) {
+    return p.repetition_penalty != 1.f || p.presence_penalty != 0.f || p.frequency_penalty != 0.f;
+}
+
+struct NoPre {
+    __device__ int operator()(int) const { return 0; }
+};
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(const MegaArgs* args) {
+    __shared__ float red[2 * RED];
+    __shared__ AttnShared attn_sh;
+    __shared__ qws::SampleShared<THREADS> sample_sh;
+    __shared__ SampleParams step_params;
+    __shared__ MegaArgs args_sh;    // read from shared memory: no registers held for it
+    __shared__ float resid[RESID];  // the residual rows this block owns, by thread
+    __shared__ int chosen_sh;
+    if (threadIdx.x == 0) args_sh = *args;
+    init_ranges();
+    __syncthreads();
+    const MegaArgs& a = args_sh;
+    for (int i = threadIdx.x; i < a.num_layers * static_cast<int>(sizeof(MegaLayer) / 8); i += THREADS)
+        reinterpret_cast<unsigned long long*>(layer_table())[i] =
+            reinterpret_cast<const unsigned long long*>(a.layers)[i];
+    __syncthreads();
+    const int hid_lo = row_ranges[1].x;
+    const NoPre no_pre;
+    unsigned long long* warp_hist = reinterpret_cast<unsigned long long*>(vec_buf());
+    const int pos0 = *a.pos;
+    int pos = pos0;
+    int token = *a.token;
+    unsigned merge_base = 0;
+    // Tags: step i's phases are numbered from i * per_step + 1: five per layer, then the
+    // blocks' best logits and the chosen token.
+    const unsigned per_step = 5u * a.num_layers + 3u;
+    const int forwards = min(a.max_steps - (a.feed_first ? 0 : 1), a.capacity - pos0);
+    unsigned consumed = 0;  // stages of the stream used so far
+    pipe_start(a, pos0, forwards);
+    if (a.feed_first && blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
+        a.params[0] = read_host_params(a, a.first_step);  // the first step's parameters
+        __threadfence();  // before this block's outputs, which every LM head depends on
+    }
+
+    for (int i = 0; i < a.max_steps; ++i) {
+        const unsigned base = (static_cast<unsigned>(a.epoch & 0xfff) << 20) +
+                              static_cast<unsigned>(i) * per_step + 1u;
+        const unsigned best_tag = base + 5u * a.num_layers, chosen_tag = best_tag + 1u;
         float best = QW_NEG_INF;
         int best_i = 0x7fffffff;
-        for (int v = blockIdx.x * THREADS + threadIdx.x; v < qw::vocab; v += gridDim.x * THREADS) {
-            const float l = qws::penalized(ld_cg(a.logits + v), p, ld_cg_u8(a.seen + v),
-                                           ld_cg_int(a.counts + v));
-            a.work[v] = l;
-            qws::argmax_merge(best, best_i, l, v);
+        if (i > 0 || a.feed_first) {
+            token = min(max(token, 0), qw::vocab - 1);
+            const bf16_t* embed_row = a.embed + static_cast<long long>(token) * qw::hidden;
+            for (int layer = 0; layer < a.num_layers; ++layer) {
+                const MegaLayer& L = layer_table()[layer];
+                const unsigned t = base + 5u * layer;  // this layer's Q/K/V tag
+                {  // Q, K, V from the normed residual (layer 0: the embedding row, whose rows
+                   // each block also takes as its part of the residual stream)
+                    if (layer == 0 && threadIdx.x < row_ranges[1].y - hid_lo)
+                        resid[threadIdx.x] = bf16_to_f32(embed_row[hid_lo + threadIdx.x]);
+                    const bf16_t* row = layer == 0 ? embed_row : nullptr;
+                    rows_phase<qw::hidden, false>(
+                        a, consumed, QKV_ROWS, red,
+                        [&](Vec<qw::hidden>& v) {
+                            load_normed<qw::hidden>(v, a.x, row, t - 1u, L.input_norm, a.eps);
+                        },
+                        no_pre, [&](int r, float s, float, int) { put(a.qkv + r, s, t); });
+                }
+                if (!(QW_MK_SKIP & 2)) attention_phase(a, consumed, L, pos, t, merge_base, attn_sh);
+                {  // the counters count only chunks that are merged (more than one a head)
+                    const int splits = attn_geom(pos + 1, a.splits).splits;
+                    if (splits > 1) merge_base += splits;
+                }
+                rows_phase<qw::q_size, false>(
+                    a, consumed, qw::hidden, red,
+                    [&](Vec<qw::q_size>& v) {
+                        load_plain<qw::q_size>(v, a.attn, t + 1u, !(QW_MK_SKIP & 2));
+                    },
+                    no_pre, [&](int r, float s, float, int) { put(a.x + r, resid[r - hid_lo] += s, t + 2u); });
+                rows_phase<qw::hidden, true>(
+                    a, consumed, qw::intermediate, red,
+                    [&](Vec<qw::hidden>& v) {
+                        load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
+                    },
+                    no_pre, [&](int r, float g, float u, int) { put(a.h + r, silu(g) * u, t + 3u); });
+                rows_phase<qw::intermediate, false>(
+                    a, consumed, qw::hidden, red,
+                    [&](Vec<qw::intermediate>& v) { load_plain<qw::intermediate>(v, a.h, t + 3u); },
+                    no_pre, [&](int r, float s, float, int) { put(a.x + r, resid[r - hid_lo] += s, t + 4u); });
+            }
+            // Final norm and LM head, with the penalties and each block's argmax on the way.
+            // (The last block wrote this step's parameters before any output of its that the
+            // x below depends on.)
+            load_params(&step_params, a.params + (i & 1));
+            rows_phase<qw::hidden, false>(
+                a, consumed, qw::vocab, red,
+                [&](Vec<qw::hidden>& v) {
+                    load_normed<qw::hidden>(v, a.x, nullptr, best_tag - 1u, a.final_norm, a.eps);
+                },
+                [&](int r) {  // the penalties' inputs, loaded while the stage is used
+                    // (strong loads: block 0 updated them during this launch)
+                    if (!penalties_on(step_params)) return 0;
+                    int count;
+                    unsigned seen;
+                    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(count) : "l"(a.counts + r));
+                    asm volatile("ld.relaxed.gpu.global.u8 %0, [%1];" : "=r"(seen) : "l"(a.seen + r));
+                    return count * 2 + static_cast<int>(seen & 1u);
+                },
+                [&](int r, float s, float, int seen_count) {
+                    a.logits[r] = s;
+                    if (!(QW_MK_SKIP & 8)) {
+                        const float l = qws::penalized(s, step_params, seen_count & 1, seen_count >> 1);
+                        a.work[r] = l;
+                        qws::argmax_merge(best, best_i, l, r);
+                    }
+                });
+            ++pos;
+        } else {
+            // No token to feed: choose from the logits already there (left by prefill). Every
+            // block reads the parameters from the host itself (once a launch at most).
+            if (threadIdx.x == 0) step_params = read_host_params(a, a.first_step + i);
+            __syncthreads();
+            int lo, hi;
+            block_range(qw::vocab, lo, hi);
+            for (int r = lo + threadIdx.x; r < hi; r += THREADS) {
+                const float l = qws::penalized(ld_cg(a.logits + r), step_params,
+                                               ld_cg_u8(a.seen + r), ld_cg_int(a.counts + r));
+                a.work[r] = l;
+                qws::argmax_merge(best, best_i, l, r);
+            }
         }
+
+        // Sampling: each block's best logit (after its logits), then block 0 chooses.
         qws::argmax_warp(best, best_i);
         if ((threadIdx.x & 31) == 0) {
             sample_sh.best_val[threadIdx.x >> 5] = best;
@@ -455,17 +1045,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_megakernel(const
         if (threadIdx.x == 0) {
             for (int w = 1; w < WARPS; ++w)
                 qws::argmax_merge(best, best_i, sample_sh.best_val[w], sample_sh.best_idx[w]);
-            a.partial_val[blockIdx.x] = best;
-            a.partial_idx[blockIdx.x] = best_i;
+            __threadfence();  // this block's logits before its best
+            put(a.best + 2 * blockIdx.x, best, best_tag);
+            put(a.best + 2 * blockIdx.x + 1, __int_as_float(best_i), best_tag);
+            // While block 0 chooses, the last block fetches the next step's parameters from
+            // the host (so a change applies to the next token), into the other slot.
+            if (blockIdx.x == gridDim.x - 1 && i + 1 < a.max_steps) {
+                a.params[(i + 1) & 1] = read_host_params(a, a.first_step + i + 1);
+                __threadfence();
+            }
         }
-        grid_barrier(a.barrier);
         if (blockIdx.x == 0) {
             best = QW_NEG_INF;
             best_i = 0x7fffffff;
             for (int b = threadIdx.x; b < gridDim.x; b += THREADS)
-                qws::argmax_merge(best, best_i, ld_cg(a.partial_val + b),
-                                  ld_cg_int(a.partial_idx + b));
+                qws::argmax_merge(best, best_i, take(a.best + 2 * b, best_tag),
+                                  __float_as_int(take(a.best + 2 * b + 1, best_tag)));
             qws::argmax_warp(best, best_i);
+            if (step_params.temperature > 0.f) __threadfence();  // acquire: the blocks' work[]
             __syncthreads();
             if ((threadIdx.x & 31) == 0) {
                 sample_sh.best_val[threadIdx.x >> 5] = best;
@@ -476,28 +1073,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_megakernel(const
                 for (int w = 1; w < WARPS; ++w)
                     qws::argmax_merge(best, best_i, sample_sh.best_val[w], sample_sh.best_idx[w]);
                 sample_sh.best_val[0] = best;
-                sample_sh.best_idx[0] = best_i;
+                sample_sh.best_idx[0] = min(max(best_i, 0), qw::vocab - 1);
             }
             __syncthreads();
-            const int token = qws::choose_token<THREADS>(a.work, p, sample_sh.best_val[0],
-                                                         sample_sh.best_idx[0], p.step, sample_sh,
-                                                         warp_hist);
+            int chosen = token;
+            if (!(QW_MK_SKIP & 8))
+                chosen = qws::choose_token<THREADS>(a.work, step_params, sample_sh.best_val[0],
+                                                    sample_sh.best_idx[0], step_params.step,
+                                                    sample_sh, warp_hist);
             if (threadIdx.x == 0) {
-                a.counts[token] += 1;
-                a.seen[token] = 1;
-                *a.token = token;
-                a.ring[1 + written] = token;
-                __threadfence_system();
-                reinterpret_cast<volatile int*>(a.ring)[0] = written + 1;
-                bool stop = i + 1 >= a.max_steps || pos >= a.capacity ||
-                            ld_volatile_int(a.cancel) != 0;
-                for (int e = 0; e < a.n_eos; ++e) stop = stop || token == a.eos[e];
-                *a.stop = stop;
+                a.counts[chosen] += 1;
+                a.seen[chosen] = 1;
+                *a.token = chosen;
+                // One 8-byte store: the host sees the token and its sequence number together.
+                asm volatile("st.volatile.global.v2.s32 [%0], {%1, %2};" ::"l"(a.ring + 2 * i),
+                             "r"(chosen), "r"(i + 1)
+                             : "memory");
+                // The cancel flag is read last, so a cancel seen by the host before this token
+                // was stops the launch here.
+                const int cancel = *reinterpret_cast<const volatile int*>(a.host + 10);
+                bool stop = i + 1 >= a.max_steps || pos >= a.capacity || cancel != 0;
+                for (int e = 0; e < a.n_eos; ++e) stop = stop || chosen == a.eos[e];
+                __threadfence();  // the counts before the token that the others wait for
+                put(a.chosen, __int_as_float(chosen | (stop ? static_cast<int>(0x80000000u) : 0)),
+                    chosen_tag);
             }
         }
-        ++written;
-        grid_barrier(a.barrier);
-        if (ld_cg_int(a.stop)) break;
+        if (threadIdx.x == 0) {
+            chosen_sh = __float_as_int(take(a.chosen, chosen_tag));
+            __threadfence();  // acquire: what block 0 wrote before (counts, the KV rows before)
+        }
+        __syncthreads();
+        const int word = chosen_sh;
+        token = word & 0x7fffffff;
+        if (word & 0x80000000) break;
     }
+    pipe_drain(consumed);
     if (blockIdx.x == 0 && threadIdx.x == 0) *a.pos = pos;
 }

@@ -29,7 +29,7 @@ class AskOptions:
     ctx: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
     device: int = 0
-    decode: str = "layered"
+    decode: str = "auto"
 
 
 def combine_prompt(argument: str | None, stdin_text: str | None) -> str:

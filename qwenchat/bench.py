@@ -513,7 +513,7 @@ class BenchOptions:
     settings: BenchSettings = field(default_factory=BenchSettings)
     as_json: bool = False
     compare_hf: bool = False
-    decode: str = "layered"  # the CUDA engine's decode path
+    decode: str = "auto"  # the CUDA engine's decode path
 
 
 def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:

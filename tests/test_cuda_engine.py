@@ -43,6 +43,8 @@ def engines(model_dir: Path, ctx: int | None = None, decode: str = "layered",
 
     model = open_model_dir(model_dir)
     gpu_engine = CudaEngine(model.config, model.checkpoint, ctx, decode=decode)
+    if decode == "megakernel":  # the tiny shapes used with it have whole-line KV rows
+        assert gpu_engine.decode == "megakernel", "the megakernel was not used"
     if steps_per_launch is not None and decode == "megakernel":
         gpu_engine.steps_per_launch = steps_per_launch  # logits stay those of the last token
     return gpu_engine, ReferenceEngine(model.config, model.checkpoint, ctx)
@@ -51,10 +53,11 @@ def engines(model_dir: Path, ctx: int | None = None, decode: str = "layered",
 DECODES = ["megakernel", "layered"]
 
 
+# head_dim 64: the megakernel needs key/value rows of whole 128-byte lines (engine.py).
 SHAPES = {
-    "tied": dict(),
+    "tied": dict(head_dim=64),
     "untied-gqa3": dict(tie_word_embeddings=False, hidden_size=48, num_attention_heads=3,
-                        num_key_value_heads=1, head_dim=32, intermediate_size=80, seed=4),
+                        num_key_value_heads=1, head_dim=64, intermediate_size=80, seed=4),
 }
 
 
@@ -90,7 +93,7 @@ def test_decode_logits_match_the_reference_for_256_steps(model_dir, decode):
 def test_greedy_tokens_equal_the_reference_over_512_steps(tiny_model_dir, tmp_path,
                                                           tiny_tokenizer, decode):
     directory = write_tiny_model(tmp_path / "m", tokenizer=tiny_tokenizer,
-                                 max_position_embeddings=1024)
+                                 max_position_embeddings=1024, head_dim=64)
     gpu_engine, ref = engines(directory, decode=decode)
     prompt = [int(i) for i in np.random.default_rng(2).integers(0, 400, 20)]
     outputs = []
@@ -154,6 +157,28 @@ def test_cancel_and_capacity_stop_the_reply(model_dir, decode):
         if count == 3:
             request.cancel.set()
     assert generation.stop_reason is StopReason.CANCELLED and count == 3
+
+
+def test_auto_decode_uses_the_megakernel_for_short_contexts_only(model_dir, monkeypatch):
+    from qwenchat.engine.cuda import engine as cuda_engine
+
+    gpu_engine, _ = engines(model_dir, decode="auto")
+    prompt = [int(i) for i in np.random.default_rng(8).integers(0, 400, 40)]
+    outputs = {}
+    for below in (4096, 10):  # the prompt's 40 tokens start below, then above, the threshold
+        monkeypatch.setattr(cuda_engine, "AUTO_MEGAKERNEL_BELOW", below)
+        gpu_engine.truncate(0)
+        gpu_engine.prefill(prompt)
+        params = LiveParams(SamplingParams(temperature=0.0, max_tokens=24))
+        outputs[below] = list(
+            gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)))
+        assert gpu_engine.decode == ("megakernel" if below == 4096 else "layered")
+    assert outputs[4096] == outputs[10]
+
+
+def test_the_megakernel_refuses_key_value_rows_shorter_than_a_cache_line(tiny_model_dir):
+    gpu_engine, _ = engines(tiny_model_dir, decode="auto")  # head_dim 16
+    assert gpu_engine.decode_policy == "layered"
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -446,7 +471,7 @@ def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real
     for token in gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)):
         tokens.append(token)
         if len(tokens) == 8:
-            sampled_before_switch = int(gpu_engine._mk_ring[0])  # what the kernel had chosen
+            sampled_before_switch = gpu_engine.megakernel_produced()  # what the kernel had chosen
             params.update(temperature=0.0)
     assert sampled_before_switch < len(tokens), "the launch ended before the change"
     ref.truncate(0)
@@ -472,7 +497,7 @@ def test_megakernel_cancel_stops_within_one_step(real_shape):
     for count, _ in enumerate(generation, start=1):
         if count == 5:
             request.cancel.set()
-            produced_at_cancel = int(gpu_engine._mk_ring[0])
+            produced_at_cancel = gpu_engine.megakernel_produced()
     assert generation.stop_reason is StopReason.CANCELLED and count == 5
-    assert int(gpu_engine._mk_ring[0]) <= produced_at_cancel + 1
+    assert gpu_engine.megakernel_produced() <= produced_at_cancel + 1
     assert gpu_engine.position == 20 + 4

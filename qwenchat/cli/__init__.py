@@ -45,8 +45,9 @@ CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in toke
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
 DeviceOpt = Annotated[int, typer.Option("--device", help="GPU index (see qwenchat info).")]
 DecodeOpt = Annotated[str, typer.Option(
-    "--decode", help="CUDA decode path: layered (per-op CUDA graph) or megakernel "
-    "(experimental: many steps per cooperative launch).")]
+    "--decode", help="CUDA decode path: auto (the megakernel for replies starting below 8K "
+    "cached tokens, else layered), megakernel (many whole steps per cooperative launch) or "
+    "layered (a CUDA graph of per-op kernels).")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
 ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
 
@@ -133,7 +134,7 @@ def chat(
     think: ThinkOpt = False,
     ctx: CtxOpt = None,
     device: DeviceOpt = 0,
-    decode: DecodeOpt = "layered",
+    decode: DecodeOpt = "auto",
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
                                              "lives in memory only.")] = False,
     debug: DebugOpt = False,
@@ -182,7 +183,7 @@ def ask(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr.")] = False,
     ctx: CtxOpt = None,
     device: DeviceOpt = 0,
-    decode: DecodeOpt = "layered",
+    decode: DecodeOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
     """Answer one prompt on stdout, streaming; pipe-friendly."""
@@ -236,7 +237,7 @@ def bench(
         "--model", "-m", help="Bench a real checkpoint: model directory or hub id.")] = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = 0,
-    decode: DecodeOpt = "layered",
+    decode: DecodeOpt = "auto",
     ctx: Annotated[int | None, typer.Option(
         "--ctx", help="KV-cache size in tokens.",
         show_default="room for the largest position and prompt, within the model's maximum")

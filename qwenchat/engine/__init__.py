@@ -10,14 +10,14 @@ from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 
 BACKENDS = ("auto", "cuda", "cpu")
-DECODES = ("layered", "megakernel")  # the CUDA engine's decode paths
+DECODES = ("auto", "megakernel", "layered")  # the CUDA engine's decode paths
 
 __all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
            "check_engine_flags", "create_engine"]
 
 
 def check_engine_flags(backend: str, ctx: int | None, device: int,
-                       decode: str = "layered") -> None:
+                       decode: str = "auto") -> None:
     """Validate --backend, --ctx, --device and --decode before anything is loaded, so mistakes
     fail fast."""
     if backend not in BACKENDS:
@@ -37,7 +37,7 @@ def create_engine(
     ctx: int | None = None,
     device: int = 0,
     notice: Callable[[str], None] = lambda _: None,
-    decode: str = "layered",
+    decode: str = "auto",
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`."""
     check_engine_flags(backend, ctx, device, decode)

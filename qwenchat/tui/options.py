@@ -22,7 +22,7 @@ class ChatOptions:
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
     ctx: int | None = None
     device: int = 0
-    decode: str = "layered"  # the CUDA engine's decode path
+    decode: str = "auto"  # the CUDA engine's decode path
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
 

@@ -1,12 +1,13 @@
 """The CUDA engine: NVRTC-compiled kernels from cuda_src/, tensor-core prefill, GPU decode.
 
 Prefill runs the new tokens through every layer as batched tensor-core GEMMs and flash
-attention, in chunks that bound the scratch memory. Decode has two paths. "layered" (the
-default for now): one token through a CUDA graph of per-op kernels whose position and input
-token live in device memory. "megakernel": one cooperative launch runs many whole decode
-steps, sampling and stop checks on the GPU, streaming token ids to a host-mapped ring buffer
-and reading live sampling parameters and a cancel flag from host-mapped memory; correct, but
-not yet faster than the graph (docs/perf.md), so it is opt-in until it is.
+attention, in chunks that bound the scratch memory. Decode has two paths. "megakernel": one
+cooperative launch runs many whole decode steps, sampling and stop checks on the GPU,
+streaming token ids to a host-mapped ring buffer and reading live sampling parameters and a
+cancel flag from host-mapped memory. "layered": one token through a CUDA graph of per-op
+kernels whose position and input token live in device memory. "auto" (the default) picks the
+megakernel for a reply that starts below AUTO_MEGAKERNEL_BELOW cached tokens, where it is
+faster, and the graph beyond (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -34,10 +35,19 @@ KERNELS = {
     "gemm.cu": ("gemm_store", "gemm_add"),
     "attention.cu": ("attn_prefill", "attn_decode_partial", "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
-    "megakernel.cu": ("decode_megakernel",),
 }
-DECODE_MODES = ("megakernel", "layered")
+DECODE_MODES = ("auto", "megakernel", "layered")
+# "auto" decodes a reply with the megakernel when it starts below this position and with the
+# per-op graph beyond: measured on an H100 (docs/perf.md), the megakernel is faster up to ~8K
+# cached tokens and the graph's flash-decoding beyond.
+AUTO_MEGAKERNEL_BELOW = 8192
 MEGAKERNEL_THREADS = 512
+MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV stream
+MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: 18-20 KB)
+MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's radix bins
+MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
+# Parts the megakernel can leave out, for timing only (QW_MK_SKIP bits in megakernel.cu).
+MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "barriers": 4, "sampling": 8}
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
 GEMV_ROWS_PER_BLOCK = 16  # 8 warps x 2 rows (rmsnorm_gemv2)
@@ -61,12 +71,13 @@ class MegaArgs(ctypes.Structure):
     """The decode megakernel's argument block (struct MegaArgs in cuda_src/megakernel.cu)."""
 
     _fields_ = [(name, ctypes.c_uint64) for name in (
-        "layers", "embed", "final_norm", "lm_head", "inv_freq", "x", "qkv", "attn", "gu",
-        "logits", "work", "part_o", "part_ml", "merge_count", "partial_val", "partial_idx",
-        "seen", "counts", "token", "pos", "stop", "eos", "params", "cancel", "ring", "barrier")]
+        "layers", "embed", "final_norm", "lm_head", "inv_freq", "x", "qkv", "attn", "h", "best",
+        "chosen", "logits", "work", "part_o", "part_ml", "merge_count", "seen", "counts",
+        "token", "pos", "eos", "host", "params", "ring")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     _fields_ += [(name, ctypes.c_int) for name in (
-        "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step")]
+        "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step",
+        "epoch")]
 
 
 def unsupported_reason(config: Qwen3Config) -> str | None:
@@ -110,7 +121,9 @@ class CudaEngine(CacheBookkeeping):
         ctx: int | None = None,
         device: int = 0,
         notice: Callable[[str], None] = lambda _: None,
-        decode: str = "layered",
+        decode: str = "auto",
+        megakernel_skip: Sequence[str] = (),
+        megakernel_stages: int | None = None,
     ):
         if decode not in DECODE_MODES:
             choices = ", ".join(DECODE_MODES)
@@ -142,12 +155,25 @@ class CudaEngine(CacheBookkeeping):
         super().__init__(self._choose_capacity(ctx, notice))
         self._allocate_state()
         self._logits_valid = False
-        self.decode = decode
-        if decode == "megakernel" and not self.device.cooperative_launch:
-            notice("this GPU cannot launch cooperative kernels: decoding layer by layer")
-            self.decode = "layered"
-        if self.decode == "megakernel":
-            self._setup_megakernel()
+        self.decode_policy = decode
+        self.decode = "layered" if decode == "auto" else decode
+        reason = self._megakernel_unusable()
+        if reason and decode == "megakernel":
+            notice(f"{reason}: decoding layer by layer")
+            self.decode = self.decode_policy = "layered"
+        elif reason:
+            self.decode_policy = "layered"
+        if self.decode_policy != "layered" or self.decode == "megakernel":
+            self._setup_megakernel(notice, megakernel_skip, megakernel_stages)
+
+    def _megakernel_unusable(self) -> str | None:
+        if not self.device.cooperative_launch:
+            return "this GPU cannot launch cooperative kernels"
+        if self.config.head_dim < 64:
+            # A key/value row must fill whole 128-byte lines: within one launch a line read
+            # before part of it is written may be served stale to the bulk copies.
+            return f"head_dim {self.config.head_dim} is below the megakernel's 64"
+        return None
 
     # ----------------------------------------------------------------------------- set-up
     def _load_kernels(self, notice: Callable[[str], None]) -> None:
@@ -462,6 +488,8 @@ class CudaEngine(CacheBookkeeping):
 
     def _begin_reply(self, request: GenerateRequest) -> None:
         self.device.make_current()
+        if self.decode_policy == "auto":
+            self.decode = "megakernel" if self.position < AUTO_MEGAKERNEL_BELOW else "layered"
         self._reset_sampling_state()
         self._request = request
         if self.decode == "megakernel":
@@ -490,32 +518,69 @@ class CudaEngine(CacheBookkeeping):
         return self._read_token()
 
     # ----------------------------------------------------------------------------- megakernel
-    def _setup_megakernel(self) -> None:
-        cfg, kernel = self.config, self.k["decode_megakernel"]
-        hist = MEGAKERNEL_THREADS // 32 * 256 * 8
-        vector = 4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
-        attention = 4 * (cfg.group_size * (cfg.head_dim + DECODE_MAX_CHUNK) + 2 * cfg.head_dim + 40)
-        self.mk_shared = max(hist, vector, attention)
+    def _setup_megakernel(self, notice: Callable[[str], None], skip: Sequence[str] = (),
+                          stages: int | None = None) -> None:
+        """Compile the megakernel for this GPU's shared memory and allocate its state.
+
+        The stage ring takes what shared memory the device allows per block, less the static
+        part and the sampler's histograms; `skip` leaves parts out (timing variants only:
+        the tokens are then wrong) and `stages` overrides the ring depth (experiments)."""
+        cfg, device = self.config, self.device
+        unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
+        if unknown:
+            raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
+                                f"known: {', '.join(MEGAKERNEL_PARTS)}")
+        stage = MEGAKERNEL_STAGE_BYTES
+        # Beside the stages: a phase's input vector (sharing its room with the sampler's
+        # histograms) and the table of layer pointers.
+        fixed = (max(MEGAKERNEL_HISTOGRAM_BYTES,
+                     4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size))
+                 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES)
+        room = device.max_shared_per_block_optin - MEGAKERNEL_STATIC_SHARED - fixed
+        if room // stage < 3:
+            stage //= 2  # smaller GPUs: more, smaller stages
+        widest_row = 2 * max(cfg.hidden_size * 2, cfg.q_size, cfg.intermediate_size,
+                             2 * cfg.head_dim * 32)
+        while stage < widest_row:
+            stage *= 2
+        count = stages or min(16, room // stage)
+        if count < 2:
+            raise QwenchatError("the decode megakernel does not fit in this GPU's shared memory;"
+                                " use --decode layered")
+        defines = dict(kernel_defines(cfg), QW_MK_STAGES=count, QW_MK_STAGE_BYTES=stage,
+                       QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
+        module = rt.Module(KernelCache().load("megakernel.cu", device.arch, defines,
+                                              progress=notice))
+        self._modules.append(module)
+        kernel = self.k["decode_megakernel"] = module.function("decode_megakernel")
+        self.mk_stages, self.mk_stage_bytes = count, stage
+        self.mk_shared = count * stage + fixed
         kernel.set_max_dynamic_shared(self.mk_shared)
-        per_sm = kernel.max_active_blocks_per_sm(MEGAKERNEL_THREADS, self.mk_shared)
-        if per_sm < 1:
+        if kernel.max_active_blocks_per_sm(MEGAKERNEL_THREADS, self.mk_shared) < 1:
             raise QwenchatError("the decode megakernel does not fit on this GPU; "
                                 "use --decode layered")
-        self.mk_blocks = self.device.sm_count  # one block per SM: the cheapest grid barrier
-        fill = math.ceil(2 * self.mk_blocks / cfg.num_key_value_heads)
-        self.mk_splits = max(math.ceil(self.capacity / DECODE_MAX_CHUNK), fill)
+        self.mk_blocks = device.sm_count  # one block per SM
+        if math.ceil(cfg.hidden_size / self.mk_blocks) > 512:
+            raise QwenchatError("this model is too wide for the decode megakernel on this GPU; "
+                                "use --decode layered")
+        # Chunks per kv head: enough for one item per block at long context.
+        self.mk_splits = max(1, min(64, self.mk_blocks // cfg.num_key_value_heads))
         heads, hd = cfg.num_attention_heads, cfg.head_dim
         self.mk_part_o = self._device_buffer(heads * self.mk_splits * hd * 4)
         self.mk_part_ml = self._device_buffer(heads * self.mk_splits * 2 * 4)
-        self.mk_merge = self._device_buffer(cfg.num_key_value_heads * 4)
-        self.mk_merge.fill_u8(0)
-        self.mk_barrier = self._device_buffer(8)
-        self.mk_barrier.fill_u8(0)
-        self.mk_stop = self._device_buffer(4)
-        self.mk_partial_val = self._device_buffer(self.mk_blocks * 4)
-        self.mk_partial_idx = self._device_buffer(self.mk_blocks * 4)
+        # Tagged values (8 bytes each) and the merge counters, zeroed before every launch.
+        tagged = {"x": cfg.hidden_size, "qkv": cfg.q_size + 2 * cfg.kv_size,
+                  "attn": cfg.q_size, "h": cfg.intermediate_size, "best": 2 * self.mk_blocks,
+                  "chosen": 2}
+        self.mk_tagged = self._device_buffer(8 * sum(tagged.values())
+                                             + 4 * cfg.num_key_value_heads)
+        self._mk_tagged_ptrs, offset = {}, 0
+        for name, count in tagged.items():
+            self._mk_tagged_ptrs[name] = self.mk_tagged.ptr + offset
+            offset += 8 * count
+        self._mk_merge_ptr = self.mk_tagged.ptr + offset
         self.mk_eos = self._device_buffer(64 * 4)
-        self.mk_attn = self._device_buffer(cfg.q_size * 4)
+        self.mk_params = self._device_buffer(2 * SAMPLE_PARAMS.itemsize)
         layer_ptrs = np.array([[w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
                                 w.post_norm.ptr, w.gate_up.ptr, w.down.ptr, kc.ptr, vc.ptr]
                                for w, kc, vc in zip(self.layers, self.k_cache, self.v_cache,
@@ -524,27 +589,27 @@ class CudaEngine(CacheBookkeeping):
         self.mk_layers.upload(layer_ptrs)
         step_seconds = self.weight_bytes / 2e12 + 100e-6
         self.steps_per_launch = int(max(1, min(256, MEGAKERNEL_LAUNCH_SECONDS // step_seconds)))
-        self._mapped = rt.PinnedBuffer(SAMPLE_PARAMS.itemsize + 8 + 4 * (257 + 1), mapped=True)
+        # Host-mapped: the parameters and the cancel flag (48 bytes, read by the kernel), then
+        # the ring of (token, sequence number) pairs it writes.
+        header = SAMPLE_PARAMS.itemsize + 8
+        self._mapped = rt.PinnedBuffer(header + 8 * 256, mapped=True)
         self._mk_params = self._mapped.array(SAMPLE_PARAMS, 1)
         words = self._mapped.array(np.int32)
-        base = SAMPLE_PARAMS.itemsize // 4
-        self._mk_cancel = words[base : base + 1]
-        self._mk_ring = words[base + 2 :]
+        self._mk_cancel = words[SAMPLE_PARAMS.itemsize // 4 : SAMPLE_PARAMS.itemsize // 4 + 1]
+        self._mk_ring = words[header // 4 :].reshape(-1, 2)
         self._mk_args = self._device_buffer(ctypes.sizeof(MegaArgs))
-        self._mk_consumed = self._mk_launched = 0
+        self._mk_consumed = self._mk_launched = self._mk_epoch = 0
 
     def _megakernel_args(self, steps: int, feed_first: bool, first_step: int, n_eos: int):
-        cfg, mapped = self.config, self._mapped.device_ptr
-        base = SAMPLE_PARAMS.itemsize
+        cfg, mapped, t = self.config, self._mapped.device_ptr, self._mk_tagged_ptrs
         return MegaArgs(
             self.mk_layers.ptr, self.embed.ptr, self.final_norm.ptr, self.lm_head.ptr,
-            self.inv_freq.ptr, self.x.ptr, self.qkv.ptr, self.mk_attn.ptr, self.gu.ptr,
+            self.inv_freq.ptr, t["x"], t["qkv"], t["attn"], t["h"], t["best"], t["chosen"],
             self.logits.ptr, self.work.ptr, self.mk_part_o.ptr, self.mk_part_ml.ptr,
-            self.mk_merge.ptr, self.mk_partial_val.ptr, self.mk_partial_idx.ptr, self.seen.ptr,
-            self.counts.ptr, self.token.ptr, self.pos.ptr, self.mk_stop.ptr, self.mk_eos.ptr,
-            mapped, mapped + base, mapped + base + 8, self.mk_barrier.ptr,
+            self._mk_merge_ptr, self.seen.ptr, self.counts.ptr, self.token.ptr, self.pos.ptr,
+            self.mk_eos.ptr, mapped, self.mk_params.ptr, mapped + SAMPLE_PARAMS.itemsize + 8,
             cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.num_hidden_layers, self.capacity,
-            self.mk_splits, n_eos, steps, int(feed_first), first_step)
+            self.mk_splits, n_eos, steps, int(feed_first), first_step, self._mk_epoch & 0xFFF)
 
     def _mirror_params(self, params: SamplingParams) -> None:
         """Write the parameters to host-mapped memory, which the running kernel reads before
@@ -563,31 +628,38 @@ class CudaEngine(CacheBookkeeping):
         if self._mk_consumed >= self._mk_launched:
             self._launch_megakernel(fed, params, step)
         waited = time.monotonic()
-        while int(self._mk_ring[0]) <= self._mk_consumed:
+        slot = self._mk_ring[self._mk_consumed]
+        while int(slot[1]) != self._mk_consumed + 1:
             if self._request.cancel.is_set():
                 self._mk_cancel[0] = 1
             if time.monotonic() - waited > MEGAKERNEL_TIMEOUT_S:
                 raise QwenchatError("the decode kernel stopped producing tokens; "
                                     "rerun with --decode layered and report this")
             time.sleep(0)
-        token = int(self._mk_ring[1 + self._mk_consumed])
+        token = int(slot[0])
         self._mk_consumed += 1
         return token
+
+    def megakernel_produced(self) -> int:
+        """Tokens the running (or last) launch has written so far."""
+        return int(np.count_nonzero(self._mk_ring[:, 1]))
 
     def _launch_megakernel(self, fed: int | None, params: SamplingParams, step: int) -> None:
         self.stream.synchronize()  # the previous launch has written back its position
         steps = self.steps_per_launch
         if params.max_tokens is not None:
             steps = max(1, min(steps, params.max_tokens - step))
-        steps = min(steps, len(self._mk_ring) - 1)
+        steps = min(steps, len(self._mk_ring))
         if fed is not None:
             self._host_token[0] = fed
             self.token.upload(self._host_token, stream=self.stream)
         eos = np.asarray(sorted(self._request.eos_ids)[:64], dtype=np.int32)
         if eos.size:
             self.mk_eos.upload(eos, stream=self.stream)
-        self._mk_ring[0] = 0
+        self._mk_ring[:] = 0
+        self.mk_tagged.fill_u8(0, stream=self.stream)
         self._mk_consumed, self._mk_launched = 0, steps
+        self._mk_epoch += 1  # every launch tags its values afresh
         args = self._megakernel_args(steps, fed is not None, step, int(eos.size))
         host_args = np.frombuffer(bytes(args), dtype=np.uint8)
         self._mk_args.upload(host_args, stream=self.stream)
