@@ -377,7 +377,9 @@ __device__ TileSource tile_source(const MegaArgs& a) {
 // cursor's move.
 __device__ void issue(const MegaArgs& a) {
 #if QW_MK_TMA
-    if (threadIdx.x != 0 || !producer.more) return;
+    // Only thread 0 may even read the producer's state (thread 0 writes it, unsynchronised).
+    if (threadIdx.x != 0) return;
+    if (!*static_cast<volatile int*>(&producer.more)) return;
     const int stage = producer.issued % STAGES;
     unsigned char* dst = stage_mem + stage * STAGE;
     const unsigned bar = smem_u32(stage_bars + stage);

@@ -159,7 +159,7 @@ def test_cancel_and_capacity_stop_the_reply(model_dir, decode):
     assert generation.stop_reason is StopReason.CANCELLED and count == 3
 
 
-def test_auto_decode_uses_the_megakernel_for_short_contexts_only(model_dir, monkeypatch):
+def test_auto_decode_uses_the_megakernel_for_short_greedy_replies_only(model_dir, monkeypatch):
     from qwenchat.engine.cuda import engine as cuda_engine
 
     gpu_engine, _ = engines(model_dir, decode="auto")
@@ -174,6 +174,12 @@ def test_auto_decode_uses_the_megakernel_for_short_contexts_only(model_dir, monk
             gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)))
         assert gpu_engine.decode == ("megakernel" if below == 4096 else "layered")
     assert outputs[4096] == outputs[10]
+    gpu_engine.truncate(0)
+    gpu_engine.prefill(prompt)
+    monkeypatch.setattr(cuda_engine, "AUTO_MEGAKERNEL_BELOW", 4096)
+    sampled = LiveParams(SamplingParams(temperature=0.7, max_tokens=4))
+    list(gpu_engine.generate(GenerateRequest(sampled, frozenset(), seed=0)))
+    assert gpu_engine.decode == "layered"  # sampling: the graph is faster (docs/perf.md)
 
 
 def test_the_megakernel_refuses_key_value_rows_shorter_than_a_cache_line(tiny_model_dir):

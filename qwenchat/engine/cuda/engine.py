@@ -6,8 +6,8 @@ cooperative launch runs many whole decode steps, sampling and stop checks on the
 streaming token ids to a host-mapped ring buffer and reading live sampling parameters and a
 cancel flag from host-mapped memory. "layered": one token through a CUDA graph of per-op
 kernels whose position and input token live in device memory. "auto" (the default) picks the
-megakernel for a reply that starts below AUTO_MEGAKERNEL_BELOW cached tokens, where it is
-faster, and the graph beyond (docs/perf.md).
+megakernel for a greedy reply that starts below AUTO_MEGAKERNEL_BELOW cached tokens, where it
+is faster, and the graph otherwise (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ KERNELS = {
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
 }
 DECODE_MODES = ("auto", "megakernel", "layered")
-# "auto" decodes a reply with the megakernel when it starts below this position and with the
-# per-op graph beyond: measured on an H100 (docs/perf.md), the megakernel is faster up to ~8K
-# cached tokens and the graph's flash-decoding beyond.
+# "auto" decodes a greedy reply with the megakernel when it starts below this position, and
+# every other reply with the per-op graph: measured on an H100 (docs/perf.md), the megakernel
+# is faster up to ~8K cached tokens when greedy, while sampling (one block choosing over the
+# whole vocabulary) and the graph's flash-decoding at long context keep the graph ahead.
 AUTO_MEGAKERNEL_BELOW = 8192
 MEGAKERNEL_THREADS = 512
 MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV stream
@@ -489,7 +490,9 @@ class CudaEngine(CacheBookkeeping):
     def _begin_reply(self, request: GenerateRequest) -> None:
         self.device.make_current()
         if self.decode_policy == "auto":
-            self.decode = "megakernel" if self.position < AUTO_MEGAKERNEL_BELOW else "layered"
+            greedy = request.params.current.temperature == 0
+            short = self.position < AUTO_MEGAKERNEL_BELOW
+            self.decode = "megakernel" if greedy and short else "layered"
         self._reset_sampling_state()
         self._request = request
         if self.decode == "megakernel":
