@@ -436,6 +436,13 @@ class CudaEngine(CacheBookkeeping):
         return out
 
     def close(self) -> None:
+        """Free the GPU memory, graphs and modules (from any thread: the context is made
+        current here)."""
+        self.device.make_current()
+        mapped = getattr(self, "_mapped", None)
+        if mapped is not None:
+            mapped.free()
+            self._mapped = None
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
