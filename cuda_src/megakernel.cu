@@ -147,13 +147,6 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p));
-    return v;
-}
 
 __device__ __forceinline__ void put(tagged_t* p, float v, unsigned tag) {
     const tagged_t w = (static_cast<tagged_t>(tag) << 32) | __float_as_uint(v);
@@ -743,14 +736,14 @@ __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned m
 // the last one computed here by the block whose chunk holds it).
 // Its inputs are tagged `tag`, its outputs `tag + 1`.
 __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consumed,
-                                             const MegaLayer& L, int pos, unsigned tag,
-                                             unsigned merge_base, AttnShared& sh) {
+                                             const MegaLayer& L, int pos, const AttnGeom& g,
+                                             unsigned tag, unsigned merge_base,
+                                             AttnShared& sh) {
     constexpr int OUTS = qw::group * HD;
     constexpr int NH = THREADS / OUTS > 0 ? THREADS / OUTS : 1;  // key slots per output
     constexpr int OPT = (OUTS + THREADS - 1) / THREADS;          // outputs per thread
     constexpr int LPK = HD / 8, KPP = THREADS / LPK;
     const int len = pos + 1;
-    const AttnGeom g = attn_geom(len, a.splits);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int item = blockIdx.x; item < qw::kv_heads * g.splits; item += gridDim.x) {
         const int kvh = item / g.splits, split = item % g.splits;
@@ -957,6 +950,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
         int best_i = 0x7fffffff;
         if (i > 0 || a.feed_first) {
             token = min(max(token, 0), qw::vocab - 1);
+            const AttnGeom geom = attn_geom(pos + 1, a.splits);  // the same in every layer
             const bf16_t* embed_row = a.embed + static_cast<long long>(token) * qw::hidden;
             for (int layer = 0; layer < a.num_layers; ++layer) {
                 const MegaLayer& L = layer_table()[layer];
@@ -973,11 +967,10 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                         },
                         no_pre, [&](int r, float s, float, int) { put(a.qkv + r, s, t); });
                 }
-                if (!(QW_MK_SKIP & 2)) attention_phase(a, consumed, L, pos, t, merge_base, attn_sh);
-                {  // the counters count only chunks that are merged (more than one a head)
-                    const int splits = attn_geom(pos + 1, a.splits).splits;
-                    if (splits > 1) merge_base += splits;
-                }
+                if (!(QW_MK_SKIP & 2))
+                    attention_phase(a, consumed, L, pos, geom, t, merge_base, attn_sh);
+                // The counters count only chunks that are merged (more than one a head).
+                if (geom.splits > 1) merge_base += geom.splits;
                 rows_phase<qw::q_size, false>(
                     a, consumed, qw::hidden, red,
                     [&](Vec<qw::q_size>& v) {
@@ -1038,15 +1031,8 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
         }
 
         // Sampling: each block's best logit (after its logits), then block 0 chooses.
-        qws::argmax_warp(best, best_i);
-        if ((threadIdx.x & 31) == 0) {
-            sample_sh.best_val[threadIdx.x >> 5] = best;
-            sample_sh.best_idx[threadIdx.x >> 5] = best_i;
-        }
-        __syncthreads();
+        qws::argmax_block<THREADS>(best, best_i, sample_sh.best_val, sample_sh.best_idx);
         if (threadIdx.x == 0) {
-            for (int w = 1; w < WARPS; ++w)
-                qws::argmax_merge(best, best_i, sample_sh.best_val[w], sample_sh.best_idx[w]);
             __threadfence();  // this block's logits before its best
             put(a.best + 2 * blockIdx.x, best, best_tag);
             put(a.best + 2 * blockIdx.x + 1, __int_as_float(best_i), best_tag);
@@ -1063,17 +1049,10 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             for (int b = threadIdx.x; b < gridDim.x; b += THREADS)
                 qws::argmax_merge(best, best_i, take(a.best + 2 * b, best_tag),
                                   __float_as_int(take(a.best + 2 * b + 1, best_tag)));
-            qws::argmax_warp(best, best_i);
             if (step_params.temperature > 0.f) __threadfence();  // acquire: the blocks' work[]
-            __syncthreads();
-            if ((threadIdx.x & 31) == 0) {
-                sample_sh.best_val[threadIdx.x >> 5] = best;
-                sample_sh.best_idx[threadIdx.x >> 5] = best_i;
-            }
-            __syncthreads();
+            __syncthreads();  // thread 0 has read the slots for this block's own maximum
+            qws::argmax_block<THREADS>(best, best_i, sample_sh.best_val, sample_sh.best_idx);
             if (threadIdx.x == 0) {
-                for (int w = 1; w < WARPS; ++w)
-                    qws::argmax_merge(best, best_i, sample_sh.best_val[w], sample_sh.best_idx[w]);
                 sample_sh.best_val[0] = best;
                 sample_sh.best_idx[0] = min(max(best_i, 0), qw::vocab - 1);
             }

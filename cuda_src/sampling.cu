@@ -32,15 +32,8 @@ extern "C" __global__ void __launch_bounds__(256)
             best_i = i;
         }
     }
-    qws::argmax_warp(best, best_i);
-    if ((threadIdx.x & 31) == 0) {
-        best_val[threadIdx.x >> 5] = best;
-        best_idx[threadIdx.x >> 5] = best_i;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {  // already holds warp 0's maximum
-        for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w)
-            qws::argmax_merge(best, best_i, best_val[w], best_idx[w]);
+    qws::argmax_block<256>(best, best_i, best_val, best_idx);
+    if (threadIdx.x == 0) {
         partial_val[blockIdx.x] = best;
         partial_idx[blockIdx.x] = best_i;
     }
@@ -62,19 +55,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     int best_i = 0x7fffffff;
     for (int b = tid; b < partials; b += THREADS)
         qws::argmax_merge(best, best_i, partial_val[b], partial_idx[b]);
-    qws::argmax_warp(best, best_i);
-    if ((tid & 31) == 0) {
-        sh.best_val[tid >> 5] = best;
-        sh.best_idx[tid >> 5] = best_i;
-    }
-    __syncthreads();
+    qws::argmax_block<THREADS>(best, best_i, sh.best_val, sh.best_idx);
     if (tid == 0) {
-        float bv = sh.best_val[0];
-        int bi = sh.best_idx[0];
-        for (int w = 1; w < THREADS / 32; ++w)
-            qws::argmax_merge(bv, bi, sh.best_val[w], sh.best_idx[w]);
-        sh.best_val[0] = bv;
-        sh.best_idx[0] = bi;
+        sh.best_val[0] = best;
+        sh.best_idx[0] = best_i;
     }
     __syncthreads();
     const int token = qws::choose_token<THREADS>(work, p, sh.best_val[0], sh.best_idx[0], p.step,

@@ -49,6 +49,21 @@ __device__ __forceinline__ void argmax_warp(float& val, int& idx) {
                      __shfl_xor_sync(0xffffffffu, idx, o));
 }
 
+// The block's maximum (first index on ties) lands in thread 0's (val, idx); the warps' maxima
+// pass through vals / idxs (one slot per warp). Ends after a __syncthreads: a caller that
+// reuses the slots must sync before calling again.
+template <int NT>
+__device__ __forceinline__ void argmax_block(float& val, int& idx, float* vals, int* idxs) {
+    argmax_warp(val, idx);
+    if ((threadIdx.x & 31) == 0) {
+        vals[threadIdx.x >> 5] = val;
+        idxs[threadIdx.x >> 5] = idx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)  // already holds warp 0's maximum
+        for (int w = 1; w < NT / 32; ++w) argmax_merge(val, idx, vals[w], idxs[w]);
+}
+
 template <int NT>
 struct SampleShared {
     unsigned long long hist[256];

@@ -53,6 +53,18 @@ def engines(model_dir: Path, ctx: int | None = None, decode: str = "layered",
 DECODES = ["megakernel", "layered"]
 
 
+def worst_greedy_decode_error(gpu_engine, ref, steps: int) -> float:
+    """Greedy decode on the GPU; the reference follows the GPU's tokens. The largest relative
+    error of the logits over the steps."""
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=steps)),
+                              frozenset(), seed=0)
+    worst = 0.0
+    for token in gpu_engine.generate(request):
+        worst = max(worst, rel_err(gpu_engine.last_logits(), ref.last_logits()))
+        ref.prefill([token])
+    return worst
+
+
 # head_dim 64: the megakernel needs key/value rows of whole 128-byte lines (engine.py).
 SHAPES = {
     "tied": dict(head_dim=64),
@@ -80,13 +92,7 @@ def test_decode_logits_match_the_reference_for_256_steps(model_dir, decode):
     prompt = [int(i) for i in np.random.default_rng(1).integers(0, 400, 40)]
     gpu_engine.prefill(prompt)
     ref.prefill(prompt)
-    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=256)),
-                              frozenset(), seed=0)
-    worst = 0.0
-    for token in gpu_engine.generate(request):
-        worst = max(worst, rel_err(gpu_engine.last_logits(), ref.last_logits()))
-        ref.prefill([token])  # the reference follows the GPU's tokens
-    assert worst <= 2e-2
+    assert worst_greedy_decode_error(gpu_engine, ref, 256) <= 2e-2
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -455,13 +461,7 @@ def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape, deco
     ref.truncate(0)
     gpu_engine.prefill(prompt)
     ref.prefill(prompt)
-    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=256)),
-                              frozenset(), seed=0)
-    worst = 0.0
-    for token in gpu_engine.generate(request):
-        worst = max(worst, rel_err(gpu_engine.last_logits(), ref.last_logits()))
-        ref.prefill([token])
-    assert worst <= 2e-2
+    assert worst_greedy_decode_error(gpu_engine, ref, 256) <= 2e-2
 
 
 def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real_shape):

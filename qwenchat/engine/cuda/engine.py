@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qwenchat.engine import DECODES
 from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
@@ -36,7 +37,6 @@ KERNELS = {
     "attention.cu": ("attn_prefill", "attn_decode_partial", "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
 }
-DECODE_MODES = ("auto", "megakernel", "layered")
 # "auto" decodes a greedy reply with the megakernel when it starts below this position, and
 # every other reply with the per-op graph: measured on an H100 (docs/perf.md), the megakernel
 # is faster up to ~8K cached tokens when greedy, while sampling (one block choosing over the
@@ -126,8 +126,8 @@ class CudaEngine(CacheBookkeeping):
         megakernel_skip: Sequence[str] = (),
         megakernel_stages: int | None = None,
     ):
-        if decode not in DECODE_MODES:
-            choices = ", ".join(DECODE_MODES)
+        if decode not in DECODES:
+            choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
         reason = unsupported_reason(config)
         if reason:
@@ -164,7 +164,7 @@ class CudaEngine(CacheBookkeeping):
             self.decode = self.decode_policy = "layered"
         elif reason:
             self.decode_policy = "layered"
-        if self.decode_policy != "layered" or self.decode == "megakernel":
+        if self.decode_policy != "layered":
             self._setup_megakernel(notice, megakernel_skip, megakernel_stages)
 
     def _megakernel_unusable(self) -> str | None:
