@@ -32,6 +32,10 @@
 #ifndef QW_MK_SKIP
 #define QW_MK_SKIP 0
 #endif
+// The most LM-head rows a block owns (the host passes ceil(vocab / blocks)).
+#ifndef QW_MK_LM_ROWS
+#define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
 #define QW_MK_TMA 1
 #else
@@ -73,10 +77,25 @@ static_assert(qw::group + 2 <= WARPS, "a warp per query head of a group, plus tw
 
 enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };
 
+// Attention: a warp takes KPW keys of each stage, KPASS at a time with LPK lanes a key (DPK
+// dimensions a lane) for the scores; for P . V each lane holds DPL of the head's dimensions.
+constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
+constexpr int KPW = KEYS / WARPS;
+constexpr int KPASS = 32 / LPK < KPW ? 32 / LPK : KPW;
+static_assert(HD >= 32 && KPW % KPASS == 0, "attention lane geometry");
+
+// Sampling with top-k <= CAND: each block offers its own top-k (ties included) as candidates.
+constexpr int CAND = 64;
+constexpr int LM_ROWS = QW_MK_LM_ROWS;
+
 __host__ __device__ constexpr int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 constexpr int HIST_BYTES = WARPS * 256 * 8;
 constexpr int VEC_FLOATS = max3(qw::hidden, qw::q_size, qw::intermediate);
-constexpr int UNION_BYTES = HIST_BYTES > 4 * VEC_FLOATS ? HIST_BYTES : 4 * VEC_FLOATS;
+// The union after the stages: a phase's input vector, or the warps' attention partial sums,
+// or the block's LM-head logits, or (block 0, sampling) the radix histograms.
+constexpr int UNION_BYTES =
+    (max3(max3(HIST_BYTES, 4 * VEC_FLOATS, 4 * LM_ROWS), WARPS * qw::group * HD * 4, 0) + 127) /
+    128 * 128;
 constexpr int RESID = 512;       // residual rows a block may own
 constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most
 }  // namespace mk
@@ -111,12 +130,13 @@ struct MegaArgs {
     tagged_t* qkv;     // [q_size + 2 kv_size]
     tagged_t* attn;    // [q_size]
     tagged_t* h;       // [intermediate] SwiGLU output
-    tagged_t* best;    // [2 x blocks] each block's best logit and its index
+    tagged_t* best;    // [3 x blocks] each block's best logit, its index, its candidates
     tagged_t* chosen;  // [1] the token block 0 chose, bit 31: stop
     float* logits;
     float* work;
     float* part_o;
     float* part_ml;
+    int2* cand;  // [blocks x CAND] each block's sampling candidates: (logit bits, id)
     unsigned* merge_count;  // [kv_heads] chunks finished, counting up through the launch
     unsigned char* seen;
     int* counts;
@@ -644,9 +664,8 @@ struct AttnShared {
     float q[qw::group][HD];
     float k_new[HD];
     float v_new[HD];
-    float s[qw::group][KEYS];
-    float m[qw::group], l[qw::group], alpha[qw::group];
-    float comb[THREADS > qw::group * HD ? THREADS : qw::group * HD];
+    float wm[WARPS][qw::group], wl[WARPS][qw::group];  // each warp's running max and sum
+    float gm[qw::group], gl[qw::group];                // the chunk's max and sum
     float merge_w[qw::group][MAX_SPLITS];  // a chunk's weight in the merge
     float merge_l[qw::group];
     int last;
@@ -735,31 +754,31 @@ __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned m
 // This block's flash-decoding items at position pos (the cache then holds len = pos + 1 keys,
 // the last one computed here by the block whose chunk holds it).
 // Its inputs are tagged `tag`, its outputs `tag + 1`.
+//
+// Within a stage of KEYS keys every warp takes its own KPW keys and keeps its own online
+// softmax (max, sum, and the lane's DPL output dimensions of each query head of the group) in
+// registers, so a stage costs the block one __syncthreads (before the stage is refilled). At
+// the end of the chunk the warps' states are merged in a fixed order through shared memory.
 __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consumed,
                                              const MegaLayer& L, int pos, const AttnGeom& g,
                                              unsigned tag, unsigned merge_base,
                                              AttnShared& sh) {
-    constexpr int OUTS = qw::group * HD;
-    constexpr int NH = THREADS / OUTS > 0 ? THREADS / OUTS : 1;  // key slots per output
-    constexpr int OPT = (OUTS + THREADS - 1) / THREADS;          // outputs per thread
-    constexpr int LPK = HD / 8, KPP = THREADS / LPK;
+    constexpr int G = qw::group;
     const int len = pos + 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int part = lane % LPK, slot = lane / LPK;
+    float* comb = vec_buf();  // [WARPS][G][HD]: the warps' scaled partial outputs
     for (int item = blockIdx.x; item < qw::kv_heads * g.splits; item += gridDim.x) {
         const int kvh = item / g.splits, split = item % g.splits;
         const int k_begin = split * g.chunk, keys = item_keys(g, len, item);
         const bool has_new = k_begin <= pos && pos < k_begin + keys;
-        if (warp < qw::group) {
-            norm_rope_warp(a.qkv + (kvh * qw::group + warp) * HD, tag, L.q_norm, a.inv_freq, pos,
-                           a.eps, sh.q[warp]);
-            if (lane == 0) {
-                sh.m[warp] = QW_NEG_INF;
-                sh.l[warp] = 0.f;
-            }
-        } else if (has_new && warp == qw::group) {
+        if (warp < G) {
+            norm_rope_warp(a.qkv + (kvh * G + warp) * HD, tag, L.q_norm, a.inv_freq, pos, a.eps,
+                           sh.q[warp]);
+        } else if (has_new && warp == G) {
             norm_rope_warp(a.qkv + qw::q_size + kvh * HD, tag, L.k_norm, a.inv_freq, pos, a.eps,
                            sh.k_new);
-        } else if (has_new && warp == qw::group + 1) {
+        } else if (has_new && warp == G + 1) {
             for (int d = lane; d < HD; d += 32)
                 sh.v_new[d] = take(a.qkv + qw::q_size + qw::kv_size + kvh * HD + d, tag);
         }
@@ -769,9 +788,14 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             L.k_cache[at] = f32_to_bf16(sh.k_new[threadIdx.x]);
             L.v_cache[at] = f32_to_bf16(sh.v_new[threadIdx.x]);
         }
-        float acc[OPT];
+        float m[G], l[G], acc[G][DPL];
 #pragma unroll
-        for (int o = 0; o < OPT; ++o) acc[o] = 0.f;
+        for (int h = 0; h < G; ++h) {
+            m[h] = QW_NEG_INF;
+            l[h] = 0.f;
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
+        }
         for (int k0 = 0; k0 < keys; k0 += KEYS) {
             const int n = min(KEYS, keys - k0);
             const bf16_t* kt = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
@@ -784,58 +808,74 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 }
                 __syncthreads();
             }
-            // Scores: LPK lanes per key, 16 bytes each.
-            const int part = threadIdx.x % LPK;
 #pragma unroll
-            for (int kk0 = 0; kk0 < KEYS; kk0 += KPP) {
-                const int kk = kk0 + threadIdx.x / LPK;
-                const uint4 kv = kk < n ? reinterpret_cast<const uint4*>(kt + kk * HD)[part]
-                                        : make_uint4(0, 0, 0, 0);
+            for (int p0 = 0; p0 < KPW; p0 += KPASS) {
+                const int first = warp * KPW + p0;  // the pass's first key in the stage
+                if (first >= n) break;              // (warp-uniform)
+                // Scores: LPK lanes a key, DPK dimensions a lane (16-byte pieces, interleaved).
+                const int kk = first + slot;
+                const bool scored = slot < KPASS && kk < n;
+                float s[G];
 #pragma unroll
-                for (int gh = 0; gh < qw::group; ++gh) {
-                    float dot = dot8(kv, &sh.q[gh][part * 8]);
+                for (int h = 0; h < G; ++h) s[h] = 0.f;
+                if (scored) {
 #pragma unroll
-                    for (int o = LPK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                    if (part == 0) sh.s[gh][kk] = kk < n ? dot * a.scale : QW_NEG_INF;
-                }
-            }
-            __syncthreads();
-            // Online softmax, one warp per query head.
-            if (warp < qw::group) {
-                float mt = QW_NEG_INF;
-                for (int kk = lane; kk < KEYS; kk += 32) mt = fmaxf(mt, sh.s[warp][kk]);
-                mt = warp_max(mt);
-                const float m_old = sh.m[warp], m_new = fmaxf(m_old, mt);
-                float sum = 0.f;
-                for (int kk = lane; kk < KEYS; kk += 32) {
-                    const float e = __expf(sh.s[warp][kk] - m_new);
-                    sh.s[warp][kk] = e;
-                    sum += e;
-                }
-                sum = warp_sum(sum);
-                __syncwarp();
-                if (lane == 0) {
-                    const float alpha = __expf(m_old - m_new);
-                    sh.alpha[warp] = alpha;
-                    sh.l[warp] = sh.l[warp] * alpha + sum;
-                    sh.m[warp] = m_new;
-                }
-            }
-            __syncthreads();
-            // P . V: each output (head, dim) over NH key slots.
+                    for (int c = 0; c < DPK / 8; ++c) {
+                        const int piece = c * LPK + part;
+                        const uint4 kv = reinterpret_cast<const uint4*>(kt + kk * HD)[piece];
 #pragma unroll
-            for (int o = 0; o < OPT; ++o) {
-                const int idx = threadIdx.x % (NH * OUTS) + o * THREADS;
-                if (threadIdx.x < NH * OUTS && idx < OUTS * NH) {
-                    const int out = OPT > 1 ? idx : idx % OUTS, slot = OPT > 1 ? 0 : idx / OUTS;
-                    if (out < OUTS) {
-                        const int gh = out / HD, d = out % HD;
-                        float sum = 0.f;
-#pragma unroll 8
-                        for (int kk = slot; kk < n; kk += NH)
-                            sum += sh.s[gh][kk] * bf16_to_f32(vt[kk * HD + d]);
-                        acc[o] = acc[o] * sh.alpha[gh] + sum;
+                        for (int h = 0; h < G; ++h) s[h] += dot8(kv, &sh.q[h][piece * 8]);
                     }
+                }
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+#pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+                    s[h] = scored ? s[h] * a.scale : QW_NEG_INF;
+                }
+                // The pass's values: this lane's DPL dimensions of each of its KPASS keys.
+                float v[KPASS][DPL];
+#pragma unroll
+                for (int j = 0; j < KPASS; ++j) {
+                    const bf16_t* row = vt + (first + j) * HD + lane * DPL;
+                    if (first + j < n && DPL % 2 == 0) {
+#pragma unroll
+                        for (int d = 0; d + 1 < DPL; d += 2) {
+                            const unsigned pair = *reinterpret_cast<const unsigned*>(row + d);
+                            v[j][d] = bf16_lo(pair);
+                            v[j][d + 1] = bf16_hi(pair);
+                        }
+                    } else if (first + j < n) {
+#pragma unroll
+                        for (int d = 0; d < DPL; ++d) v[j][d] = bf16_to_f32(row[d]);
+                    } else {
+#pragma unroll
+                        for (int d = 0; d < DPL; ++d) v[j][d] = 0.f;
+                    }
+                }
+                // Online softmax per query head over the pass's keys.
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    float sc[KPASS], mt = QW_NEG_INF;
+#pragma unroll
+                    for (int j = 0; j < KPASS; ++j) {
+                        sc[j] = __shfl_sync(0xffffffffu, s[h], j * LPK);
+                        mt = fmaxf(mt, sc[j]);
+                    }
+                    const float m_new = fmaxf(m[h], mt);  // finite: the pass's first key exists
+                    const float alpha = __expf(m[h] - m_new);
+                    float sum = 0.f;
+#pragma unroll
+                    for (int d = 0; d < DPL; ++d) acc[h][d] *= alpha;
+#pragma unroll
+                    for (int j = 0; j < KPASS; ++j) {
+                        const float pj = __expf(sc[j] - m_new);
+                        sum += pj;
+#pragma unroll
+                        for (int d = 0; d < DPL; ++d) acc[h][d] += pj * v[j][d];
+                    }
+                    l[h] = l[h] * alpha + sum;
+                    m[h] = m_new;
                 }
             }
             __syncthreads();
@@ -844,24 +884,42 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         // The new key and value are visible to the next steps' copies (on other SMs) before
         // anything this item publishes (merge_if_last fences too).
         if (has_new && g.splits == 1 && threadIdx.x < HD) __threadfence();
-        // Add the key slots in a fixed order, then write the chunk's result.
+        // Merge the warps: the chunk's max and sum, then each warp's outputs scaled to it.
+        if (lane == 0) {
 #pragma unroll
-        for (int o = 0; o < OPT; ++o) {
-            const int idx = threadIdx.x + o * THREADS;
-            if (threadIdx.x < NH * OUTS && idx < NH * OUTS) sh.comb[idx] = acc[o];
+            for (int h = 0; h < G; ++h) {
+                sh.wm[warp][h] = m[h];
+                sh.wl[warp][h] = l[h];
+            }
         }
         __syncthreads();
-        for (int out = threadIdx.x; out < OUTS; out += THREADS) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            float mx = QW_NEG_INF;
+            for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
+            const float e = m[h] == QW_NEG_INF ? 0.f : __expf(m[h] - mx);
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) comb[(warp * G + h) * HD + lane * DPL + d] = acc[h][d] * e;
+            if (warp == 0 && lane == 0) {
+                float total = 0.f;
+                for (int w = 0; w < WARPS; ++w)
+                    if (sh.wm[w][h] != QW_NEG_INF) total += __expf(sh.wm[w][h] - mx) * sh.wl[w][h];
+                sh.gm[h] = mx;
+                sh.gl[h] = total;
+            }
+        }
+        __syncthreads();
+        for (int out = threadIdx.x; out < G * HD; out += THREADS) {
+            const int h = out / HD, head = kvh * G + h, d = out % HD;
             float total = 0.f;
-            for (int slot = 0; slot < NH; ++slot) total += sh.comb[slot * OUTS + out];
-            const int gh = out / HD, head = kvh * qw::group + gh, d = out % HD;
+            for (int w = 0; w < WARPS; ++w) total += comb[(w * G + h) * HD + d];
             if (g.splits == 1) {
-                put(a.attn + head * HD + d, total / sh.l[gh], tag + 1);
+                put(a.attn + head * HD + d, total / sh.gl[h], tag + 1);
             } else {
                 a.part_o[(static_cast<long long>(head) * a.splits + split) * HD + d] = total;
                 if (d == 0) {
-                    a.part_ml[(head * a.splits + split) * 2] = sh.m[gh];
-                    a.part_ml[(head * a.splits + split) * 2 + 1] = sh.l[gh];
+                    a.part_ml[(head * a.splits + split) * 2] = sh.gm[h];
+                    a.part_ml[(head * a.splits + split) * 2 + 1] = sh.gl[h];
                 }
             }
         }
@@ -906,6 +964,56 @@ __device__ __forceinline__ bool penalties_on(const SampleParams& p) {
 struct NoPre {
     __device__ int operator()(int) const { return 0; }
 };
+
+// Block 0 samples from the blocks' candidates: slot b * CAND + j is block b's j-th, valid
+// below that block's count; blocks own rising id ranges and list theirs in id order.
+struct CandidateLogits {
+    const int2* cand;
+    const int* counts;  // shared memory: each block's count
+    int blocks;
+    __device__ __forceinline__ int n() const { return blocks * CAND; }
+    __device__ __forceinline__ bool valid(int i) const { return i % CAND < counts[i / CAND]; }
+    __device__ __forceinline__ float value(int i) const {
+        return __int_as_float(ld_cg_int(&cand[i].x));
+    }
+    __device__ __forceinline__ int id(int i) const { return ld_cg_int(&cand[i].y); }
+};
+
+// This block's sampling candidates: every one of its n logits (vals, in shared memory; ids
+// from lo) at or above its k-th largest, written in id order to its CAND slots. Returns how
+// many there are (more than CAND: they did not fit, and block 0 must use the whole vocabulary).
+// If every block offers its top k, the union holds every logit at or above the k-th largest of
+// the vocabulary: a logit missing from it would have k larger ones in its own block alone.
+// scratch: 256 + 2 + WARPS words of shared memory.
+__device__ int block_candidates(const MegaArgs& a, const float* vals, int lo, int n, int k,
+                                unsigned* scratch) {
+    const unsigned kth = qws::block_kth_key<THREADS>(vals, n, k, scratch, scratch + 256);
+    const int per = (n + THREADS - 1) / THREADS;  // contiguous slices keep the id order
+    const int begin = min(n, static_cast<int>(threadIdx.x) * per), end = min(n, begin + per);
+    int mine = 0;
+    for (int i = begin; i < end; ++i) mine += qws::order_key(vals[i]) >= kth;
+    int incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if ((threadIdx.x & 31) >= o) incl += v;
+    }
+    int* warp_counts = reinterpret_cast<int*>(scratch + 258);
+    if ((threadIdx.x & 31) == 31) warp_counts[threadIdx.x >> 5] = incl;
+    __syncthreads();
+    int at = incl - mine, total = 0;
+    for (int w = 0; w < WARPS; ++w) {
+        if (w < static_cast<int>(threadIdx.x >> 5)) at += warp_counts[w];
+        total += warp_counts[w];
+    }
+    int2* out = a.cand + blockIdx.x * CAND;
+    for (int i = begin; i < end; ++i) {
+        if (qws::order_key(vals[i]) >= kth) {
+            if (at < CAND) out[at] = make_int2(__float_as_int(vals[i]), lo + i);
+            ++at;
+        }
+    }
+    return total;
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(const MegaArgs* args) {
@@ -925,6 +1033,11 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             reinterpret_cast<const unsigned long long*>(a.layers)[i];
     __syncthreads();
     const int hid_lo = row_ranges[1].x;
+    // The block's LM-head logits, kept in shared memory for its sampling candidates.
+    const int lm_lo = row_ranges[3].x, lm_n = row_ranges[3].y - lm_lo;
+    const bool lm_fits = lm_n <= LM_ROWS;
+    float* lm_vals = vec_buf();
+    unsigned* scratch = reinterpret_cast<unsigned*>(red);
     const NoPre no_pre;
     unsigned long long* warp_hist = reinterpret_cast<unsigned long long*>(vec_buf());
     const int pos0 = *a.pos;
@@ -1011,6 +1124,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                     if (!(QW_MK_SKIP & 8)) {
                         const float l = qws::penalized(s, step_params, seen_count & 1, seen_count >> 1);
                         a.work[r] = l;
+                        if (lm_fits) lm_vals[r - lm_lo] = l;
                         qws::argmax_merge(best, best_i, l, r);
                     }
                 });
@@ -1026,16 +1140,25 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                 const float l = qws::penalized(ld_cg(a.logits + r), step_params,
                                                ld_cg_u8(a.seen + r), ld_cg_int(a.counts + r));
                 a.work[r] = l;
+                if (lm_fits) lm_vals[r - lm_lo] = l;
                 qws::argmax_merge(best, best_i, l, r);
             }
         }
 
-        // Sampling: each block's best logit (after its logits), then block 0 chooses.
+        // Sampling: each block's best logit and (sampling with a small top-k) its candidates,
+        // after its logits; then block 0 chooses.
+        const int k = step_params.top_k;
+        const bool offer = !(QW_MK_SKIP & 8) && lm_fits && step_params.temperature > 0.f &&
+                           k > 0 && k <= CAND;
+        const int offered = offer ? block_candidates(a, lm_vals, lm_lo, lm_n, k, scratch) : 0;
         qws::argmax_block<THREADS>(best, best_i, sample_sh.best_val, sample_sh.best_idx);
         if (threadIdx.x == 0) {
-            __threadfence();  // this block's logits before its best
-            put(a.best + 2 * blockIdx.x, best, best_tag);
-            put(a.best + 2 * blockIdx.x + 1, __int_as_float(best_i), best_tag);
+            __threadfence();  // this block's logits and candidates before its best
+            put(a.best + 3 * blockIdx.x, best, best_tag);
+            put(a.best + 3 * blockIdx.x + 1, __int_as_float(best_i), best_tag);
+            // What the candidates are: the k they are the top of, and how many (-1: none).
+            put(a.best + 3 * blockIdx.x + 2, __int_as_float(offer ? (k << 16) | min(offered, 0xffff) : -1),
+                best_tag);
             // While block 0 chooses, the last block fetches the next step's parameters from
             // the host (so a change applies to the next token), into the other slot.
             if (blockIdx.x == gridDim.x - 1 && i + 1 < a.max_steps) {
@@ -1046,11 +1169,20 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
         if (blockIdx.x == 0) {
             best = QW_NEG_INF;
             best_i = 0x7fffffff;
-            for (int b = threadIdx.x; b < gridDim.x; b += THREADS)
-                qws::argmax_merge(best, best_i, take(a.best + 2 * b, best_tag),
-                                  __float_as_int(take(a.best + 2 * b + 1, best_tag)));
-            if (step_params.temperature > 0.f) __threadfence();  // acquire: the blocks' work[]
-            __syncthreads();  // thread 0 has read the slots for this block's own maximum
+            // Block 0's own parameters decide; the candidates serve if every block offered the
+            // top k' >= k and they fit.
+            int* counts = reinterpret_cast<int*>(red) + 512;
+            bool usable = offer;
+            for (int b = threadIdx.x; b < gridDim.x; b += THREADS) {
+                qws::argmax_merge(best, best_i, take(a.best + 3 * b, best_tag),
+                                  __float_as_int(take(a.best + 3 * b + 1, best_tag)));
+                const int word = __float_as_int(take(a.best + 3 * b + 2, best_tag));
+                usable = usable && word >= 0 && (word >> 16) >= k && (word & 0xffff) <= CAND;
+                counts[b] = word & 0xffff;
+            }
+            if (step_params.temperature > 0.f) __threadfence();  // acquire: work[], candidates
+            // (thread 0 has read the slots for this block's own maximum)
+            usable = __syncthreads_and(usable);
             qws::argmax_block<THREADS>(best, best_i, sample_sh.best_val, sample_sh.best_idx);
             if (threadIdx.x == 0) {
                 sample_sh.best_val[0] = best;
@@ -1058,10 +1190,15 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             }
             __syncthreads();
             int chosen = token;
-            if (!(QW_MK_SKIP & 8))
-                chosen = qws::choose_token<THREADS>(a.work, step_params, sample_sh.best_val[0],
+            if (!(QW_MK_SKIP & 8) && usable)
+                chosen = qws::choose_token<THREADS>(CandidateLogits{a.cand, counts, static_cast<int>(gridDim.x)},
+                                                    step_params, sample_sh.best_val[0],
                                                     sample_sh.best_idx[0], step_params.step,
                                                     sample_sh, warp_hist);
+            else if (!(QW_MK_SKIP & 8))
+                chosen = qws::choose_token<THREADS>(qws::VocabLogits{a.work}, step_params,
+                                                    sample_sh.best_val[0], sample_sh.best_idx[0],
+                                                    step_params.step, sample_sh, warp_hist);
             if (threadIdx.x == 0) {
                 a.counts[chosen] += 1;
                 a.seen[chosen] = 1;

@@ -61,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         sh.best_idx[0] = best_i;
     }
     __syncthreads();
-    const int token = qws::choose_token<THREADS>(work, p, sh.best_val[0], sh.best_idx[0], p.step,
+    const int token = qws::choose_token<THREADS>(qws::VocabLogits{work}, p, sh.best_val[0], sh.best_idx[0], p.step,
                                                  sh, warp_hist);
     if (tid == 0) {
         *token_out = token;

@@ -337,6 +337,66 @@ def run_sampler(kernels, logits, params: dict, seen=None, counts=None, step=0, s
     return int(download(token, np.int32, 1)[0])
 
 
+SAMPLERS = {
+    # top-k within the megakernel's 64 candidates a block: chosen among the candidates
+    "top-k 20": dict(temperature=0.7, top_k=20, top_p=0.8),
+    "top-k 64, penalties": dict(temperature=0.6, top_k=64, top_p=0.95, repetition_penalty=1.3,
+                                presence_penalty=0.5, frequency_penalty=0.25),
+    # no top-k, or a larger one: chosen over the whole vocabulary
+    "no top-k, min-p": dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.05),
+    "top-k 100": dict(temperature=0.8, top_k=100, top_p=1.0),
+}
+
+
+def gpu_sampler_draw(logits: np.ndarray, params: SamplingParams, seed: int, step: int,
+                     context: list[int], counts: dict[int, int]) -> int:
+    """The token cuda_src/sampling.cuh draws, worked out in NumPy: the reference sampler's
+    rules (qwenchat/sampling/sampler.py) with the GPU's arithmetic, which the CPU sampler does
+    not share: weights exp((l - max) / T) as 2^32 fixed point, and the draw's inverse CDF taken
+    in vocabulary order rather than by falling probability."""
+    from qwenchat.sampling.sampler import apply_penalties, splitmix64
+
+    pen = apply_penalties(logits, params, context, counts)
+    keep = np.ones(pen.size, bool)
+    if 0 < params.top_k < pen.size:
+        keep = pen >= np.partition(pen, pen.size - params.top_k)[pen.size - params.top_k]
+    z = (pen - pen.max()) * (np.float32(1) / np.float32(params.temperature))
+    weights = np.where(keep, np.exp(z).astype(np.float64) * 2.0**32, 0).astype(np.uint64)
+    if params.top_p < 1:  # the largest logit whose descending running mass reaches top_p
+        target = max(1, int(float(np.float32(params.top_p)) * float(int(weights.sum()))))
+        values, index = np.unique(pen, return_inverse=True)
+        mass = np.cumsum(np.bincount(index, weights=weights.astype(np.float64))[::-1])
+        keep &= pen >= values[::-1][int(np.argmax(mass >= target))]
+    keep &= weights >= np.uint64(float(np.float32(params.min_p)) * 2.0**32)
+    kept = np.where(keep, weights, 0).astype(np.uint64)
+    bits = splitmix64(seed ^ splitmix64(step))
+    target = int((bits >> 11) * (1.0 / (1 << 53)) * float(int(kept.sum())))
+    return int(np.argmax(np.cumsum(kept) > np.uint64(target)))
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_the_sampler_kernel_draws_what_its_numpy_model_draws(kernels, sampler):
+    from collections import Counter
+
+    vocab = kernels[1].vocab_size
+    params = SamplingParams(**SAMPLERS[sampler])
+    fields = {name: getattr(params, name) for name in (
+        "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "top_k")}
+    rng = np.random.default_rng(9)
+    for step in range(40):
+        logits = (3 * rng.standard_normal(vocab)).astype(np.float32)
+        context = [int(i) for i in rng.integers(0, vocab, 30)]
+        counts = Counter(int(i) for i in rng.integers(0, vocab, 10))
+        seen = np.zeros(vocab, np.uint8)
+        seen[context + list(counts)] = 1
+        count_array = np.zeros(vocab, np.int32)
+        count_array[list(counts)] = list(counts.values())
+        token = run_sampler(kernels, logits, fields, seen=seen, counts=count_array, step=step,
+                            seed=13)
+        assert token == gpu_sampler_draw(logits, params, 13, step, context, counts), step
+
+
 def test_greedy_is_the_exact_first_argmax(kernels):
     logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     logits[[17, 901]] = logits.max() + 1.0  # a tie: the lower id wins, as in NumPy and torch
@@ -462,6 +522,30 @@ def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape, deco
     gpu_engine.prefill(prompt)
     ref.prefill(prompt)
     assert worst_greedy_decode_error(gpu_engine, ref, 256) <= 2e-2
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, decode, sampler):
+    from collections import Counter
+
+    config, _, gpu_engine, _ = real_shape
+    gpu_engine.decode = decode
+    gpu_engine.steps_per_launch = 1  # last_logits() is then the step's own
+    prompt = [int(i) for i in np.random.default_rng(8).integers(0, config.vocab_size, 24)]
+    gpu_engine.truncate(0)
+    gpu_engine.prefill(prompt)
+    params = SamplingParams(**SAMPLERS[sampler], seed=11, max_tokens=48)
+    context, counts = list(prompt), Counter()
+    tokens = []
+    for step, token in enumerate(gpu_engine.generate(GenerateRequest(LiveParams(params),
+                                                                     frozenset(), seed=0))):
+        expected = gpu_sampler_draw(gpu_engine.last_logits(), params, 11, step, context, counts)
+        assert token == expected, f"step {step}"
+        tokens.append(token)
+        context.append(token)
+        counts[token] += 1
+    assert len(tokens) == 48 and len(set(tokens)) > 1  # a real draw, not one repeated token
 
 
 def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real_shape):

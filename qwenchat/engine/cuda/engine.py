@@ -47,6 +47,7 @@ MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV strea
 MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: 18-20 KB)
 MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's radix bins
 MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
+MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
 # Parts the megakernel can leave out, for timing only (QW_MK_SKIP bits in megakernel.cu).
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "barriers": 4, "sampling": 8}
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
@@ -73,8 +74,8 @@ class MegaArgs(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "layers", "embed", "final_norm", "lm_head", "inv_freq", "x", "qkv", "attn", "h", "best",
-        "chosen", "logits", "work", "part_o", "part_ml", "merge_count", "seen", "counts",
-        "token", "pos", "eos", "host", "params", "ring")]
+        "chosen", "logits", "work", "part_o", "part_ml", "cand", "merge_count", "seen",
+        "counts", "token", "pos", "eos", "host", "params", "ring")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     _fields_ += [(name, ctypes.c_int) for name in (
         "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step",
@@ -541,11 +542,16 @@ class CudaEngine(CacheBookkeeping):
             raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
                                 f"known: {', '.join(MEGAKERNEL_PARTS)}")
         stage = MEGAKERNEL_STAGE_BYTES
-        # Beside the stages: a phase's input vector (sharing its room with the sampler's
-        # histograms) and the table of layer pointers.
-        fixed = (max(MEGAKERNEL_HISTOGRAM_BYTES,
-                     4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size))
-                 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES)
+        # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
+        # input vector, the warps' attention partial sums, the block's LM-head logits and the
+        # sampler's histograms; then the table of layer pointers.
+        lm_rows = math.ceil(cfg.vocab_size / device.sm_count)
+        union = max(MEGAKERNEL_HISTOGRAM_BYTES,
+                    4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
+                    4 * lm_rows,
+                    MEGAKERNEL_THREADS // 32 * cfg.num_attention_heads
+                    // cfg.num_key_value_heads * cfg.head_dim * 4)
+        fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
         room = device.max_shared_per_block_optin - MEGAKERNEL_STATIC_SHARED - fixed
         if room // stage < 3:
             stage //= 2  # smaller GPUs: more, smaller stages
@@ -558,7 +564,7 @@ class CudaEngine(CacheBookkeeping):
             raise QwenchatError("the decode megakernel does not fit in this GPU's shared memory;"
                                 " use --decode layered")
         defines = dict(kernel_defines(cfg), QW_MK_STAGES=count, QW_MK_STAGE_BYTES=stage,
-                       QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
+                       QW_MK_LM_ROWS=lm_rows, QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
         module = rt.Module(KernelCache().load("megakernel.cu", device.arch, defines,
                                               progress=notice))
         self._modules.append(module)
@@ -578,9 +584,10 @@ class CudaEngine(CacheBookkeeping):
         heads, hd = cfg.num_attention_heads, cfg.head_dim
         self.mk_part_o = self._device_buffer(heads * self.mk_splits * hd * 4)
         self.mk_part_ml = self._device_buffer(heads * self.mk_splits * 2 * 4)
+        self.mk_cand = self._device_buffer(self.mk_blocks * MEGAKERNEL_CANDIDATES * 8)
         # Tagged values (8 bytes each) and the merge counters, zeroed before every launch.
         tagged = {"x": cfg.hidden_size, "qkv": cfg.q_size + 2 * cfg.kv_size,
-                  "attn": cfg.q_size, "h": cfg.intermediate_size, "best": 2 * self.mk_blocks,
+                  "attn": cfg.q_size, "h": cfg.intermediate_size, "best": 3 * self.mk_blocks,
                   "chosen": 2}
         self.mk_tagged = self._device_buffer(8 * sum(tagged.values())
                                              + 4 * cfg.num_key_value_heads)
@@ -616,7 +623,8 @@ class CudaEngine(CacheBookkeeping):
             self.mk_layers.ptr, self.embed.ptr, self.final_norm.ptr, self.lm_head.ptr,
             self.inv_freq.ptr, t["x"], t["qkv"], t["attn"], t["h"], t["best"], t["chosen"],
             self.logits.ptr, self.work.ptr, self.mk_part_o.ptr, self.mk_part_ml.ptr,
-            self._mk_merge_ptr, self.seen.ptr, self.counts.ptr, self.token.ptr, self.pos.ptr,
+            self.mk_cand.ptr, self._mk_merge_ptr, self.seen.ptr, self.counts.ptr,
+            self.token.ptr, self.pos.ptr,
             self.mk_eos.ptr, mapped, self.mk_params.ptr, mapped + SAMPLE_PARAMS.itemsize + 8,
             cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.num_hidden_layers, self.capacity,
             self.mk_splits, n_eos, steps, int(feed_first), first_step, self._mk_epoch & 0xFFF)
