@@ -979,15 +979,28 @@ struct CandidateLogits {
     __device__ __forceinline__ int id(int i) const { return ld_cg_int(&cand[i].y); }
 };
 
+// Candidates gathered into shared memory by block 0: values, and the slots they came from
+// (whose ids are read only for the token drawn).
+struct GatheredLogits {
+    const float* vals;
+    const unsigned short* slots;
+    int count;
+    const int2* cand;
+    __device__ __forceinline__ int n() const { return count; }
+    __device__ __forceinline__ bool valid(int) const { return true; }
+    __device__ __forceinline__ float value(int i) const { return vals[i]; }
+    __device__ __forceinline__ int id(int i) const { return ld_cg_int(&cand[slots[i]].y); }
+};
+
 // This block's sampling candidates: every one of its n logits (vals, in shared memory; ids
 // from lo) at or above its k-th largest, written in id order to its CAND slots. Returns how
 // many there are (more than CAND: they did not fit, and block 0 must use the whole vocabulary).
 // If every block offers its top k, the union holds every logit at or above the k-th largest of
 // the vocabulary: a logit missing from it would have k larger ones in its own block alone.
-// scratch: 256 + 2 + WARPS words of shared memory.
+// scratch: 256 + 2 + WARPS words of shared memory. kth: the key of the block's k-th largest.
 __device__ int block_candidates(const MegaArgs& a, const float* vals, int lo, int n, int k,
-                                unsigned* scratch) {
-    const unsigned kth = qws::block_kth_key<THREADS>(vals, n, k, scratch, scratch + 256);
+                                unsigned* scratch, unsigned& kth) {
+    kth = qws::block_kth_key<THREADS>(vals, n, k, scratch, scratch + 256);
     const int per = (n + THREADS - 1) / THREADS;  // contiguous slices keep the id order
     const int begin = min(n, static_cast<int>(threadIdx.x) * per), end = min(n, begin + per);
     int mine = 0;
@@ -1014,6 +1027,106 @@ __device__ int block_candidates(const MegaArgs& a, const float* vals, int lo, in
     }
     return total;
 }
+
+// Block 0's choice of the step's token, from the blocks' published bests (4 tagged words a
+// block: best logit, its id, what candidates it offers, the key of its k-th largest).
+// Sampling with top-k <= CAND, when every block offered its top k' >= k: only candidates at or
+// above the largest of the blocks' k-th keys can be in the vocabulary's top k (that block alone
+// has k logits at or above it), usually a few times k of them; they are gathered into shared
+// memory in id order and sampled there. Otherwise the sampler reads all the candidates, or the
+// whole vocabulary, from global memory. red: the block's 2 x RED scratch floats.
+__device__ __noinline__ int block0_choose(const MegaArgs& a, const SampleParams& p, bool offer,
+                                          unsigned best_tag, float* red,
+                                          qws::SampleShared<THREADS>& sh, int fallback) {
+    // Gathered candidates: GATHER values and slot numbers after HISTS radix histograms.
+    constexpr int HISTS = 4, GATHER = 4096;
+    static_assert(HISTS * 256 * 8 + GATHER * 6 <= UNION_BYTES, "the gathered candidates fit");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grid = gridDim.x;
+    unsigned* scratch = reinterpret_cast<unsigned*>(red);
+    unsigned* warp_k = scratch + 300;                 // [WARPS]
+    int* counts = reinterpret_cast<int*>(red) + 512;  // [grid]: each block's candidates
+    int* kept = reinterpret_cast<int*>(red) + 1024;   // [grid]: those gathered, then offsets
+    float best = QW_NEG_INF;
+    int best_i = 0x7fffffff;
+    bool usable = offer;
+    unsigned k_lo = 0;
+    for (int b = threadIdx.x; b < grid; b += THREADS) {
+        qws::argmax_merge(best, best_i, take(a.best + 4 * b, best_tag),
+                          __float_as_int(take(a.best + 4 * b + 1, best_tag)));
+        const int word = __float_as_int(take(a.best + 4 * b + 2, best_tag));
+        usable = usable && word >= 0 && (word >> 16) >= p.top_k && (word & 0xffff) <= CAND;
+        counts[b] = word & 0xffff;
+        k_lo = max(k_lo, __float_as_uint(take(a.best + 4 * b + 3, best_tag)));
+    }
+    k_lo = __reduce_max_sync(0xffffffffu, k_lo);
+    if (lane == 0) warp_k[warp] = k_lo;
+    if (p.temperature > 0.f) __threadfence();  // acquire: work[], the candidates
+    usable = __syncthreads_and(usable);        // (also: every warp's k_lo is written)
+    qws::argmax_block<THREADS>(best, best_i, sh.best_val, sh.best_idx);
+    if (threadIdx.x == 0) {
+        sh.best_val[0] = best;
+        sh.best_idx[0] = min(max(best_i, 0), qw::vocab - 1);
+    }
+    __syncthreads();
+    if (QW_MK_SKIP & 8) return fallback;
+    unsigned long long* hist = reinterpret_cast<unsigned long long*>(vec_buf());
+    if (!usable)
+        return qws::choose_token<THREADS>(qws::VocabLogits{a.work}, p, sh.best_val[0],
+                                          sh.best_idx[0], p.step, sh, hist);
+    for (int w = 0; w < WARPS; ++w) k_lo = max(k_lo, warp_k[w]);
+    // Gather the candidates at or above k_lo: count them per block, offsets, then copy.
+    for (int b = warp; b < grid; b += WARPS) {
+        int n = 0;
+        for (int j = lane; j < CAND; j += 32) {
+            const bool in = j < counts[b] &&
+                            qws::order_key(__int_as_float(ld_cg_int(&a.cand[b * CAND + j].x))) >= k_lo;
+            n += __popc(__ballot_sync(0xffffffffu, in));
+        }
+        if (lane == 0) kept[b] = n;
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive offsets, in place; the total to scratch[316]
+        const int per = (grid + 31) / 32, lo = min(grid, lane * per), hi = min(grid, lo + per);
+        int mine = 0;
+        for (int b = lo; b < hi; ++b) mine += kept[b];
+        int incl = mine;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        int run = incl - mine;
+        for (int b = lo; b < hi; ++b) {
+            const int n = kept[b];
+            kept[b] = run;
+            run += n;
+        }
+        if (lane == 31) scratch[316] = incl;
+    }
+    __syncthreads();
+    const int m = static_cast<int>(scratch[316]);
+    if (m > GATHER)
+        return qws::choose_token<THREADS>(CandidateLogits{a.cand, counts, grid}, p,
+                                          sh.best_val[0], sh.best_idx[0], p.step, sh, hist);
+    float* vals = vec_buf() + HISTS * 256 * 2;
+    unsigned short* slots = reinterpret_cast<unsigned short*>(vals + GATHER);
+    for (int b = warp; b < grid; b += WARPS) {
+        int at = kept[b];
+        for (int j = lane; j < CAND; j += 32) {
+            const int c = j < counts[b] ? ld_cg_int(&a.cand[b * CAND + j].x) : 0;
+            const bool in = j < counts[b] && qws::order_key(__int_as_float(c)) >= k_lo;
+            const unsigned ballot = __ballot_sync(0xffffffffu, in);
+            if (in) {
+                const int to = at + __popc(ballot & ((1u << lane) - 1u));
+                vals[to] = __int_as_float(c);
+                slots[to] = static_cast<unsigned short>(b * CAND + j);
+            }
+            at += __popc(ballot);
+        }
+    }
+    __syncthreads();
+    return qws::choose_token<THREADS, HISTS>(GatheredLogits{vals, slots, m, a.cand}, p,
+                                             sh.best_val[0], sh.best_idx[0], p.step, sh, hist);
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(const MegaArgs* args) {
@@ -1039,7 +1152,6 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     float* lm_vals = vec_buf();
     unsigned* scratch = reinterpret_cast<unsigned*>(red);
     const NoPre no_pre;
-    unsigned long long* warp_hist = reinterpret_cast<unsigned long long*>(vec_buf());
     const int pos0 = *a.pos;
     int pos = pos0;
     int token = *a.token;
@@ -1150,15 +1262,17 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
         const int k = step_params.top_k;
         const bool offer = !(QW_MK_SKIP & 8) && lm_fits && step_params.temperature > 0.f &&
                            k > 0 && k <= CAND;
-        const int offered = offer ? block_candidates(a, lm_vals, lm_lo, lm_n, k, scratch) : 0;
+        unsigned kth = 0;
+        const int offered = offer ? block_candidates(a, lm_vals, lm_lo, lm_n, k, scratch, kth) : 0;
         qws::argmax_block<THREADS>(best, best_i, sample_sh.best_val, sample_sh.best_idx);
         if (threadIdx.x == 0) {
             __threadfence();  // this block's logits and candidates before its best
-            put(a.best + 3 * blockIdx.x, best, best_tag);
-            put(a.best + 3 * blockIdx.x + 1, __int_as_float(best_i), best_tag);
+            put(a.best + 4 * blockIdx.x, best, best_tag);
+            put(a.best + 4 * blockIdx.x + 1, __int_as_float(best_i), best_tag);
             // What the candidates are: the k they are the top of, and how many (-1: none).
-            put(a.best + 3 * blockIdx.x + 2, __int_as_float(offer ? (k << 16) | min(offered, 0xffff) : -1),
-                best_tag);
+            put(a.best + 4 * blockIdx.x + 2,
+                __int_as_float(offer ? (k << 16) | min(offered, 0xffff) : -1), best_tag);
+            put(a.best + 4 * blockIdx.x + 3, __uint_as_float(kth), best_tag);
             // While block 0 chooses, the last block fetches the next step's parameters from
             // the host (so a change applies to the next token), into the other slot.
             if (blockIdx.x == gridDim.x - 1 && i + 1 < a.max_steps) {
@@ -1167,38 +1281,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             }
         }
         if (blockIdx.x == 0) {
-            best = QW_NEG_INF;
-            best_i = 0x7fffffff;
-            // Block 0's own parameters decide; the candidates serve if every block offered the
-            // top k' >= k and they fit.
-            int* counts = reinterpret_cast<int*>(red) + 512;
-            bool usable = offer;
-            for (int b = threadIdx.x; b < gridDim.x; b += THREADS) {
-                qws::argmax_merge(best, best_i, take(a.best + 3 * b, best_tag),
-                                  __float_as_int(take(a.best + 3 * b + 1, best_tag)));
-                const int word = __float_as_int(take(a.best + 3 * b + 2, best_tag));
-                usable = usable && word >= 0 && (word >> 16) >= k && (word & 0xffff) <= CAND;
-                counts[b] = word & 0xffff;
-            }
-            if (step_params.temperature > 0.f) __threadfence();  // acquire: work[], candidates
-            // (thread 0 has read the slots for this block's own maximum)
-            usable = __syncthreads_and(usable);
-            qws::argmax_block<THREADS>(best, best_i, sample_sh.best_val, sample_sh.best_idx);
-            if (threadIdx.x == 0) {
-                sample_sh.best_val[0] = best;
-                sample_sh.best_idx[0] = min(max(best_i, 0), qw::vocab - 1);
-            }
-            __syncthreads();
-            int chosen = token;
-            if (!(QW_MK_SKIP & 8) && usable)
-                chosen = qws::choose_token<THREADS>(CandidateLogits{a.cand, counts, static_cast<int>(gridDim.x)},
-                                                    step_params, sample_sh.best_val[0],
-                                                    sample_sh.best_idx[0], step_params.step,
-                                                    sample_sh, warp_hist);
-            else if (!(QW_MK_SKIP & 8))
-                chosen = qws::choose_token<THREADS>(qws::VocabLogits{a.work}, step_params,
-                                                    sample_sh.best_val[0], sample_sh.best_idx[0],
-                                                    step_params.step, sample_sh, warp_hist);
+            const int chosen = block0_choose(a, step_params, offer, best_tag, red, sample_sh, token);
             if (threadIdx.x == 0) {
                 a.counts[chosen] += 1;
                 a.seen[chosen] = 1;

@@ -118,8 +118,8 @@ __device__ __forceinline__ void find_bin(const Count* hist, Count target, Count*
         const Count n = __shfl_up_sync(0xffffffffu, incl, o);
         if (lane >= o) incl += n;
     }
-    // (The ballot also orders every lane's read of *above before the write below.)
     const unsigned reached = __ballot_sync(0xffffffffu, above_in + incl >= target);
+    __syncwarp();  // every lane has read *above before one lane writes it
     if (reached == 0) {
         if (lane == 31) {
             *bin_out = 0;
@@ -145,10 +145,11 @@ __device__ __forceinline__ void find_bin(const Count* hist, Count target, Count*
 
 // Radix descent over 32-bit keys, 8 bits at a time, from the top: returns the key of the element
 // at which the running total of `weight` (in descending key order, inclusive) first reaches
-// `target`. weight_of(i, key) gives each valid slot's weight (0 excludes it). Each warp counts
-// into its own histogram (`warp_hist`, 32 x 256 in dynamic shared memory): most keys share
-// their top bits, and one shared histogram would serialise the whole vocabulary on one bin.
-template <int NT, typename Src, typename WeightFn>
+// `target`. weight_of(i, key) gives each valid slot's weight (0 excludes it). Each of HISTS
+// groups of warps counts into its own histogram (`warp_hist`, HISTS x 256 in shared memory):
+// most keys share their top bits, and one shared histogram would serialise the whole
+// vocabulary on one bin (a source of a few hundred candidates can use one).
+template <int NT, int HISTS, typename Src, typename WeightFn>
 __device__ unsigned radix_descend(const Src& src, unsigned long long target, WeightFn weight_of,
                                   SampleShared<NT>& sh, unsigned long long* warp_hist) {
     __syncthreads();  // every thread has read the previous descent's result
@@ -156,10 +157,10 @@ __device__ unsigned radix_descend(const Src& src, unsigned long long target, Wei
         sh.prefix = 0;
         sh.above = 0;
     }
-    unsigned long long* mine = warp_hist + (threadIdx.x >> 5) * 256;
+    unsigned long long* mine = warp_hist + (threadIdx.x >> 5) % HISTS * 256;
     const int n = src.n();
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < (NT / 32) * 256; b += NT) warp_hist[b] = 0;
+        for (int b = threadIdx.x; b < HISTS * 256; b += NT) warp_hist[b] = 0;
         __syncthreads();
         const unsigned prefix = sh.prefix;
         const unsigned high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
@@ -173,7 +174,7 @@ __device__ unsigned radix_descend(const Src& src, unsigned long long target, Wei
         __syncthreads();
         for (int b = threadIdx.x; b < 256; b += NT) {
             unsigned long long total = 0;
-            for (int w = 0; w < NT / 32; ++w) total += warp_hist[w * 256 + b];
+            for (int w = 0; w < HISTS; ++w) total += warp_hist[w * 256 + b];
             sh.hist[b] = total;
         }
         __syncthreads();
@@ -233,8 +234,8 @@ __device__ __forceinline__ float penalized(float l, const SampleParams& p, unsig
 // seeded draw at `step`. Every thread of the block must call it; all get the same token.
 // A source holding only some of the vocabulary gives the same token as the whole vocabulary
 // when it holds every logit at or above the k-th largest (top-k keeps no other).
-// warp_hist: (NT / 32) x 256 unsigned long long of shared memory.
-template <int NT, typename Src>
+// warp_hist: HISTS x 256 unsigned long long of shared memory (HISTS: see radix_descend).
+template <int NT, int HISTS = NT / 32, typename Src>
 __device__ int choose_token(const Src& src, const SampleParams& p, float max_logit, int argmax,
                             int step, SampleShared<NT>& sh, unsigned long long* warp_hist) {
     const int tid = threadIdx.x;
@@ -246,7 +247,7 @@ __device__ int choose_token(const Src& src, const SampleParams& p, float max_log
         // 2. top-k: the key of the k-th largest logit (ties at the cut are kept, as on the CPU).
         unsigned kth_key = 0;
         if (p.top_k > 0 && p.top_k < qw::vocab) {
-            kth_key = radix_descend<NT>(src, static_cast<unsigned long long>(p.top_k),
+            kth_key = radix_descend<NT, HISTS>(src, static_cast<unsigned long long>(p.top_k),
                                         [](int, unsigned) { return 1ull; }, sh, warp_hist);
         }
         // Each candidate's weight: exp((l - max) / T) in (0, 1], as 2^32 fixed point.
@@ -265,7 +266,7 @@ __device__ int choose_token(const Src& src, const SampleParams& p, float max_log
         if (p.top_p < 1.f) {
             const unsigned long long target =
                 static_cast<unsigned long long>(static_cast<double>(p.top_p) * total);
-            p_key = radix_descend<NT>(src, target > 0 ? target : 1ull, fixed_prob, sh, warp_hist);
+            p_key = radix_descend<NT, HISTS>(src, target > 0 ? target : 1ull, fixed_prob, sh, warp_hist);
         }
         // 4. min-p relative to the most likely token, whose weight is exactly 1.
         const unsigned long long min_fixed =

@@ -545,7 +545,7 @@ class CudaEngine(CacheBookkeeping):
         # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
         # input vector, the warps' attention partial sums, the block's LM-head logits and the
         # sampler's histograms; then the table of layer pointers.
-        lm_rows = math.ceil(cfg.vocab_size / device.sm_count)
+        lm_rows = math.ceil(cfg.vocab_size / min(device.sm_count, 512))
         union = max(MEGAKERNEL_HISTOGRAM_BYTES,
                     4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
                     4 * lm_rows,
@@ -575,7 +575,7 @@ class CudaEngine(CacheBookkeeping):
         if kernel.max_active_blocks_per_sm(MEGAKERNEL_THREADS, self.mk_shared) < 1:
             raise QwenchatError("the decode megakernel does not fit on this GPU; "
                                 "use --decode layered")
-        self.mk_blocks = device.sm_count  # one block per SM
+        self.mk_blocks = min(device.sm_count, 512)  # one block per SM (its scratch holds 512)
         if math.ceil(cfg.hidden_size / self.mk_blocks) > 512:
             raise QwenchatError("this model is too wide for the decode megakernel on this GPU; "
                                 "use --decode layered")
@@ -587,7 +587,7 @@ class CudaEngine(CacheBookkeeping):
         self.mk_cand = self._device_buffer(self.mk_blocks * MEGAKERNEL_CANDIDATES * 8)
         # Tagged values (8 bytes each) and the merge counters, zeroed before every launch.
         tagged = {"x": cfg.hidden_size, "qkv": cfg.q_size + 2 * cfg.kv_size,
-                  "attn": cfg.q_size, "h": cfg.intermediate_size, "best": 3 * self.mk_blocks,
+                  "attn": cfg.q_size, "h": cfg.intermediate_size, "best": 4 * self.mk_blocks,
                   "chosen": 2}
         self.mk_tagged = self._device_buffer(8 * sum(tagged.values())
                                              + 4 * cfg.num_key_value_heads)
