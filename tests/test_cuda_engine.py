@@ -165,32 +165,23 @@ def test_cancel_and_capacity_stop_the_reply(model_dir, decode):
     assert generation.stop_reason is StopReason.CANCELLED and count == 3
 
 
-def test_auto_decode_uses_the_megakernel_for_short_greedy_replies_only(model_dir, monkeypatch):
-    from qwenchat.engine.cuda import engine as cuda_engine
-
+def test_auto_decode_is_the_megakernel_and_gives_the_graphs_greedy_tokens(model_dir):
     gpu_engine, _ = engines(model_dir, decode="auto")
+    assert gpu_engine.decode == "megakernel"
     prompt = [int(i) for i in np.random.default_rng(8).integers(0, 400, 40)]
     outputs = {}
-    for below in (4096, 10):  # the prompt's 40 tokens start below, then above, the threshold
-        monkeypatch.setattr(cuda_engine, "AUTO_MEGAKERNEL_BELOW", below)
+    for decode in DECODES:
+        gpu_engine.decode = decode
         gpu_engine.truncate(0)
         gpu_engine.prefill(prompt)
         params = LiveParams(SamplingParams(temperature=0.0, max_tokens=24))
-        outputs[below] = list(
-            gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)))
-        assert gpu_engine.decode == ("megakernel" if below == 4096 else "layered")
-    assert outputs[4096] == outputs[10]
-    gpu_engine.truncate(0)
-    gpu_engine.prefill(prompt)
-    monkeypatch.setattr(cuda_engine, "AUTO_MEGAKERNEL_BELOW", 4096)
-    sampled = LiveParams(SamplingParams(temperature=0.7, max_tokens=4))
-    list(gpu_engine.generate(GenerateRequest(sampled, frozenset(), seed=0)))
-    assert gpu_engine.decode == "layered"  # sampling: the graph is faster (docs/perf.md)
+        outputs[decode] = list(gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)))
+    assert outputs["megakernel"] == outputs["layered"]
 
 
 def test_the_megakernel_refuses_key_value_rows_shorter_than_a_cache_line(tiny_model_dir):
     gpu_engine, _ = engines(tiny_model_dir, decode="auto")  # head_dim 16
-    assert gpu_engine.decode_policy == "layered"
+    assert gpu_engine.decode == "layered"
 
 
 # ------------------------------------------------------------------------------ kernels

@@ -45,9 +45,9 @@ CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in toke
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
 DeviceOpt = Annotated[int, typer.Option("--device", help="GPU index (see qwenchat info).")]
 DecodeOpt = Annotated[str, typer.Option(
-    "--decode", help="CUDA decode path: auto (the megakernel for greedy replies starting "
-    "below 8K cached tokens, else layered: the faster of the two), megakernel (many whole "
-    "steps per cooperative launch) or layered (a CUDA graph of per-op kernels).")]
+    "--decode", help="CUDA decode path: auto (the megakernel where the GPU and model allow "
+    "it, else layered), megakernel (many whole steps per cooperative launch) or layered "
+    "(a CUDA graph of per-op kernels).")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
 ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
 

@@ -5,9 +5,9 @@ attention, in chunks that bound the scratch memory. Decode has two paths. "megak
 cooperative launch runs many whole decode steps, sampling and stop checks on the GPU,
 streaming token ids to a host-mapped ring buffer and reading live sampling parameters and a
 cancel flag from host-mapped memory. "layered": one token through a CUDA graph of per-op
-kernels whose position and input token live in device memory. "auto" (the default) picks the
-megakernel for a greedy reply that starts below AUTO_MEGAKERNEL_BELOW cached tokens, where it
-is faster, and the graph otherwise (docs/perf.md).
+kernels whose position and input token live in device memory. "auto" (the default) takes the
+megakernel wherever it can run (it is the faster at every position and sampler measured,
+docs/perf.md) and the graph where it cannot.
 """
 
 from __future__ import annotations
@@ -37,11 +37,6 @@ KERNELS = {
     "attention.cu": ("attn_prefill", "attn_decode_partial", "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
 }
-# "auto" decodes a greedy reply with the megakernel when it starts below this position, and
-# every other reply with the per-op graph: measured on an H100 (docs/perf.md), the megakernel
-# is faster up to ~8K cached tokens when greedy, while sampling (one block choosing over the
-# whole vocabulary) and the graph's flash-decoding at long context keep the graph ahead.
-AUTO_MEGAKERNEL_BELOW = 8192
 MEGAKERNEL_THREADS = 512
 MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV stream
 MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: 18-20 KB)
@@ -157,15 +152,14 @@ class CudaEngine(CacheBookkeeping):
         super().__init__(self._choose_capacity(ctx, notice))
         self._allocate_state()
         self._logits_valid = False
-        self.decode_policy = decode
-        self.decode = "layered" if decode == "auto" else decode
+        # "auto": the megakernel wherever it can run, the per-op graph where it cannot.
+        self.decode = "megakernel" if decode == "auto" else decode
         reason = self._megakernel_unusable()
         if reason and decode == "megakernel":
             notice(f"{reason}: decoding layer by layer")
-            self.decode = self.decode_policy = "layered"
-        elif reason:
-            self.decode_policy = "layered"
-        if self.decode_policy != "layered":
+        if reason:
+            self.decode = "layered"
+        if self.decode == "megakernel":
             self._setup_megakernel(notice, megakernel_skip, megakernel_stages)
 
     def _megakernel_unusable(self) -> str | None:
@@ -497,10 +491,6 @@ class CudaEngine(CacheBookkeeping):
 
     def _begin_reply(self, request: GenerateRequest) -> None:
         self.device.make_current()
-        if self.decode_policy == "auto":
-            greedy = request.params.current.temperature == 0
-            short = self.position < AUTO_MEGAKERNEL_BELOW
-            self.decode = "megakernel" if greedy and short else "layered"
         self._reset_sampling_state()
         self._request = request
         if self.decode == "megakernel":
