@@ -7,20 +7,24 @@
 // parameters are read from host-mapped memory every step, so a change applies to the next token.
 // The host never sits in the per-token loop.
 //
-// Weights never wait for a barrier. Every block owns a fixed slice of every weight matrix (and,
-// for attention, a fixed set of key/value chunks), so the whole sequence of bytes a block will
-// read is known in advance: a ring of shared-memory stages is refilled by bulk asynchronous
-// copies (TMA on sm_90, cp.async before) as soon as a stage is consumed, running ahead across
-// phases, grid barriers, layers and steps. The dependent chain of a phase is then only its input
-// vector (a few KB from L2), the math on shared memory, and the barrier.
+// Weights never wait. Every block owns a fixed slice of every weight matrix (and, for
+// attention, a fixed set of key/value chunks), so the whole sequence of bytes a block will read
+// is known in advance: a ring of shared-memory stages is refilled by bulk asynchronous copies
+// (TMA on sm_90, cp.async before) as soon as a stage is consumed, running ahead across phases,
+// layers and steps. The dependent chain of a phase is then only its input vector (a few KB from
+// L2), the math on shared memory, and the wait for the values it reads.
 //
-// Phases are separated by a grid-wide barrier (all blocks are resident: cooperative launch):
-// Q/K/V | attention | o_proj | gate/up | down, five a layer, plus two a step for sampling.
-// Attention needs no barrier of its own: the block whose chunk holds the new position computes
-// that key and value itself, and the last block to finish a key/value head merges its chunks.
+// There is no grid-wide barrier. The phases are Q/K/V | attention | o_proj | gate/up | down,
+// five a layer, plus the blocks' best logits and the chosen token a step; every value another
+// block reads carries the number of the phase that wrote it (see "tagged" below), and a
+// consumer waits only for the values it reads. Attention: the block whose chunk holds the new
+// position computes that key and value itself, each warp keeps an online softmax over its keys
+// of every stage, and the last block to finish a key/value head merges its chunks.
+// Sampling: each block offers its own top-k logits as candidates (top-k <= CAND), block 0
+// samples among them; otherwise block 0 samples over the whole vocabulary.
 //
 // QW_MK_SKIP leaves parts out, for timing only (the results are then wrong): 1 weight copies,
-// 2 attention, 4 grid barriers, 8 sampling.
+// 2 attention, 4 the waits for other blocks' values, 8 sampling.
 #include "sampling.cuh"
 
 #ifndef QW_MK_STAGES
