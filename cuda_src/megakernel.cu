@@ -210,6 +210,24 @@ __device__ __forceinline__ float take(const tagged_t* p, unsigned tag) {
     return value_of(w);
 }
 
+// The values at p[0..N) once each carries `tag`: every load is issued before any is checked,
+// so a thread waits about one L2 round trip, not N.
+template <int N>
+__device__ __forceinline__ void take_all(const tagged_t* const (&p)[N], unsigned tag,
+                                         float (&out)[N]) {
+    tagged_t w[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) w[n] = ld_tagged_weak(p[n]);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        while (!(QW_MK_SKIP & 4) && tag_of(w[n]) != tag) {
+            back_off();
+            w[n] = ld_tagged(p[n]);
+        }
+        out[n] = value_of(w[n]);
+    }
+}
+
 // ------------------------------------------------------------------ the stage pipeline
 // This block's contiguous share of n rows, for the four row counts the phases use (computed
 // once: the producer asks for them at every stage).
@@ -681,12 +699,20 @@ __device__ __forceinline__ void norm_rope_warp(const tagged_t* src, unsigned tag
                                                float* dst) {
     constexpr int PER = (HD / 2 + 31) / 32;
     const int lane = threadIdx.x & 31;
-    float x0[PER], x1[PER], ss = 0.f;
+    const tagged_t* at[2 * PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
-        const int i = lane + 32 * j;
-        x0[j] = i < HD / 2 ? take(src + i, tag) : 0.f;
-        x1[j] = i < HD / 2 ? take(src + i + HD / 2, tag) : 0.f;
+        const int i = min(lane + 32 * j, HD / 2 - 1);  // (lanes past HD / 2 load and drop)
+        at[2 * j] = src + i;
+        at[2 * j + 1] = src + i + HD / 2;
+    }
+    float got[2 * PER], x0[PER], x1[PER], ss = 0.f;
+    take_all(at, tag, got);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const bool in = lane + 32 * j < HD / 2;
+        x0[j] = in ? got[2 * j] : 0.f;
+        x1[j] = in ? got[2 * j + 1] : 0.f;
         ss += x0[j] * x0[j] + x1[j] * x1[j];
     }
     const float rstd = rsqrtf(warp_sum(ss) / HD + eps);
@@ -783,8 +809,14 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             norm_rope_warp(a.qkv + qw::q_size + kvh * HD, tag, L.k_norm, a.inv_freq, pos, a.eps,
                            sh.k_new);
         } else if (has_new && warp == G + 1) {
-            for (int d = lane; d < HD; d += 32)
-                sh.v_new[d] = take(a.qkv + qw::q_size + qw::kv_size + kvh * HD + d, tag);
+            const tagged_t* at[HD / 32];
+            float got[HD / 32];
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j)
+                at[j] = a.qkv + qw::q_size + qw::kv_size + kvh * HD + lane + 32 * j;
+            take_all(at, tag, got);
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j) sh.v_new[lane + 32 * j] = got[j];
         }
         __syncthreads();
         if (has_new && threadIdx.x < HD) {  // the new key and value join the cache
@@ -1055,12 +1087,15 @@ __device__ __noinline__ int block0_choose(const MegaArgs& a, const SampleParams&
     bool usable = offer;
     unsigned k_lo = 0;
     for (int b = threadIdx.x; b < grid; b += THREADS) {
-        qws::argmax_merge(best, best_i, take(a.best + 4 * b, best_tag),
-                          __float_as_int(take(a.best + 4 * b + 1, best_tag)));
-        const int word = __float_as_int(take(a.best + 4 * b + 2, best_tag));
+        const tagged_t* at[4] = {a.best + 4 * b, a.best + 4 * b + 1, a.best + 4 * b + 2,
+                                 a.best + 4 * b + 3};
+        float got[4];
+        take_all(at, best_tag, got);
+        qws::argmax_merge(best, best_i, got[0], __float_as_int(got[1]));
+        const int word = __float_as_int(got[2]);
         usable = usable && word >= 0 && (word >> 16) >= p.top_k && (word & 0xffff) <= CAND;
         counts[b] = word & 0xffff;
-        k_lo = max(k_lo, __float_as_uint(take(a.best + 4 * b + 3, best_tag)));
+        k_lo = max(k_lo, __float_as_uint(got[3]));
     }
     k_lo = __reduce_max_sync(0xffffffffu, k_lo);
     if (lane == 0) warp_k[warp] = k_lo;
