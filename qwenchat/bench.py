@@ -13,6 +13,7 @@ plus written per second by a device-to-device copy), `peak_memory_bytes() -> int
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -33,7 +34,7 @@ from qwenchat.model.config import Qwen3Config
 from qwenchat.model.loader import open_model
 from qwenchat.model.presets import PRESETS, preset
 from qwenchat.model.random_weights import RandomWeights
-from qwenchat.sampling.params import LiveParams, SamplingParams
+from qwenchat.sampling.params import NON_THINKING, LiveParams, SamplingParams
 
 DEFAULT_CONFIG = "qwen3-0.6b"
 DEFAULT_PROMPTS = (512, 4096)
@@ -58,6 +59,7 @@ class BenchSettings:
     steps: int = 64
     repeats: int = 3
     seed: int = 0  # of the random prompt ids
+    sampled: bool = False  # decode with Qwen3's non-thinking sampler instead of greedy
 
     def __post_init__(self) -> None:
         for flag, sizes in (("--prompts", self.prompts), ("--positions", self.positions)):
@@ -150,6 +152,7 @@ class BenchResult:
     ctx: int
     steps: int
     repeats: int
+    sampler: str  # what chose the decoded tokens
     weight_bytes_per_step: int
     kv_bytes_per_position: int
     copy_bandwidth_bytes_s: float | None
@@ -184,7 +187,8 @@ def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights:
         model=model, weights=weights, engine=engine.name,
         device=getattr(engine, "device_name", None), config=config,
         parameters=config.parameter_count(), ctx=engine.capacity, steps=settings.steps,
-        repeats=settings.repeats, weight_bytes_per_step=weight_bytes_per_step(config),
+        repeats=settings.repeats, sampler=_sampler_name(settings),
+        weight_bytes_per_step=weight_bytes_per_step(config),
         kv_bytes_per_position=config.kv_bytes_per_position(),
         copy_bandwidth_bytes_s=copy_bandwidth,
         peak_memory_bytes=_optional_call(engine, "peak_memory_bytes"),
@@ -228,12 +232,12 @@ def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
             # Back to `position` cached tokens with fresh logits, reusing the prefilled cache.
             engine.truncate(position - 1)
             engine.prefill(ids[-1:])
-        rates.append(_decode_rate(engine, settings.steps))
+        rates.append(_decode_rate(engine, settings.steps, settings.sampled))
     return _decode_result(config, position, statistics.median(rates), copy_bandwidth)
 
 
-def _decode_rate(engine: Engine, steps: int) -> float:
-    generation = engine.generate(_greedy(steps + 1))
+def _decode_rate(engine: Engine, steps: int, sampled: bool = False) -> float:
+    generation = engine.generate(_sampled(steps + 1) if sampled else _greedy(steps + 1))
     next(generation)  # sampled from the prefill's logits: no decode step behind it
     start = time.perf_counter()
     produced = sum(1 for _ in generation)
@@ -260,6 +264,18 @@ def _greedy(max_tokens: int) -> GenerateRequest:
     # No EOS ids: every request runs for exactly max_tokens.
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return GenerateRequest(LiveParams(params), eos_ids=frozenset(), seed=0)
+
+
+def _sampled(max_tokens: int) -> GenerateRequest:
+    params = dataclasses.replace(NON_THINKING, max_tokens=max_tokens)
+    return GenerateRequest(LiveParams(params), eos_ids=frozenset(), seed=0)
+
+
+def _sampler_name(settings: BenchSettings) -> str:
+    if not settings.sampled:
+        return "greedy"
+    p = NON_THINKING
+    return f"sampled (temperature {p.temperature}, top-p {p.top_p}, top-k {p.top_k})"
 
 
 def _drain(generation: Generation) -> None:
@@ -598,7 +614,7 @@ def render(result: BenchResult, out: TextIO) -> None:
         f"{result.model} · {result.weights} weights · "
         f"{_count(result.parameters)} parameters\n"
         f"engine {result.engine} · device {result.device or '–'} · ctx {result.ctx} · "
-        f"{result.steps} decode steps, median of {result.repeats} runs\n"
+        f"{result.steps} decode steps, {result.sampler}, median of {result.repeats} runs\n"
         f"a decode step reads {_bytes(result.weight_bytes_per_step)} of bf16 weights + "
         f"{_bytes(result.kv_bytes_per_position)} of KV cache per cached position\n"
         f"copy bandwidth {_bandwidth(result.copy_bandwidth_bytes_s)} · peak GPU memory "

@@ -124,6 +124,31 @@ def test_every_prompt_size_and_position_is_measured_with_positive_numbers():
     assert len(labels) == settings.planned_items(compare_hf=False)
 
 
+def test_sampled_decode_uses_qwens_non_thinking_sampler_and_says_so(monkeypatch):
+    import io
+
+    from qwenchat.bench import render
+
+    requested = []
+    generate = ReferenceEngine.generate
+
+    def spy(self, request):
+        requested.append(request.params.current)
+        return generate(self, request)
+
+    monkeypatch.setattr(ReferenceEngine, "generate", spy)
+    result, _, _ = bench(TIED, 64, prompts=(4,), positions=(1, 8), steps=4, repeats=1,
+                         sampled=True)
+    decode_params = requested[-1]  # the prefill's TTFT request comes first
+    assert (decode_params.temperature, decode_params.top_p, decode_params.top_k) == (0.7, 0.8, 20)
+    assert all(d.tok_s > 0 for d in result.decode)
+    text = io.StringIO()
+    render(result, text)
+    assert "4 decode steps, sampled (temperature 0.7, top-p 0.8, top-k 20)," in text.getvalue()
+    greedy, _, _ = bench(TIED, 64, prompts=(4,), positions=(1,), steps=4, repeats=1)
+    assert greedy.sampler == "greedy" and requested[-1].temperature == 0.0
+
+
 def test_what_does_not_fit_the_context_is_skipped_with_the_reason():
     result, _, _ = bench(TIED, 16, prompts=(16, 17), positions=(1, 12, 13, 100), steps=4,
                          repeats=1)

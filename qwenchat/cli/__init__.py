@@ -248,6 +248,9 @@ def bench(
         help="Prefill prompts of these lengths (comma-separated).")] = "512,4096",
     steps: Annotated[int, typer.Option(help="Decode steps timed per position.")] = 64,
     repeats: Annotated[int, typer.Option(help="Runs per measurement; the median counts.")] = 3,
+    sampled: Annotated[bool, typer.Option(
+        "--sampled", help="Decode with Qwen3's non-thinking sampler (temperature 0.7, top-p "
+        "0.8, top-k 20), as a chat does, instead of greedy.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of "
                                           "tables.")] = False,
     compare_hf: Annotated[bool, typer.Option(
@@ -261,7 +264,8 @@ def bench(
         from qwenchat.bench import BenchOptions, BenchSettings, parse_sizes, run_bench
 
         settings = BenchSettings(parse_sizes(prompts, "--prompts"),
-                                 parse_sizes(positions, "--positions"), steps, repeats)
+                                 parse_sizes(positions, "--positions"), steps, repeats,
+                                 sampled=sampled)
         return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
                                       compare_hf, decode))
 
