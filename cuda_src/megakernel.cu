@@ -193,7 +193,8 @@ __device__ __forceinline__ tagged_t ld_tagged(const tagged_t* p) {
     return w;
 }
 
-__device__ __forceinline__ void back_off() { asm volatile("nanosleep.u32 64;" ::: "memory"); }
+// (128 ns measured best of 32 to 1024, fixed or doubling: docs/perf.md.)
+__device__ __forceinline__ void back_off() { asm volatile("nanosleep.u32 128;" ::: "memory"); }
 
 __device__ __forceinline__ unsigned tag_of(tagged_t w) { return static_cast<unsigned>(w >> 32); }
 __device__ __forceinline__ float value_of(tagged_t w) {
