@@ -30,6 +30,19 @@ def real_tokenizer_dir() -> Path:
     return Path(value)
 
 
+@pytest.fixture(scope="session")
+def cuda_gpu():
+    """Skip unless cuda-python imports and a usable CUDA GPU is present (the `gpu` tests)."""
+    try:
+        from qwenchat.engine.cuda.probe import probe
+    except ImportError as exc:
+        pytest.skip(f"cuda-python not importable: {exc}")
+    found = probe()
+    if not found.usable:
+        pytest.skip("no usable CUDA GPU: " + ("; ".join(found.problems) or "unknown reason"))
+    return found
+
+
 @pytest.fixture
 def isolated_home(tmp_path, monkeypatch) -> Path:
     """Point every per-user directory (HF cache, qwenchat cache and data) into tmp_path."""

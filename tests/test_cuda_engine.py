@@ -19,18 +19,7 @@ from qwenchat.model.config import Qwen3Config
 from qwenchat.model.loader import open_model_dir
 from qwenchat.sampling.params import LiveParams, SamplingParams
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gpu():
-    try:
-        from qwenchat.engine.cuda.probe import probe
-    except ImportError as exc:
-        pytest.skip(f"cuda-python not importable: {exc}")
-    found = probe()
-    if not found.usable:
-        pytest.skip("no usable CUDA GPU: " + "; ".join(found.problems))
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:

@@ -77,10 +77,7 @@ def test_kernel_args_refuse_ambiguous_values(bad):
 
 
 @pytest.fixture(scope="module")
-def device():
-    found = probe()
-    if not found.usable:
-        pytest.skip("no usable CUDA GPU: " + ("; ".join(found.problems) or "unknown reason"))
+def device(cuda_gpu):
     dev = rt.Device(0)
     yield dev
     dev.close()

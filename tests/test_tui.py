@@ -1043,16 +1043,10 @@ def test_the_model_loader_opens_the_chat_on_the_reference_engine(tmp_path, tiny_
 
 
 @pytest.mark.gpu
-def test_the_chat_runs_on_the_cuda_engine_across_worker_threads(tmp_path, tiny_model_dir):
+def test_the_chat_runs_on_the_cuda_engine_across_worker_threads(tmp_path, tiny_model_dir,
+                                                               cuda_gpu):
     # The engine is built on the loading thread and each reply runs on a worker thread: the
     # CUDA context must follow.
-    try:
-        from qwenchat.engine.cuda.probe import probe
-    except ImportError as exc:
-        pytest.skip(f"cuda-python not importable: {exc}")
-    found = probe()
-    if not found.usable:
-        pytest.skip("no usable CUDA GPU: " + "; ".join(found.problems))
     options = ChatOptions(str(tiny_model_dir), backend="cuda",
                           overrides={"temperature": 0.0, "max_tokens": 8})
     app = QwenchatApp(options, history=tmp_path / "history.sqlite3")
