@@ -46,6 +46,34 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Running total over the warp's lanes, lane 0 first (inclusive).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T n = __shfl_up_sync(0xffffffffu, v, o);
+        if ((threadIdx.x & 31) >= o) v += n;
+    }
+    return v;
+}
+
+// Each thread's `mine` summed over the threads before it (thread order), and the block's total
+// in `total`. warp_totals: one T per warp of shared memory. Every thread of the block calls it.
+template <int NT, typename T>
+__device__ __forceinline__ T block_exclusive_scan(T mine, T* warp_totals, T& total) {
+    const T incl = warp_inclusive_scan(mine);
+    __syncthreads();  // the previous use of warp_totals is over
+    if ((threadIdx.x & 31) == 31) warp_totals[threadIdx.x >> 5] = incl;
+    __syncthreads();
+    T before = 0;
+    total = 0;
+    for (int w = 0; w < NT / 32; ++w) {
+        if (w < static_cast<int>(threadIdx.x >> 5)) before += warp_totals[w];
+        total += warp_totals[w];
+    }
+    return before + incl - mine;
+}
+
 // Sum over the block; `scratch` holds one float per warp. Every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -118,24 +146,3 @@ __device__ __forceinline__ unsigned char ld_cg_u8(const unsigned char* p) {
     return static_cast<unsigned char>(v);
 }
 
-__device__ __forceinline__ bf16_t ld_cg_bf16(const bf16_t* p) {
-    bf16_t v;
-    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 ld_cg_u4(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}

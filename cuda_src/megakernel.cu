@@ -76,7 +76,6 @@ static_assert(rows_per_stage(qw::hidden) * nseg(qw::hidden) <= RED &&
                   rows_per_stage(qw::intermediate) * nseg(qw::intermediate) <= RED &&
                   2 * PAIRS_PER_STAGE * nseg(qw::hidden) <= RED,
               "a stage holds more rows than the segment-sum buffer");
-static_assert(KEYS >= 32 && KEYS * (HD / 8) % THREADS == 0, "attention stage geometry");
 static_assert(qw::group + 2 <= WARPS, "a warp per query head of a group, plus two");
 
 enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };
@@ -86,19 +85,19 @@ enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };
 constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
 constexpr int KPW = KEYS / WARPS;
 constexpr int KPASS = 32 / LPK < KPW ? 32 / LPK : KPW;
-static_assert(HD >= 32 && KPW % KPASS == 0, "attention lane geometry");
+static_assert(HD >= 32 && KPW >= 1 && KPW % KPASS == 0, "attention lane geometry");
 
 // Sampling with top-k <= CAND: each block offers its own top-k (ties included) as candidates.
 constexpr int CAND = 64;
 constexpr int LM_ROWS = QW_MK_LM_ROWS;
 
-__host__ __device__ constexpr int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int HIST_BYTES = WARPS * 256 * 8;
-constexpr int VEC_FLOATS = max3(qw::hidden, qw::q_size, qw::intermediate);
+constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
 // or the block's LM-head logits, or (block 0, sampling) the radix histograms.
 constexpr int UNION_BYTES =
-    (max3(max3(HIST_BYTES, 4 * VEC_FLOATS, 4 * LM_ROWS), WARPS * qw::group * HD * 4, 0) + 127) /
+    (cmax(cmax(HIST_BYTES, 4 * VEC_FLOATS), cmax(4 * LM_ROWS, WARPS * qw::group * HD * 4)) + 127) /
     128 * 128;
 constexpr int RESID = 512;       // residual rows a block may own
 constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most
@@ -134,7 +133,7 @@ struct MegaArgs {
     tagged_t* qkv;     // [q_size + 2 kv_size]
     tagged_t* attn;    // [q_size]
     tagged_t* h;       // [intermediate] SwiGLU output
-    tagged_t* best;    // [3 x blocks] each block's best logit, its index, its candidates
+    tagged_t* best;    // [4 x blocks] each block's best logit, its id, its candidates, its k-th key
     tagged_t* chosen;  // [1] the token block 0 chose, bit 31: stop
     float* logits;
     float* work;
@@ -148,7 +147,7 @@ struct MegaArgs {
     int* pos;    // cache length (in/out)
     const int* eos;
     const unsigned* host;  // host-mapped: SampleParams, then the cancel flag
-    SampleParams* params;  // this step's parameters, copied from the host by block 0
+    SampleParams* params;  // [2] the steps' parameters, copied from the host by the last block
     int* ring;             // host-mapped: (token, sequence number) pairs
     float eps;
     float scale;
@@ -201,18 +200,9 @@ __device__ __forceinline__ float value_of(tagged_t w) {
     return __uint_as_float(static_cast<unsigned>(w));
 }
 
-// The value at p once it carries `tag` (QW_MK_SKIP & 4: whatever is there, for timing).
-__device__ __forceinline__ float take(const tagged_t* p, unsigned tag) {
-    tagged_t w = ld_tagged_weak(p);
-    while (!(QW_MK_SKIP & 4) && tag_of(w) != tag) {
-        back_off();
-        w = ld_tagged(p);
-    }
-    return value_of(w);
-}
-
-// The values at p[0..N) once each carries `tag`: every load is issued before any is checked,
-// so a thread waits about one L2 round trip, not N.
+// The values at p[0..N) once each carries `tag` (QW_MK_SKIP & 4: whatever is there, for
+// timing): every load is issued before any is checked, so a thread waits about one L2 round
+// trip, not N.
 template <int N>
 __device__ __forceinline__ void take_all(const tagged_t* const (&p)[N], unsigned tag,
                                          float (&out)[N]) {
@@ -227,6 +217,14 @@ __device__ __forceinline__ void take_all(const tagged_t* const (&p)[N], unsigned
         }
         out[n] = value_of(w[n]);
     }
+}
+
+// The value at p once it carries `tag`.
+__device__ __forceinline__ float take(const tagged_t* p, unsigned tag) {
+    const tagged_t* at[1] = {p};
+    float got[1];
+    take_all(at, tag, got);
+    return got[0];
 }
 
 // ------------------------------------------------------------------ the stage pipeline
@@ -988,7 +986,8 @@ __device__ __forceinline__ SampleParams read_host_params(const MegaArgs& a, int 
     return p;
 }
 
-// Every thread's copy of this step's parameters (written by block 0 before a grid barrier).
+// Every thread's copy of this step's parameters (written by the last block before any of its
+// tagged outputs that this block has waited for).
 __device__ __forceinline__ void load_params(SampleParams* out, const SampleParams* p) {
     const int* src = reinterpret_cast<const int*>(p);
     int* dst = reinterpret_cast<int*>(out);
@@ -1042,19 +1041,8 @@ __device__ int block_candidates(const MegaArgs& a, const float* vals, int lo, in
     const int begin = min(n, static_cast<int>(threadIdx.x) * per), end = min(n, begin + per);
     int mine = 0;
     for (int i = begin; i < end; ++i) mine += qws::order_key(vals[i]) >= kth;
-    int incl = mine;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if ((threadIdx.x & 31) >= o) incl += v;
-    }
-    int* warp_counts = reinterpret_cast<int*>(scratch + 258);
-    if ((threadIdx.x & 31) == 31) warp_counts[threadIdx.x >> 5] = incl;
-    __syncthreads();
-    int at = incl - mine, total = 0;
-    for (int w = 0; w < WARPS; ++w) {
-        if (w < static_cast<int>(threadIdx.x >> 5)) at += warp_counts[w];
-        total += warp_counts[w];
-    }
+    int total;
+    int at = block_exclusive_scan<THREADS>(mine, reinterpret_cast<int*>(scratch + 258), total);
     int2* out = a.cand + blockIdx.x * CAND;
     for (int i = begin; i < end; ++i) {
         if (qws::order_key(vals[i]) >= kth) {
@@ -1129,11 +1117,7 @@ __device__ __noinline__ int block0_choose(const MegaArgs& a, const SampleParams&
         const int per = (grid + 31) / 32, lo = min(grid, lane * per), hi = min(grid, lo + per);
         int mine = 0;
         for (int b = lo; b < hi; ++b) mine += kept[b];
-        int incl = mine;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
+        const int incl = warp_inclusive_scan(mine);
         int run = incl - mine;
         for (int b = lo; b < hi; ++b) {
             const int n = kept[b];

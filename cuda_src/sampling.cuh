@@ -112,12 +112,7 @@ __device__ __forceinline__ void find_bin(const Count* hist, Count target, Count*
     Count mine = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) mine += hist[255 - 8 * lane - j];
-    Count incl = mine;  // inclusive running total over lanes 0..lane (the higher bins first)
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const Count n = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += n;
-    }
+    const Count incl = warp_inclusive_scan(mine);  // over lanes 0..lane: the higher bins first
     const unsigned reached = __ballot_sync(0xffffffffu, above_in + incl >= target);
     __syncwarp();  // every lane has read *above before one lane writes it
     if (reached == 0) {
@@ -283,21 +278,8 @@ __device__ int choose_token(const Src& src, const SampleParams& p, float max_log
         const int begin = tid * per_thread, end = min(n, begin + per_thread);
         unsigned long long mine = 0;
         for (int i = begin; i < end; ++i) mine += kept(i);
-        // Exclusive prefix over threads, in thread order.
-        unsigned long long incl = mine;
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, o);
-            if ((tid & 31) >= o) incl += v;
-        }
-        __syncthreads();
-        if ((tid & 31) == 31) sh.scan[tid >> 5] = incl;
-        __syncthreads();
-        unsigned long long warp_base = 0, all = 0;
-        for (int w = 0; w < NT / 32; ++w) {
-            if (w < (tid >> 5)) warp_base += sh.scan[w];
-            all += sh.scan[w];
-        }
-        const unsigned long long before = warp_base + incl - mine;
+        unsigned long long all;
+        const unsigned long long before = block_exclusive_scan<NT>(mine, sh.scan, all);
         const unsigned long long bits = splitmix64(p.seed ^ splitmix64(static_cast<unsigned long long>(step)));
         const double u = static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0);
         const unsigned long long target = static_cast<unsigned long long>(u * static_cast<double>(all));

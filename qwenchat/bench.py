@@ -261,13 +261,15 @@ def _no_room(steps: int, capacity: int) -> str:
 
 
 def _greedy(max_tokens: int) -> GenerateRequest:
-    # No EOS ids: every request runs for exactly max_tokens.
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return GenerateRequest(LiveParams(params), eos_ids=frozenset(), seed=0)
+    return _request(SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
 def _sampled(max_tokens: int) -> GenerateRequest:
-    params = dataclasses.replace(NON_THINKING, max_tokens=max_tokens)
+    return _request(dataclasses.replace(NON_THINKING, max_tokens=max_tokens))
+
+
+def _request(params: SamplingParams) -> GenerateRequest:
+    # No EOS ids: every request runs for exactly max_tokens.
     return GenerateRequest(LiveParams(params), eos_ids=frozenset(), seed=0)
 
 

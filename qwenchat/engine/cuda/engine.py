@@ -39,12 +39,12 @@ KERNELS = {
 }
 MEGAKERNEL_THREADS = 512
 MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV stream
-MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: 18-20 KB)
+MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: ~16 KB)
 MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's radix bins
 MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
 MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
 # Parts the megakernel can leave out, for timing only (QW_MK_SKIP bits in megakernel.cu).
-MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "barriers": 4, "sampling": 8}
+MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
 GEMV_ROWS_PER_BLOCK = 16  # 8 warps x 2 rows (rmsnorm_gemv2)
@@ -532,10 +532,11 @@ class CudaEngine(CacheBookkeeping):
             raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
                                 f"known: {', '.join(MEGAKERNEL_PARTS)}")
         stage = MEGAKERNEL_STAGE_BYTES
+        blocks = min(device.sm_count, 512)  # one block per SM (its scratch holds 512)
         # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
         # input vector, the warps' attention partial sums, the block's LM-head logits and the
         # sampler's histograms; then the table of layer pointers.
-        lm_rows = math.ceil(cfg.vocab_size / min(device.sm_count, 512))
+        lm_rows = math.ceil(cfg.vocab_size / blocks)
         union = max(MEGAKERNEL_HISTOGRAM_BYTES,
                     4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
                     4 * lm_rows,
@@ -565,7 +566,7 @@ class CudaEngine(CacheBookkeeping):
         if kernel.max_active_blocks_per_sm(MEGAKERNEL_THREADS, self.mk_shared) < 1:
             raise QwenchatError("the decode megakernel does not fit on this GPU; "
                                 "use --decode layered")
-        self.mk_blocks = min(device.sm_count, 512)  # one block per SM (its scratch holds 512)
+        self.mk_blocks = blocks
         if math.ceil(cfg.hidden_size / self.mk_blocks) > 512:
             raise QwenchatError("this model is too wide for the decode megakernel on this GPU; "
                                 "use --decode layered")
