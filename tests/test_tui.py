@@ -1180,8 +1180,12 @@ def snapshot_app(tmp_path, model, **options) -> QwenchatApp:
 
 
 async def wait_for_chat(pilot) -> ChatScreen:
+    """The chat screen, ready, with the prompt's cursor shown for good: a blinking cursor
+    is on or off at the moment of the screenshot depending on how fast the machine is."""
     await until(pilot, lambda: chat_ready(pilot.app))
-    return pilot.app.screen
+    screen = pilot.app.screen
+    screen.prompt.cursor_blink = False
+    return screen
 
 
 def test_snapshot_chat_with_thinking_markdown_and_code(snap_compare, tmp_path, tiny_model_dir,
