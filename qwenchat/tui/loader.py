@@ -31,12 +31,7 @@ class LoadedModel:
 
     def close(self) -> None:
         """Free the engine's memory (its KV cache, and on a GPU its weights), from whichever
-        thread quits: a CUDA context is current only on the threads that made it so (the
-        loading thread, each reply's worker), so it is made current here first."""
-        device = getattr(self.engine, "device", None)
-        make_current = getattr(device, "make_current", None)
-        if callable(make_current):
-            make_current()
+        thread quits (the CUDA engine makes its context current on that thread itself)."""
         self.engine.close()
 
 

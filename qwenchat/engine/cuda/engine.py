@@ -540,8 +540,7 @@ class CudaEngine(CacheBookkeeping):
         union = max(MEGAKERNEL_HISTOGRAM_BYTES,
                     4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
                     4 * lm_rows,
-                    MEGAKERNEL_THREADS // 32 * cfg.num_attention_heads
-                    // cfg.num_key_value_heads * cfg.head_dim * 4)
+                    MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
         fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
         room = device.max_shared_per_block_optin - MEGAKERNEL_STATIC_SHARED - fixed
         if room // stage < 3:
