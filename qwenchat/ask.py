@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any, TextIO
 from qwenchat.engine import check_engine_flags, create_engine
 from qwenchat.errors import UsageError
 from qwenchat.model.loader import open_model
+from qwenchat.model.tokenizer import check_text
 from qwenchat.sampling.params import LiveParams, check_value, generation_defaults
 from qwenchat.session import ChatSession, Progress, ReplyStats, TextPiece, TurnsDropped
 
@@ -32,8 +34,32 @@ class AskOptions:
     decode: str = "auto"
 
 
+# Byte-order marks honoured on stdin: UTF-8's is dropped, UTF-16's (as Windows tools write)
+# switch the decoding. Anything else must be UTF-8.
+_BOMS = ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"),
+         (codecs.BOM_UTF16_BE, "utf-16-be"))
+
+
+def decode_stdin(data: bytes) -> str:
+    """Standard input as text; bytes that are not text are a usage error naming the first."""
+    codec = "utf-8"
+    for bom, name in _BOMS:
+        if data.startswith(bom):
+            data, codec = data[len(bom):], name
+            break
+    try:
+        return data.decode(codec)
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"standard input is not {codec.upper()} text (byte 0x{data[exc.start]:02x} at "
+            f"offset {exc.start:,}); convert it first, e.g. iconv -f LATIN1 -t UTF-8"
+        ) from None
+
+
 def combine_prompt(argument: str | None, stdin_text: str | None) -> str:
     """stdin first (as context), then the argument; an empty result is a usage error."""
+    if argument:
+        check_text(argument, "the prompt argument")
     parts = [p for p in ((stdin_text or "").rstrip(), argument or "") if p.strip()]
     if not parts:
         raise UsageError('no prompt: pass it as an argument (qwenchat ask "...") or on stdin')

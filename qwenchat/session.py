@@ -5,16 +5,26 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from qwenchat.engine.base import Engine, GenerateRequest, StopReason
 from qwenchat.errors import ContextFullError, UsageError
-from qwenchat.model.tokenizer import Message, StreamDecoder, Tokenizer
+from qwenchat.model.tokenizer import Message, StreamDecoder, Tokenizer, check_text
 from qwenchat.sampling.params import LiveParams
 
 DEFAULT_REPLY_RESERVE = 256  # tokens kept free for the reply when deciding to drop old turns
 PROGRESS_INTERVAL_S = 0.1
+# The background prefill of the history runs in steps of about this long: a message sent
+# meanwhile waits for the step under way, no more.
+PREPARE_STEP_S = 0.05
+PREPARE_FIRST_STEP = 32  # tokens; later steps are sized from how long the last one took
+PREPARE_MIN_STEP, PREPARE_MAX_STEP = 16, 4096
+
+
+def now() -> float:
+    """The clock reply timings are read on; pass its readings as `sent_at`."""
+    return time.perf_counter()
 
 
 @dataclass
@@ -127,13 +137,20 @@ class ChatSession:
         self.first_in_context = 0  # index into messages of the oldest turn still rendered
         self.last_reply: Reply | None = None
 
-    def send(self, text: str, cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Add a user turn and stream the reply; the reply joins the history when it ends."""
+    def send(self, text: str, cancel: threading.Event | None = None,
+             sent_at: float | None = None) -> Iterator[Event]:
+        """Add a user turn and stream the reply; the reply joins the history when it ends.
+
+        `sent_at` (a `now()` reading) is when the user sent it, if earlier than this call:
+        time to first token counts from there."""
         if not text.strip():
             raise UsageError("the prompt is empty: type a message")
+        check_text(text, "the message")
+        if self.system:
+            check_text(self.system, "the system prompt")
         self.messages.append(Message("user", text))
         try:
-            yield from self._reply(cancel or threading.Event())
+            yield from self._reply(cancel or threading.Event(), sent_at)
         except BaseException:
             if self.messages and self.messages[-1].role == "user":
                 self.messages.pop()  # a failed turn leaves no half-turn behind
@@ -156,8 +173,47 @@ class ChatSession:
         system = [Message("system", self.system)] if self.system else []
         return system + self.messages[self.first_in_context :]
 
-    def _reply(self, cancel: threading.Event) -> Iterator[Event]:
-        started = time.perf_counter()
+    def history_ids(self) -> list[int]:
+        """The tokens every next turn's prompt starts with: the conversation as the chat
+        template renders it once another user message follows. (Qwen3's template renders an
+        earlier reply without the <think> block its generation prompt began, so this differs
+        from what the cache holds right after a reply.)"""
+        context = self.context_messages()
+        probes = [self.tokenizer.encode_chat([*context, Message("user", probe)], self.thinking)
+                  for probe in ("1", "2")]
+        shared = _common_prefix(*probes)
+        # The next message's own header (<|im_start|>user ...) belongs to its turn.
+        start = self.tokenizer.im_start_id
+        headers = [i for i in range(shared) if probes[0][i] == start]
+        return probes[0][: headers[-1] if headers else shared]
+
+    def prepare_next_turn(self, cancel: threading.Event) -> int:
+        """Bring the KV cache to `history_ids()` while the user reads and types, so the next
+        turn prefills only its own message. Runs in steps of about PREPARE_STEP_S and stops
+        between two once `cancel` is set; what is done stays done. Returns the tokens
+        prefilled. Must not run beside a reply: both use the engine."""
+        target = self.history_ids()
+        if len(target) + self._reply_reserve() > self.engine.capacity:
+            return 0  # the next turn drops its oldest turns: a different prefix
+        done = _common_prefix(self.engine.tokens, target)
+        if done == len(target):
+            return 0  # already there (an empty chat keeps the cache of the one before)
+        self.engine.truncate(done)
+        prefilled, step = 0, PREPARE_FIRST_STEP
+        while done < len(target) and not cancel.is_set():
+            part = target[done : done + step]
+            began = time.perf_counter()
+            self.engine.prefill(part)
+            took = time.perf_counter() - began
+            done += len(part)
+            prefilled += len(part)
+            step = round(step * PREPARE_STEP_S / took) if took > 0 else PREPARE_MAX_STEP
+            step = min(max(step, PREPARE_MIN_STEP), PREPARE_MAX_STEP)
+        return prefilled
+
+    def _reply(self, cancel: threading.Event, sent_at: float | None = None) -> Iterator[Event]:
+        began = now()
+        started = began if sent_at is None else sent_at  # TTFT counts from the send
         ids, dropped = self._fit_prompt()
         if dropped:
             yield TurnsDropped(dropped, f"dropped the {dropped} oldest turn(s) to fit the "
@@ -169,7 +225,7 @@ class ChatSession:
                            prefill_tokens=len(ids) - common, capacity=self.engine.capacity)
         self.engine.truncate(common)
         self.engine.prefill(ids[common:])
-        stats.prefill_s = time.perf_counter() - started
+        stats.prefill_s = now() - began
         current = self.params.current
         stats.seed = current.seed if current.seed is not None else _fresh_seed()
         request = GenerateRequest(self.params, self.eos_ids, stats.seed, cancel)
@@ -180,19 +236,19 @@ class ChatSession:
         finished = False
         try:
             for token in generation:
-                now = time.perf_counter()
+                at = now()
                 if stats.generated_tokens == 0:
-                    first_at = now
-                    stats.ttft_s = now - started
+                    first_at = at
+                    stats.ttft_s = at - started
                 stats.generated_tokens += 1
-                stats.decode_s = now - first_at
+                stats.decode_s = at - first_at
                 stats.position = self.engine.position
                 if token not in self.eos_ids:
                     for piece in splitter.push(token):
                         _append(reply, piece)
                         yield piece
-                if now - last_report >= PROGRESS_INTERVAL_S:
-                    last_report = now
+                if at - last_report >= PROGRESS_INTERVAL_S:
+                    last_report = at
                     yield Progress(stats)
             stats.stop_reason = (generation.stop_reason or StopReason.CANCELLED).value
             for piece in splitter.finish():
@@ -213,8 +269,7 @@ class ChatSession:
     def _fit_prompt(self) -> tuple[list[int], int]:
         """Render the conversation, dropping the oldest turns while it does not fit."""
         capacity = self.engine.capacity
-        max_tokens = self.params.current.max_tokens
-        reserve = min(max_tokens or DEFAULT_REPLY_RESERVE, capacity // 2)
+        reserve = self._reply_reserve()
         dropped = 0
         while True:
             ids = self.tokenizer.encode_chat(self.context_messages(), self.thinking)
@@ -228,6 +283,11 @@ class ChatSession:
                     "shorten it, or raise --ctx"
                 )
             dropped += 1
+
+    def _reply_reserve(self) -> int:
+        """Tokens kept free for a reply when deciding whether the conversation still fits."""
+        max_tokens = self.params.current.max_tokens
+        return min(max_tokens or DEFAULT_REPLY_RESERVE, self.engine.capacity // 2)
 
     def _drop_oldest_turn(self) -> bool:
         """Move the context window past the oldest user turn and its reply, if one remains."""
@@ -246,7 +306,7 @@ def _append(reply: Reply, piece: TextPiece) -> None:
         reply.answer += piece.text
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

@@ -9,6 +9,7 @@ stops the app from starting.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -349,7 +350,7 @@ class ChatStore:
     def _open_file(self) -> sqlite3.Connection:
         assert self.path is not None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _make_private(self.path)
             db = _connect(str(self.path))
         except (OSError, sqlite3.Error) as exc:
             raise _Unavailable(str(exc)) from exc
@@ -376,6 +377,24 @@ def _chat(row: tuple) -> ChatRecord:
 def _require_chat(cursor: sqlite3.Cursor, chat_id: int) -> None:
     if cursor.rowcount == 0:
         raise NotFoundError(f"chat {chat_id} does not exist")
+
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def _make_private(path: Path) -> None:
+    """Chats are private, as a shell's history is: the folder 0700 and the file 0600, created
+    so (never readable by others for an instant) and tightened when an older qwenchat made them
+    readable. SQLite gives its -wal and -shm files the database file's mode."""
+    path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT, PRIVATE_FILE_MODE))
+    for target, mode in ((path.parent, PRIVATE_DIR_MODE), (path, PRIVATE_FILE_MODE),
+                         (path.with_name(path.name + "-wal"), PRIVATE_FILE_MODE),
+                         (path.with_name(path.name + "-shm"), PRIVATE_FILE_MODE)):
+        with suppress(OSError):  # not ours to change (or gone): SQLite says if it matters
+            if target.exists() and target.stat().st_mode & 0o777 != mode:
+                target.chmod(mode)
 
 
 def _connect(target: str) -> sqlite3.Connection:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
+from fake_engine import FakeEngine
 
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.errors import ContextFullError, UsageError
 from qwenchat.model.loader import open_model_dir
-from qwenchat.model.tokenizer import Message
+from qwenchat.model.config import Qwen3Config
+from qwenchat.model.tokenizer import Message, Tokenizer
 from qwenchat.sampling.params import LiveParams, SamplingParams
 from qwenchat.session import ChatSession, Progress, TextPiece, TurnsDropped
 
@@ -144,3 +147,111 @@ def test_stats_report_timings_and_kv_position(tiny_model_dir):
     assert stats.capacity == session.engine.capacity
     if stats.generated_tokens > 1:
         assert stats.decode_tok_s and stats.decode_tok_s > 0
+
+
+# --------------------------------------------------- the history prefilled between turns
+QWEN3_VOCAB = 151_936
+
+
+def real_template_session(real_tokenizer_dir, tiny_model_dir, thinking: bool,
+                          reply: str) -> ChatSession:
+    """A session with Qwen3's own tokenizer and chat template over a scripted engine, whose
+    cache records exactly the tokens the model would have been given."""
+    tokenizer = Tokenizer(real_tokenizer_dir)
+    config = dataclasses.replace(Qwen3Config.from_file(tiny_model_dir / "config.json"),
+                                 vocab_size=QWEN3_VOCAB)
+    script = tokenizer.encode(reply) + [tokenizer.im_end_id]
+    engine = FakeEngine(config, script, capacity=8192)
+    eos = frozenset({tokenizer.im_end_id, tokenizer.end_of_text_id})
+    params = LiveParams(SamplingParams(temperature=0.0))
+    return ChatSession(engine, tokenizer, eos, params, system="Be brief.", thinking=thinking)
+
+
+def turn_header(thinking: bool, text: str) -> str:
+    """What Qwen3's template adds for one more user message and the reply's start."""
+    start = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return start if thinking else start + "<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["non-thinking", "thinking"])
+def test_after_the_background_prefill_a_turn_prefills_only_its_own_message(
+        real_tokenizer_dir, tiny_model_dir, thinking):
+    reply = ("<think>\nThe user wants a fox fact.\n</think>\n\nFoxes are quick." if thinking
+             else "Foxes are quick.")
+    session = real_template_session(real_tokenizer_dir, tiny_model_dir, thinking, reply)
+    tokenizer, engine = session.tokenizer, session.engine
+    run_turn(session, "Tell me about foxes.")
+    for n in range(1, 5):
+        # Right after a reply the cache holds the reply as generated, think block and all;
+        # the template renders earlier replies without it.
+        history = session.history_ids()
+        assert engine.tokens[: len(history)] != history
+        assert session.prepare_next_turn(threading.Event()) > 0
+        assert engine.tokens == history
+        text = f"And fact number {n}?"
+        _, stats, _ = run_turn(session, text)
+        sent = session.context_messages()[:-1]
+        rendered = tokenizer.encode_chat(sent, thinking)
+        # Only the new message and the template's own tokens around it were prefilled ...
+        assert stats.reused_tokens == len(history)
+        assert stats.prefill_tokens == stats.prompt_tokens - len(history)
+        new = rendered[len(history):]
+        assert tokenizer.decode(new, skip_special_tokens=False) == turn_header(thinking, text)
+        # ... and the model saw, token for token, what the template renders for the history,
+        assert engine.tokens[: len(rendered)] == rendered
+        # which is what a fresh session given the same history sees.
+        fresh = real_template_session(real_tokenizer_dir, tiny_model_dir, thinking, reply)
+        fresh.messages = list(sent[1:-1])  # without the system prompt and the new message
+        _, fresh_stats, _ = run_turn(fresh, text)
+        assert fresh_stats.reused_tokens == 0
+        assert fresh.engine.tokens[: len(rendered)] == rendered
+
+
+def test_a_background_prefill_stopped_midway_is_resumed_by_the_next_turn(
+        real_tokenizer_dir, tiny_model_dir):
+    session = real_template_session(real_tokenizer_dir, tiny_model_dir, False,
+                                    "A long answer about foxes. " * 40)
+    run_turn(session, "Tell me about foxes.")
+    history = session.history_ids()
+    cancel = threading.Event()
+    steps = []
+    prefill = session.engine.prefill
+
+    def one_step_then_cancel(ids):
+        steps.append(len(ids))
+        prefill(ids)
+        cancel.set()  # the user sends while the first step runs
+
+    session.engine.prefill = one_step_then_cancel
+    done = session.prepare_next_turn(cancel)
+    session.engine.prefill = prefill
+    partial = session.engine.tokens
+    assert len(steps) == 1 and done == steps[0]
+    assert len(partial) < len(history) and partial == history[: len(partial)]
+    _, stats, _ = run_turn(session, "More?")
+    assert stats.reused_tokens == len(partial)  # the rest of the history is prefilled now
+    rendered = session.tokenizer.encode_chat(session.context_messages()[:-1], False)
+    assert session.engine.tokens[: len(rendered)] == rendered
+
+
+def test_no_background_prefill_for_a_history_the_next_turn_must_shorten(tiny_model_dir):
+    session = new_session(tiny_model_dir, ctx=96, max_tokens=8)
+    for i in range(2):
+        run_turn(session, f"Question number {i} about the fox and the dog")
+    # A reply of up to 48 tokens leaves no room for this history: the next turn will drop
+    # its oldest turns, so it will not start with the history as it stands.
+    session.params.set(SamplingParams(temperature=0.0, max_tokens=48))
+    assert len(session.history_ids()) + 48 > 96
+    cached = session.engine.tokens
+    assert session.prepare_next_turn(threading.Event()) == 0
+    assert session.engine.tokens == cached
+
+
+def test_an_empty_chat_leaves_the_cache_as_it_is(tiny_model_dir):
+    session = new_session(tiny_model_dir, system=None)
+    run_turn(session, "Hello")
+    cached = session.engine.tokens
+    session.clear()
+    assert session.history_ids() == []
+    assert session.prepare_next_turn(threading.Event()) == 0
+    assert session.engine.tokens == cached

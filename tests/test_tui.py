@@ -33,6 +33,7 @@ from qwenchat.tui.screens.chats import ChatListScreen
 from qwenchat.tui.screens.error import ErrorScreen
 from qwenchat.tui.screens.help import HelpScreen
 from qwenchat.tui.screens.loading import LoadingScreen
+from qwenchat.tui.stats import kv_level
 from qwenchat.tui.widgets.message import AssistantMessage, UserMessage
 from qwenchat.tui.widgets.notice import ChatNotice
 from qwenchat.tui.widgets.status import KVGauge
@@ -98,6 +99,13 @@ async def press_and_wait_for_reply(pilot, screen: ChatScreen, key: str) -> None:
                 and not screen.generating)
 
 
+async def settled(pilot, screen: ChatScreen) -> None:
+    """Wait for the background prefill to end and the KV gauge to show the cache it left."""
+    await until(pilot, lambda: not screen.chat.preparing)
+    engine = screen.model.engine
+    await until(pilot, lambda: screen.query_one(KVGauge).position == engine.position)
+
+
 def replies(screen: ChatScreen) -> list[AssistantMessage]:
     return [t for t in screen.conversation.turns if isinstance(t, AssistantMessage)]
 
@@ -157,9 +165,37 @@ def test_second_turn_reuses_the_kv_cache_and_the_status_bar_says_so(tmp_path, ti
         assert stats.reused_tokens > 0
         numbers = str(screen.query_one("#numbers").render())
         assert f"{stats.reused_tokens} cached" in numbers and "TTFT" in numbers
-        gauge = screen.query_one(KVGauge)
-        assert gauge.position == screen.model.engine.position > 0
         assert "reference (NumPy, CPU)" in str(screen.query_one("#engine").render())
+        # Once the background prefill has brought the cache to the history, the gauge says so.
+        await until(pilot, lambda: not screen.chat.preparing)
+        history = screen.chat.session.history_ids()
+        await until(pilot, lambda: screen.query_one(KVGauge).position == len(history))
+        assert screen.model.engine.tokens == history
+
+    drive(app, scenario)
+
+
+def test_later_turns_prefill_only_the_new_message_after_the_background_prefill(
+        tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, reference_model(tiny_model_dir),
+                   overrides={"temperature": 0.0, "max_tokens": 8})
+
+    async def scenario(pilot, screen):
+        await send(pilot, screen, "Hello")
+        await until(pilot, lambda: not screen.chat.preparing)
+        history = screen.chat.session.history_ids()
+        assert screen.chat.prepared_tokens > 0 and screen.model.engine.tokens == history
+        await send(pilot, screen, "And the dog?")
+        stats = screen.chat.session.last_reply.stats
+        new_turn = screen.chat.session.tokenizer.encode_chat(
+            screen.chat.session.context_messages()[:-1], enable_thinking=False)[len(history):]
+        assert stats.reused_tokens == len(history)
+        assert stats.prefill_tokens == len(new_turn)
+        assert f"prompt {len(new_turn)} new + {len(history)} cached" in str(
+            screen.query_one("#numbers").render())
+        # The answer is the one a fresh engine gives to the whole conversation.
+        assert replies(screen)[-1].answer == greedy_answer(
+            tiny_model_dir, ["Hello", "And the dog?"], 8)
 
     drive(app, scenario)
 
@@ -780,9 +816,14 @@ def test_dropped_turns_show_a_notice_and_dim_the_old_turns(tmp_path, tiny_model_
         turns = screen.conversation.turns
         assert all(t.has_class("-out-of-context") for t in turns[:first])
         assert not any(t.has_class("-out-of-context") for t in turns[first:])
-        assert screen.query_one(KVGauge).has_class("-warn") or \
-            screen.query_one(KVGauge).has_class("-full")
         assert any("context is" in n.message for n in app._notifications)
+        # The gauge follows the cache, also once the background prefill has reshaped it.
+        await until(pilot, lambda: not screen.chat.preparing)
+        engine, gauge = screen.model.engine, screen.query_one(KVGauge)
+        await until(pilot, lambda: gauge.position == engine.position)
+        level = kv_level(engine.position, engine.capacity)
+        assert gauge.has_class("-warn") == (level == "warn")
+        assert gauge.has_class("-full") == (level == "full")
 
     drive(app, scenario)
 
@@ -1200,6 +1241,7 @@ def test_snapshot_chat_with_thinking_markdown_and_code(snap_compare, tmp_path, t
     async def run_before(pilot) -> None:
         screen = await wait_for_chat(pilot)
         await send(pilot, screen, "Tell me about foxes, with code.")
+        await settled(pilot, screen)
         await pilot.pause(0.1)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
@@ -1244,6 +1286,7 @@ def test_snapshot_chat_list(snap_compare, tmp_path, tiny_model_dir, monkeypatch)
         for title in ("How fast is a fox?", "Write a haiku about dogs"):
             await send(pilot, screen, title)
             await pilot.press("ctrl+n")
+            await settled(pilot, screen)
         await pilot.press("ctrl+o")
         await until(pilot, lambda: isinstance(pilot.app.screen, ChatListScreen))
         await pilot.pause(0.1)

@@ -273,17 +273,19 @@ def bench(
 
 
 def _read_stdin() -> str | None:
+    """Standard input's text when it is a pipe or file (never waits on a terminal)."""
     stream = sys.stdin
     if stream is None or stream.closed:
         return None
     try:
         if stream.isatty():
             return None
-        return stream.read()
+        data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
     except (OSError, ValueError):
         return None
-    except UnicodeDecodeError:
-        raise QwenchatError("standard input is not UTF-8 text") from None
+    from qwenchat.ask import decode_stdin
+
+    return decode_stdin(data) if isinstance(data, bytes) else data
 
 
 def main() -> None:

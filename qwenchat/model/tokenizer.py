@@ -8,12 +8,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qwenchat.errors import ModelError
+from qwenchat.errors import ModelError, UsageError
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 END_OF_TEXT = "<|endoftext|>"
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that holds bytes which were not UTF-8: the OS hands such bytes of an argument
+    or a pipe to Python as lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{what} is not valid UTF-8 text (an undecodable byte at character "
+                         f"{exc.start:,}); convert it to UTF-8 first") from None
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class Tokenizer:
                                      _special_token_strings(config))
         self.think_start_id = self._tok.token_to_id(THINK_START)
         self.think_end_id = self._tok.token_to_id(THINK_END)
+        self.im_start_id = self._tok.token_to_id(IM_START)
         self.im_end_id = self._tok.token_to_id(IM_END)
         self.end_of_text_id = self._tok.token_to_id(END_OF_TEXT)
 

@@ -45,6 +45,9 @@ class Chat:
         self._last_warning = ""
         self._reply_row: StoredMessage | None = None
         self._reply_before: Reply | None = None
+        self._preparing: tuple[threading.Thread, threading.Event] | None = None
+        self.prepared_tokens = 0  # what the last background prefill added (reports, tests)
+        self.prepare_error: Exception | None = None  # why it stopped early, if it failed
 
     @classmethod
     def open(cls, store: ChatStore, model: LoadedModel, chat_id: int,
@@ -62,19 +65,61 @@ class Chat:
     def system(self) -> str | None:
         return self.session.system
 
+    # ------------------------------------------------------------------ background prefill
+    def start_preparing(self) -> None:
+        """Prefill the conversation as the next turn will start, on a daemon thread, while the
+        user reads and types (ChatSession.prepare_next_turn). Stop it before the session or
+        the engine is used again: `stop_preparing`."""
+        self.stop_preparing()
+        cancel = threading.Event()
+        thread = threading.Thread(target=self._prepare, args=(cancel,), daemon=True,
+                                  name="qwenchat-prepare")
+        self._preparing = (thread, cancel)
+        thread.start()
+
+    def stop_preparing(self, timeout: float | None = None) -> bool:
+        """Stop the background prefill after its current step; False if it has not returned
+        within `timeout` (it may still be inside the engine)."""
+        if self._preparing is None:
+            return True
+        thread, cancel = self._preparing
+        cancel.set()
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        self._preparing = None
+        return True
+
+    @property
+    def preparing(self) -> bool:
+        """A background prefill has not returned yet (it may be inside the engine)."""
+        return self._preparing is not None and self._preparing[0].is_alive()
+
+    def _prepare(self, cancel: threading.Event) -> None:
+        try:
+            self.prepared_tokens = self.session.prepare_next_turn(cancel)
+        except Exception as exc:
+            # Only a head start is lost: the next turn prefills what is missing itself, and
+            # an engine that is really broken fails there, where the error is shown.
+            self.prepare_error = exc
+
     # ------------------------------------------------------------------------------- turns
-    def send(self, text: str, cancel: threading.Event) -> Iterator[Event]:
-        """Store the user's message and return the reply's events, to iterate in a worker."""
+    def send(self, text: str, cancel: threading.Event,
+             sent_at: float | None = None) -> Iterator[Event]:
+        """Store the user's message and return the reply's events, to iterate in a worker;
+        `sent_at` (a qwenchat.session.now() reading) is when the user sent it."""
         if not text.strip():
             raise UsageError("the message is empty: type something first")
+        self.stop_preparing()
         if self.record is None:
             title = " ".join(text.split())[:TITLE_CHARS]
             self.record = self.store.create_chat(title, self.session.system,
                                                  self.settings.as_dict())
         self._add(StoredMessage("user", text))
-        return self._begin_reply(self.session.send(text, cancel))
+        return self._begin_reply(self.session.send(text, cancel, sent_at))
 
     def regenerate(self, cancel: threading.Event) -> Iterator[Event]:
+        self.stop_preparing()
         if self.stored and self.stored[-1].role == "assistant":
             self._forget_from(len(self.stored) - 1)
         if not self.stored:
@@ -84,12 +129,14 @@ class Chat:
     def last_user_text(self) -> str:
         return self.stored[self.last_user_index()].content
 
-    def edit_last(self, text: str, cancel: threading.Event) -> Iterator[Event]:
+    def edit_last(self, text: str, cancel: threading.Event,
+                  sent_at: float | None = None) -> Iterator[Event]:
         """Replace the last user message (and its reply) with `text`, and answer it."""
         if not text.strip():
             raise UsageError("the message is empty: type something first")
+        self.stop_preparing()
         self._forget_from(self.last_user_index())
-        return self.send(text, cancel)
+        return self.send(text, cancel, sent_at)
 
     def save_partial(self, answer: str, thinking: str, stats: ReplyStats | None) -> None:
         """Save what the streaming reply has shown so far (it stays marked stopped)."""
@@ -121,6 +168,7 @@ class Chat:
         return None
 
     def clear(self) -> None:
+        self.stop_preparing()
         if self.record is not None and self.stored and self.stored[0].id is not None:
             self._save(self.store.delete_messages_from, self.record.id, self.stored[0].id)
         self.stored.clear()
@@ -137,11 +185,13 @@ class Chat:
 
     def set_thinking(self, on: bool) -> None:
         """Switch mode: its recommended values apply, except the ones the user set."""
+        self.stop_preparing()
         self.settings.thinking = on
         self.session.thinking = on  # the next turn's template and think-tag parsing
         self._apply_settings()
 
     def set_system(self, text: str | None) -> None:
+        self.stop_preparing()
         self.session.system = text or None
         if self.record is not None:
             self._save(self.store.update_chat, self.record.id, system_prompt=self.session.system)

@@ -31,6 +31,7 @@ from textual.widgets import Footer, Header, Static
 from qwenchat.errors import QwenchatError, UsageError
 from qwenchat.sampling.params import parse_value
 from qwenchat.session import Event, ReplyStats
+from qwenchat.session import now as session_clock
 from qwenchat.store import ChatStore
 from qwenchat.tui.chat import Chat
 from qwenchat.tui.clipboard import last_code_block, unsupported_reason
@@ -51,6 +52,7 @@ from qwenchat.tui.widgets.status import StatusBar
 FLUSH_S = 0.05  # streamed text reaches the screen this often, whatever the token rate
 SAVE_S = 0.5  # a streaming reply is saved this often
 SHUTDOWN_WAIT_S = 3.0  # on quit, how long a stopping generation may take to return
+PREPARE_POLL_S = 0.1  # how often the KV gauge looks whether the background prefill is done
 
 PROMPT_KEYS = [
     ("Enter", "send the message"),
@@ -131,6 +133,7 @@ class ChatScreen(Screen[None]):
         self.debug = options.debug
         self._reply: ActiveReply | None = None
         self._drain_timer: Timer | None = None
+        self._prepare_timer: Timer | None = None
         self._drain_queued = False
         self._editing = False
         self._after_reply: list[Callable[[], Awaitable[None]]] = []
@@ -164,6 +167,7 @@ class ChatScreen(Screen[None]):
         self._show_title()
         self._status_idle(None)
         self.prompt.focus()
+        self._prepare_next_turn()
 
     def on_unmount(self) -> None:
         if self._reply is not None:  # however the app ends, the generation thread stops
@@ -175,8 +179,33 @@ class ChatScreen(Screen[None]):
 
     @property
     def engine_in_use(self) -> bool:
-        """A reply's generation thread has not returned yet (it may still be in the engine)."""
-        return self._reply is not None and not self._reply.feed.ended
+        """A reply's generation thread, or the background prefill, has not returned yet (it
+        may still be in the engine)."""
+        return (self._reply is not None and not self._reply.feed.ended) or self.chat.preparing
+
+    def _prepare_next_turn(self) -> None:
+        """While no reply streams, prefill the conversation as the next turn will begin; the
+        KV gauge follows once that is done."""
+        if self.generating:
+            return
+        self.chat.start_preparing()
+        if self._prepare_timer is None:
+            self._prepare_timer = self.set_interval(PREPARE_POLL_S, self._check_prepared)
+
+    def _check_prepared(self) -> None:
+        if self.chat.preparing:
+            return
+        if self._prepare_timer is not None:
+            self._prepare_timer.stop()
+            self._prepare_timer = None
+        if not self.generating:
+            engine = self.model.engine
+            self.status.gauge(engine.position, engine.capacity)
+
+    async def _stop_preparing(self) -> None:
+        """Wait (off the event loop) for the background prefill to finish its current step."""
+        if self.chat.preparing:
+            await asyncio.to_thread(self.chat.stop_preparing)
 
     def key_help(self) -> list[tuple[str, str]]:
         keys = list(PROMPT_KEYS)
@@ -213,14 +242,16 @@ class ChatScreen(Screen[None]):
     async def _send(self, text: str) -> None:
         if self.generating:
             raise UsageError("a reply is streaming: Esc stops it, then send")
+        sent_at = session_clock()  # time to first token counts from here
         cancel = threading.Event()
+        await self._stop_preparing()
         if self._editing:
             index = self.chat.last_user_index()
-            events = self.chat.edit_last(text, cancel)
+            events = self.chat.edit_last(text, cancel, sent_at)
             await self.conversation.drop_turns_from(index)
             self._stop_editing()
         else:
-            events = self.chat.send(text, cancel)
+            events = self.chat.send(text, cancel, sent_at)
         self._show_title()
         await self.conversation.add_user(text)
         await self._stream(events, cancel)
@@ -300,6 +331,8 @@ class ChatScreen(Screen[None]):
                 await self.conversation.add_notice(message, "error")
         self.refresh_bindings()
         waiting, self._after_reply = self._after_reply, []
+        if not waiting:
+            self._prepare_next_turn()
         for then in waiting:
             await then()
 
@@ -314,6 +347,7 @@ class ChatScreen(Screen[None]):
     def save_now(self) -> None:
         """Save a streaming reply as it stands, with whatever it produced but has not yet
         shown: the last thing qwenchat does when it is quitting or crashing."""
+        self.chat.stop_preparing(SHUTDOWN_WAIT_S)
         reply = self._reply
         if reply is None:
             return
@@ -326,7 +360,9 @@ class ChatScreen(Screen[None]):
         self.chat.save_partial(answer, thinking, batch.stats or reply.stats)
 
     async def shutdown(self) -> None:
-        """Stop a streaming reply and record it as stopped before the app exits."""
+        """Stop a streaming reply (or the background prefill) and record the reply as stopped
+        before the app exits."""
+        await asyncio.to_thread(self.chat.stop_preparing, SHUTDOWN_WAIT_S)
         reply = self._reply
         if reply is None:
             return
@@ -366,6 +402,7 @@ class ChatScreen(Screen[None]):
         if not await self._when_idle(self.action_regenerate):
             return
         cancel = threading.Event()
+        await self._stop_preparing()
         try:
             events = self.chat.regenerate(cancel)
         except UsageError as exc:
@@ -397,9 +434,11 @@ class ChatScreen(Screen[None]):
     async def action_clear_chat(self) -> None:
         if not await self._when_idle(self.action_clear_chat):
             return
+        await self._stop_preparing()
         self.chat.clear()
         await self.conversation.show([])
         self._status_idle(None)
+        self._prepare_next_turn()
         self.notify("chat cleared")
 
     async def action_new_chat(self) -> None:
@@ -421,6 +460,7 @@ class ChatScreen(Screen[None]):
         await self._switch_to(chat)
 
     async def _switch_to(self, chat: Chat) -> None:
+        await self._stop_preparing()  # the chats share the engine
         self.chat = chat
         self._stop_editing()
         self._warned_full = False
@@ -430,6 +470,7 @@ class ChatScreen(Screen[None]):
         last = next((m for m in reversed(chat.stored) if m.role == "assistant"), None)
         self._status_idle(stats_from_dict(last.stats) if last and last.stats else None)
         self.prompt.focus()
+        self._prepare_next_turn()
 
     def action_chat_list(self) -> None:
         current = self.chat.record.id if self.chat.record else None
@@ -518,7 +559,9 @@ class ChatScreen(Screen[None]):
         elif name == "show":
             await self.action_show_sampler()
         elif name == "system":
+            await self._stop_preparing()
             self.chat.set_system(command.text)
+            self._prepare_next_turn()
             self.notify("system prompt set: it applies from the next reply" if command.text
                         else "system prompt cleared")
         elif name == "rename":
@@ -535,6 +578,7 @@ class ChatScreen(Screen[None]):
 
     def _set_thinking(self, on: bool) -> None:
         self.chat.set_thinking(on)
+        self._prepare_next_turn()
         self._show_settings()
         params = self.chat.settings.params
         self.notify(f"thinking {'on' if on else 'off'}: temperature {params.temperature}, "
@@ -545,11 +589,16 @@ class ChatScreen(Screen[None]):
             text = self.chat.export(kind)
             record = self.chat.record
             assert record is not None
-            path = Path(target).expanduser() if target else Path.cwd() / _export_name(
-                record.id, record.title, kind)
-            path.write_text(text, encoding="utf-8")
+            if target:
+                path = Path(target).expanduser()
+                _write_new(path, text)
+            else:
+                path = _write_fresh(Path.cwd(), _export_name(record.id, record.title, kind), text)
         except QwenchatError as exc:
             self._prompt_error(str(exc))
+        except FileExistsError:
+            self._prompt_error(f"{target} already exists: give another file name (nothing was "
+                               "written)")
         except OSError as exc:
             self._prompt_error(f"could not write the export: {exc}")
         else:
@@ -628,6 +677,25 @@ def _key_names(keys: str) -> str:
                         else part.upper() for part in key.split("+"))
 
     return ", ".join(name(key) for key in keys.split(","))
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write `text` to a file that must not exist yet (an export never overwrites)."""
+    with path.open("x", encoding="utf-8") as out:
+        out.write(text)
+
+
+def _write_fresh(folder: Path, name: str, text: str) -> Path:
+    """Write to `name` in `folder`, or to name-2, name-3, ... when taken; return the path."""
+    stem, dot, suffix = name.rpartition(".")
+    for n in range(1, 1000):
+        path = folder / (name if n == 1 else f"{stem}-{n}{dot}{suffix}")
+        try:
+            _write_new(path, text)
+        except FileExistsError:
+            continue
+        return path
+    raise QwenchatError(f"{folder} already holds 999 exports of this chat: give a file name")
 
 
 def _export_name(chat_id: int, title: str, kind: str) -> str:
