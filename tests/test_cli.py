@@ -72,6 +72,38 @@ def test_prompt_from_stdin_matches_transformers(model_dir):
     assert result.stdout == expected + "\n"
 
 
+def raw_qwenchat(args: list[bytes], stdin: bytes) -> subprocess.CompletedProcess:
+    """The console script given bytes, as a shell pipes them: nothing decoded on our side."""
+    result = subprocess.run([bytes(SCRIPT), *args], input=stdin, capture_output=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=60)
+    result.stdout, result.stderr = (result.stdout.decode(errors="replace"),
+                                    result.stderr.decode(errors="replace"))
+    return result
+
+
+def test_stdin_that_is_not_utf8_is_a_usage_error_naming_the_byte(tiny_model_dir):
+    result = raw_qwenchat([b"ask", b"--backend", b"cpu", b"--model", bytes(tiny_model_dir),
+                           b"x"], stdin=b"caf\xe9 au lait\n")
+    assert_one_error_line(result, 2, "not UTF-8", "0xe9", "offset 3", "iconv")
+
+
+def test_a_prompt_argument_that_is_not_utf8_is_a_usage_error(tiny_model_dir):
+    result = raw_qwenchat([b"ask", b"--backend", b"cpu", b"--model", bytes(tiny_model_dir),
+                           b"caf\xe9"], stdin=b"")
+    assert_one_error_line(result, 2, "prompt argument", "not valid UTF-8")
+
+
+def test_utf16_stdin_with_its_byte_order_mark_is_read_as_utf16(tiny_model_dir):
+    args = ["ask", "--model", str(tiny_model_dir), "--backend", "cpu", "--json",
+            "--temperature", "0", "--max-tokens", "5"]
+    utf16 = raw_qwenchat([a.encode() for a in args],
+                         stdin=b"\xff\xfe" + "The fox. 狐狸\n".encode("utf-16-le"))
+    utf8 = qwenchat(*args, stdin="The fox. 狐狸\n")
+    assert utf16.returncode == 0, utf16.stderr
+    a, b = json.loads(utf16.stdout), json.loads(utf8.stdout)
+    assert a["text"] == b["text"] and a["prompt_tokens"] == b["prompt_tokens"]
+
+
 def test_stdin_comes_before_the_argument(tiny_model_dir):
     combined = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu", "--json",
                         "--temperature", "0", "--max-tokens", "5", "Summarise.",

@@ -10,8 +10,8 @@ from fake_engine import FakeEngine
 
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.errors import ContextFullError, UsageError
-from qwenchat.model.loader import open_model_dir
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.loader import open_model_dir
 from qwenchat.model.tokenizer import Message, Tokenizer
 from qwenchat.sampling.params import LiveParams, SamplingParams
 from qwenchat.session import ChatSession, Progress, TextPiece, TurnsDropped
@@ -160,7 +160,7 @@ def real_template_session(real_tokenizer_dir, tiny_model_dir, thinking: bool,
     tokenizer = Tokenizer(real_tokenizer_dir)
     config = dataclasses.replace(Qwen3Config.from_file(tiny_model_dir / "config.json"),
                                  vocab_size=QWEN3_VOCAB)
-    script = tokenizer.encode(reply) + [tokenizer.im_end_id]
+    script = [*tokenizer.encode(reply), tokenizer.im_end_id]
     engine = FakeEngine(config, script, capacity=8192)
     eos = frozenset({tokenizer.im_end_id, tokenizer.end_of_text_id})
     params = LiveParams(SamplingParams(temperature=0.0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -561,3 +562,24 @@ def test_json_export_holds_the_chat_and_every_message(db_path):
     assert messages[1]["stats"] == STATS
     assert [m["stopped"] for m in messages] == [False, False, False, True]
     assert all(isinstance(m["id"], int) for m in messages)
+
+
+def test_the_history_is_private_to_its_user(db_path):
+    store = ChatStore(db_path)
+    chat = store.create_chat("secret", None, {})
+    store.add_message(chat.id, StoredMessage("user", "my secret"))
+    assert stat.S_IMODE(db_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(db_path.parent.stat().st_mode) == 0o700
+    wal = db_path.with_name(db_path.name + "-wal")
+    assert wal.exists() and stat.S_IMODE(wal.stat().st_mode) == 0o600
+    store.close()
+
+
+def test_a_readable_history_from_before_is_made_private_when_opened(db_path):
+    ChatStore(db_path).close()
+    db_path.chmod(0o644)
+    db_path.parent.chmod(0o755)
+    store = ChatStore(db_path)
+    assert stat.S_IMODE(db_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(db_path.parent.stat().st_mode) == 0o700
+    store.close()

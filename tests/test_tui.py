@@ -780,6 +780,29 @@ def test_export_by_default_goes_to_the_current_directory(tmp_path, tiny_model_di
     assert "print('fox')" in written.read_text()
 
 
+def test_export_never_overwrites_a_file(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "notes.md"
+    mine.write_text("my own notes\n")
+    app = make_app(tmp_path, fake_model(tiny_model_dir, REPLY))
+
+    async def scenario(pilot, screen):
+        await send(pilot, screen, "About the fox!")
+        screen.prompt.load_text(f"/export md {mine}")
+        await pilot.press("enter")
+        await pilot.pause(0.05)
+        error = str(screen.prompt_error.render())
+        assert screen.prompt_error.display and "already exists" in error and str(mine) in error
+        for _ in range(2):  # the default name twice: the second export gets a number
+            await screen.run_action("export('md')")
+
+    drive(app, scenario)
+    assert mine.read_text() == "my own notes\n"
+    first, second = sorted(tmp_path.glob("qwenchat-*-about-the-fox*.md"), key=lambda p: p.stem)
+    assert first.name.endswith("about-the-fox.md") and second.name.endswith("about-the-fox-2.md")
+    assert "print('fox')" in first.read_text() and "print('fox')" in second.read_text()
+
+
 def test_copy_puts_the_reply_or_its_code_block_on_the_clipboard(tmp_path, tiny_model_dir,
                                                                  monkeypatch):
     monkeypatch.setenv("TERM_PROGRAM", "WezTerm")
