@@ -145,10 +145,13 @@ struct MegaArgs {
     int* counts;
     int* token;  // the token to feed first (in), the last token sampled (out)
     int* pos;    // cache length (in/out)
+    int* stopped;  // set when a reply ends on the GPU (EOS, cancel, full cache): later launches
+                   // already queued behind this one return at once
     const int* eos;
     const unsigned* host;  // host-mapped: SampleParams, then the cancel flag
     SampleParams* params;  // [2] the steps' parameters, copied from the host by the last block
-    int* ring;             // host-mapped: (token, sequence number) pairs
+    int* ring;             // host-mapped: (token, sequence number) pairs, the reply's token
+                           // n in slot n % ring_len
     float eps;
     float scale;
     int num_layers;
@@ -157,7 +160,8 @@ struct MegaArgs {
     int n_eos;
     int max_steps;
     int feed_first;
-    int first_step;
+    int first_step;  // the reply's tokens before this launch's first
+    int ring_len;
     int epoch;  // the launch's number (12 bits), the high bits of every tag
 };
 
@@ -1153,7 +1157,8 @@ __device__ __noinline__ int block0_choose(const MegaArgs& a, const SampleParams&
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(const MegaArgs* args) {
+// The arguments come by value, so the host can queue the next launch while this one runs.
+extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(const MegaArgs args) {
     __shared__ float red[2 * RED];
     __shared__ AttnShared attn_sh;
     __shared__ qws::SampleShared<THREADS> sample_sh;
@@ -1161,10 +1166,12 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     __shared__ MegaArgs args_sh;    // read from shared memory: no registers held for it
     __shared__ float resid[RESID];  // the residual rows this block owns, by thread
     __shared__ int chosen_sh;
-    if (threadIdx.x == 0) args_sh = *args;
+    if (threadIdx.x == 0) args_sh = args;
     init_ranges();
     __syncthreads();
     const MegaArgs& a = args_sh;
+    // Written only by earlier launches, so every block reads the same value and all leave.
+    if (*a.stopped) return;
     for (int i = threadIdx.x; i < a.num_layers * static_cast<int>(sizeof(MegaLayer) / 8); i += THREADS)
         reinterpret_cast<unsigned long long*>(layer_table())[i] =
             reinterpret_cast<const unsigned long long*>(a.layers)[i];
@@ -1311,14 +1318,17 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                 a.seen[chosen] = 1;
                 *a.token = chosen;
                 // One 8-byte store: the host sees the token and its sequence number together.
-                asm volatile("st.volatile.global.v2.s32 [%0], {%1, %2};" ::"l"(a.ring + 2 * i),
-                             "r"(chosen), "r"(i + 1)
+                const int n = a.first_step + i;
+                asm volatile("st.volatile.global.v2.s32 [%0], {%1, %2};"
+                             ::"l"(a.ring + 2 * (n % a.ring_len)), "r"(chosen), "r"(n + 1)
                              : "memory");
                 // The cancel flag is read last, so a cancel seen by the host before this token
                 // was stops the launch here.
                 const int cancel = *reinterpret_cast<const volatile int*>(a.host + 10);
-                bool stop = i + 1 >= a.max_steps || pos >= a.capacity || cancel != 0;
-                for (int e = 0; e < a.n_eos; ++e) stop = stop || chosen == a.eos[e];
+                bool ended = pos >= a.capacity || cancel != 0;
+                for (int e = 0; e < a.n_eos; ++e) ended = ended || chosen == a.eos[e];
+                if (ended) *a.stopped = 1;
+                const bool stop = ended || i + 1 >= a.max_steps;
                 __threadfence();  // the counts before the token that the others wait for
                 put(a.chosen, __int_as_float(chosen | (stop ? static_cast<int>(0x80000000u) : 0)),
                     chosen_tag);

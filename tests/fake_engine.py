@@ -1,5 +1,6 @@
-"""A scripted engine for UI tests: replays given tokens as fast as asked, and can hold still,
-recording the live parameters in force at every step."""
+"""A scripted engine for UI tests: replays given tokens as fast as asked, or at a fixed rate
+in launches the way the megakernel delivers them, and can hold still, recording the live
+parameters in force at every step."""
 
 from __future__ import annotations
 
@@ -26,11 +27,20 @@ class FakeEngine(CacheBookkeeping):
 
     def __init__(self, config: Qwen3Config, script: Sequence[int], capacity: int = 4096,
                  rate: float | None = None, hold_at: int | None = None,
-                 stubborn: bool = False):
+                 stubborn: bool = False, launch_steps: int | None = None,
+                 launches_ahead: int = 1):
         super().__init__(capacity)
         self.config = config
         self.script = list(script)  # replayed in a loop until a stop condition holds
         self.rate = rate  # tokens per second; None: as fast as Python goes
+        # With launch_steps, a "device" makes tokens at `rate` in launches of that many, each
+        # started by the reply's thread as the CUDA engine starts them (launches_ahead queued
+        # behind the running one): a thread that falls behind delays the device only as the
+        # real one would.
+        self.launch_steps = launch_steps
+        self.launches_ahead = launches_ahead
+        self._ready_at: list[float] = []  # when each token of the reply exists
+        self._device_free = 0.0
         self.hold_at = hold_at  # step at which each reply waits for `release`
         self.stubborn = stubborn  # the hold ignores cancel, as a long kernel would
         self.closed = False
@@ -61,6 +71,8 @@ class FakeEngine(CacheBookkeeping):
     def _begin_reply(self, request: GenerateRequest) -> None:
         self._cancel = request.cancel
         self._started = time.perf_counter()
+        self._ready_at = []
+        self._device_free = self._started
 
     def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
         if fed is not None:
@@ -69,10 +81,22 @@ class FakeEngine(CacheBookkeeping):
         if step == self.hold_at:
             self._hold()
         if self.rate:
-            delay = self._started + step / self.rate - time.perf_counter()
+            if self.launch_steps:
+                self._queue_launches(step)
+                ready = self._ready_at[step]
+            else:
+                ready = self._started + step / self.rate
+            delay = ready - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
         return self.script[step % len(self.script)]
+
+    def _queue_launches(self, step: int) -> None:
+        assert self.rate and self.launch_steps
+        while len(self._ready_at) - step <= self.launch_steps * self.launches_ahead:
+            start = max(self._device_free, time.perf_counter())
+            self._ready_at += [start + (j + 1) / self.rate for j in range(self.launch_steps)]
+            self._device_free = self._ready_at[-1]
 
     def _hold(self) -> None:
         self.holding.set()

@@ -6,6 +6,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,9 @@ def engines(model_dir: Path, ctx: int | None = None, decode: str = "layered",
     if decode == "megakernel":  # the tiny shapes used with it have whole-line KV rows
         assert gpu_engine.decode == "megakernel", "the megakernel was not used"
     if steps_per_launch is not None and decode == "megakernel":
-        gpu_engine.steps_per_launch = steps_per_launch  # logits stay those of the last token
+        # One step a launch and none queued ahead: the logits stay those of the last token.
+        gpu_engine.steps_per_launch = steps_per_launch
+        gpu_engine.launches_ahead = 0
     return gpu_engine, ReferenceEngine(model.config, model.checkpoint, ctx)
 
 
@@ -495,7 +498,7 @@ def test_real_shapes_prefill_matches_the_reference_and_transformers(real_shape):
 def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape, decode):
     config, _, gpu_engine, ref = real_shape
     gpu_engine.decode = decode
-    gpu_engine.steps_per_launch = 1
+    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 1, 0
     prompt = [int(i) for i in np.random.default_rng(6).integers(0, config.vocab_size, 32)]
     gpu_engine.truncate(0)
     ref.truncate(0)
@@ -511,7 +514,7 @@ def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, d
 
     config, _, gpu_engine, _ = real_shape
     gpu_engine.decode = decode
-    gpu_engine.steps_per_launch = 1  # last_logits() is then the step's own
+    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 1, 0  # last_logits(): the step's
     prompt = [int(i) for i in np.random.default_rng(8).integers(0, config.vocab_size, 24)]
     gpu_engine.truncate(0)
     gpu_engine.prefill(prompt)
@@ -531,7 +534,7 @@ def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, d
 def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real_shape):
     config, _, gpu_engine, ref = real_shape
     gpu_engine.decode = "megakernel"
-    gpu_engine.steps_per_launch = 64
+    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 64, 1
     prompt = [int(i) for i in np.random.default_rng(7).integers(0, config.vocab_size, 16)]
     gpu_engine.truncate(0)
     gpu_engine.prefill(prompt)
@@ -559,7 +562,7 @@ def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real
 def test_megakernel_cancel_stops_within_one_step(real_shape):
     gpu_engine = real_shape[2]
     gpu_engine.decode = "megakernel"
-    gpu_engine.steps_per_launch = 64
+    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 64, 1
     gpu_engine.truncate(0)
     gpu_engine.prefill(list(range(100, 120)))
     request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0)), frozenset(), seed=0)
@@ -571,3 +574,56 @@ def test_megakernel_cancel_stops_within_one_step(real_shape):
     assert generation.stop_reason is StopReason.CANCELLED and count == 5
     assert gpu_engine.megakernel_produced() <= produced_at_cancel + 1
     assert gpu_engine.position == 20 + 4
+
+
+def greedy_tokens(gpu_engine, prompt, n, eos=frozenset(), pause_s=0.0):
+    """A greedy reply of at most n tokens on the megakernel, the host pausing `pause_s` after
+    each of the first eight tokens (a busy UI thread); also the request's stop reason."""
+    gpu_engine.truncate(0)
+    gpu_engine.prefill(prompt)
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=n)), eos,
+                              seed=0)
+    generation = gpu_engine.generate(request)
+    tokens = []
+    for token in generation:
+        tokens.append(token)
+        if len(tokens) <= 8:
+            time.sleep(pause_s)
+    return tokens, generation.stop_reason
+
+
+def test_megakernel_queues_the_next_launch_so_a_late_host_loses_nothing(real_shape):
+    gpu_engine = real_shape[2]
+    gpu_engine.decode = "megakernel"
+    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 16, 1
+    prompt = list(range(300, 330))
+    alone, _ = greedy_tokens(gpu_engine, prompt, 100)
+    gpu_engine.truncate(0)
+    gpu_engine.prefill(prompt)
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=100)),
+                              frozenset(), seed=0)
+    generation = gpu_engine.generate(request)
+    first = next(generation)
+    assert gpu_engine._mk_requested == 32  # the running launch and one queued behind it
+    time.sleep(0.5)  # far longer than both launches take: the second ran without the host
+    assert gpu_engine.megakernel_produced() == 32
+    late = [first, *generation]
+    assert late == alone and len(late) == 100
+    paused, reason = greedy_tokens(gpu_engine, prompt, 100, pause_s=0.02)
+    assert paused == alone and reason is StopReason.MAX_TOKENS
+
+
+def test_megakernel_stops_at_eos_and_the_launch_queued_behind_writes_nothing(real_shape):
+    gpu_engine = real_shape[2]
+    gpu_engine.decode = "megakernel"
+    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 8, 1
+    prompt = list(range(500, 520))
+    alone, _ = greedy_tokens(gpu_engine, prompt, 60)
+    end = alone.index(alone[19])  # the first time the 20th token appears: a stop there
+    tokens, reason = greedy_tokens(gpu_engine, prompt, 60, eos=frozenset({alone[end]}))
+    assert reason is StopReason.EOS and tokens == alone[: end + 1]
+    assert gpu_engine.megakernel_produced() == end + 1  # nothing after the EOS, in any launch
+    assert gpu_engine.position == len(prompt) + end  # the EOS itself is never run
+    # The next reply starts from the right place.
+    again, _ = greedy_tokens(gpu_engine, prompt, 60)
+    assert again == alone

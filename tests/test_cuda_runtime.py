@@ -65,6 +65,18 @@ def test_kernel_args_point_at_private_copies_of_each_value():
     assert ctypes.c_int8.from_address(slots[5]).value == -7
 
 
+def test_a_struct_argument_is_passed_by_value_as_a_private_copy():
+    class Pair(ctypes.Structure):
+        _fields_ = [("ptr", ctypes.c_uint64), ("n", ctypes.c_int), ("x", ctypes.c_float)]
+
+    pair = Pair(0x7F00_0000_1234, 7, 2.5)
+    args = rt.KernelArgs([pair])
+    pair.n = 99  # packing copied it: the queued launch keeps the values it was given
+    [slot] = (ctypes.c_void_p * 1).from_address(args.address)
+    copy = Pair.from_address(slot)
+    assert (copy.ptr, copy.n, copy.x) == (0x7F00_0000_1234, 7, 2.5)
+
+
 def test_no_kernel_args_is_a_null_pointer():
     assert rt.KernelArgs([]).address == 0
 

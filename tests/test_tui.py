@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,12 +30,13 @@ from qwenchat.store import ChatStore
 from qwenchat.tui.app import QwenchatApp
 from qwenchat.tui.loader import LoadedModel
 from qwenchat.tui.options import ChatOptions
+from qwenchat.tui.quiet_gc import NEVER
 from qwenchat.tui.screens.chat import ChatScreen
 from qwenchat.tui.screens.chats import ChatListScreen
 from qwenchat.tui.screens.error import ErrorScreen
 from qwenchat.tui.screens.help import HelpScreen
 from qwenchat.tui.screens.loading import LoadingScreen
-from qwenchat.tui.stats import kv_level
+from qwenchat.tui.stats import kv_level, rate_text
 from qwenchat.tui.widgets.message import AssistantMessage, UserMessage
 from qwenchat.tui.widgets.notice import ChatNotice
 from qwenchat.tui.widgets.status import KVGauge
@@ -198,6 +201,48 @@ def test_later_turns_prefill_only_the_new_message_after_the_background_prefill(
             tiny_model_dir, ["Hello", "And the dog?"], 8)
 
     drive(app, scenario)
+
+
+def test_a_fast_long_reply_arrives_whole_in_order_and_its_stats_add_up(tmp_path,
+                                                                        tiny_model_dir):
+    # The fake engine delivers 2,000 tok/s in launches of 50, as the megakernel does. How much
+    # of that rate the chat shows is a benchmark (tests/ui_rate.py), not asserted here.
+    text = ("## Foxes\n\nThe fox is **quick** and the dog is *lazy*.\n\n```python\n"
+            "def fox():\n    return 'quick'\n```\n\n- red\n- arctic\n\n")
+    model = fake_model(tiny_model_dir, text, eos=False, rate=2000, launch_steps=50)
+    script = model.engine.script
+    tokens = 2000
+    app = make_app(tmp_path, model, overrides={"max_tokens": tokens})
+    thresholds = []
+    begin_reply = model.engine._begin_reply
+
+    def begin_reply_noting_the_gc(request):
+        thresholds.append(gc.get_threshold())
+        begin_reply(request)
+
+    model.engine._begin_reply = begin_reply_noting_the_gc
+
+    async def scenario(pilot, screen):
+        screen.prompt.load_text("Foxes, at length.")
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.chat.session.last_reply is not None
+                    and not screen.generating, timeout=30)
+        [reply] = replies(screen)
+        expected = model.tokenizer.decode([script[i % len(script)] for i in range(tokens)])
+        assert reply.answer == expected  # every token, in order
+        stats = screen.chat.session.last_reply.stats
+        assert stats.generated_tokens == tokens and stats.stop_reason == "max_tokens"
+        assert stats.decode_tok_s == pytest.approx((tokens - 1) / stats.decode_s)
+        assert stats.ttft_s >= stats.prefill_s >= 0
+        assert stats.position == stats.prompt_tokens + tokens - 1
+        summary = str(reply.query_one(".summary").render())
+        assert summary.startswith(f"{tokens:,} tokens · {rate_text(stats.decode_tok_s)} tok/s")
+        thresholds.append(gc.get_threshold())
+
+    before = gc.get_threshold()
+    drive(app, scenario)
+    # No full collection while the reply streamed; the usual thresholds once it ended.
+    assert thresholds[0][2] == NEVER and thresholds[1] == before
 
 
 def test_a_reply_follows_the_bottom_unless_the_user_scrolled_up(tmp_path, tiny_model_dir):
@@ -1358,3 +1403,14 @@ def test_snapshot_error(snap_compare, tmp_path):
         await until(pilot, lambda: isinstance(pilot.app.screen, ErrorScreen))
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_the_ui_rate_benchmark_runs_and_counts_every_token():
+    script = Path(__file__).parent / "ui_rate.py"
+    result = subprocess.run([sys.executable, str(script), "--fake", "4000", "--tokens", "400",
+                             "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["alone_tokens"] == report["chat_tokens"] == 400
+    assert report["chat_shows_tok_s"] > 0 and report["alone_tok_s"] > 0
+    assert report["chat_summary"].startswith("400 tokens · ")

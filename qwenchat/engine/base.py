@@ -107,8 +107,10 @@ class CacheBookkeeping:
     def _end_reply(self) -> None:
         """The reply is over (stopped, exhausted or abandoned): let device work wind down."""
 
-    def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
-        """Run `fed` (None for the first token, whose logits the prefill left) and sample."""
+    def _next_token(self, fed: int | None, params: SamplingParams, seed: int,
+                    step: int) -> int | None:
+        """Run `fed` (None for the first token, whose logits the prefill left) and sample;
+        None when the engine had already stopped on a cancel."""
         raise NotImplementedError
 
     def _steps(self, request: GenerateRequest) -> Iterator[int]:
@@ -132,6 +134,8 @@ class CacheBookkeeping:
                 return StopReason.MAX_TOKENS
             seed = request.seed if params.seed is None else params.seed
             token = self._next_token(token, params, seed, step)
+            if token is None:
+                return StopReason.CANCELLED
             step += 1
             yield token
             if token in request.eos_ids:

@@ -47,6 +47,7 @@ MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND i
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
+MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth and more
 GEMV_ROWS_PER_BLOCK = 16  # 8 warps x 2 rows (rmsnorm_gemv2)
 RESIDUAL_ROWS_PER_BLOCK = 8  # 8 warps x 1 row (gemv_residual_*)
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
@@ -70,11 +71,11 @@ class MegaArgs(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "layers", "embed", "final_norm", "lm_head", "inv_freq", "x", "qkv", "attn", "h", "best",
         "chosen", "logits", "work", "part_o", "part_ml", "cand", "merge_count", "seen",
-        "counts", "token", "pos", "eos", "host", "params", "ring")]
+        "counts", "token", "pos", "stopped", "eos", "host", "params", "ring")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     _fields_ += [(name, ctypes.c_int) for name in (
         "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step",
-        "epoch")]
+        "ring_len", "epoch")]
 
 
 def unsupported_reason(config: Qwen3Config) -> str | None:
@@ -495,19 +496,26 @@ class CudaEngine(CacheBookkeeping):
         self._request = request
         if self.decode == "megakernel":
             self._mk_cancel[0] = 0
-            self._mk_consumed = self._mk_launched = 0
+            self._mk_ring[:] = 0
+            self._mk_consumed = self._mk_requested = 0
+            self.mk_stopped.fill_u8(0, stream=self.stream)
+            eos = np.asarray(sorted(request.eos_ids)[:64], dtype=np.int32)
+            if eos.size:
+                self.mk_eos.upload(eos, stream=self.stream)
+            self._mk_n_eos = int(eos.size)
             self._mirror_params(request.params.current)
             self._unsubscribe = request.params.subscribe(self._mirror_params)
 
     def _end_reply(self) -> None:
         if self.decode == "megakernel":
             self._unsubscribe()
-            self._mk_cancel[0] = 1  # a launch still running stops after its current step
-            self.stream.synchronize()
+            self._mk_cancel[0] = 1  # a launch still running stops after its current step,
+            self.stream.synchronize()  # and the ones queued behind it return at once
             self._mk_cancel[0] = 0
-            self._mk_consumed = self._mk_launched = 0
+            self._mk_consumed = self._mk_requested = 0
 
-    def _next_token(self, fed: int | None, params: SamplingParams, seed: int, step: int) -> int:
+    def _next_token(self, fed: int | None, params: SamplingParams, seed: int,
+                    step: int) -> int | None:
         if self.decode == "megakernel":
             return self._megakernel_token(fed, params, seed, step)
         self._set_params(params, seed, step)
@@ -596,28 +604,34 @@ class CudaEngine(CacheBookkeeping):
         self.mk_layers.upload(layer_ptrs)
         step_seconds = self.weight_bytes / 2e12 + 100e-6
         self.steps_per_launch = int(max(1, min(256, MEGAKERNEL_LAUNCH_SECONDS // step_seconds)))
+        # Launches queued behind the running one (0: each launch only once the host has read
+        # every token of the one before, so last_logits() is the last read token's; tests).
+        self.launches_ahead = 1
         # Host-mapped: the parameters and the cancel flag (48 bytes, read by the kernel), then
         # the ring of (token, sequence number) pairs it writes.
         header = SAMPLE_PARAMS.itemsize + 8
-        self._mapped = rt.PinnedBuffer(header + 8 * 256, mapped=True)
+        self._mapped = rt.PinnedBuffer(header + 8 * MEGAKERNEL_RING, mapped=True)
         self._mk_params = self._mapped.array(SAMPLE_PARAMS, 1)
         words = self._mapped.array(np.int32)
         self._mk_cancel = words[SAMPLE_PARAMS.itemsize // 4 : SAMPLE_PARAMS.itemsize // 4 + 1]
         self._mk_ring = words[header // 4 :].reshape(-1, 2)
-        self._mk_args = self._device_buffer(ctypes.sizeof(MegaArgs))
-        self._mk_consumed = self._mk_launched = self._mk_epoch = 0
+        self.mk_stopped = self._device_buffer(4)
+        self._mk_consumed = self._mk_requested = self._mk_epoch = 0
+        self._mk_n_eos = 0
 
-    def _megakernel_args(self, steps: int, feed_first: bool, first_step: int, n_eos: int):
+    def _megakernel_args(self, steps: int, feed_first: bool, first_step: int,
+                         n_eos: int) -> MegaArgs:
         cfg, mapped, t = self.config, self._mapped.device_ptr, self._mk_tagged_ptrs
         return MegaArgs(
             self.mk_layers.ptr, self.embed.ptr, self.final_norm.ptr, self.lm_head.ptr,
             self.inv_freq.ptr, t["x"], t["qkv"], t["attn"], t["h"], t["best"], t["chosen"],
             self.logits.ptr, self.work.ptr, self.mk_part_o.ptr, self.mk_part_ml.ptr,
             self.mk_cand.ptr, self._mk_merge_ptr, self.seen.ptr, self.counts.ptr,
-            self.token.ptr, self.pos.ptr,
+            self.token.ptr, self.pos.ptr, self.mk_stopped.ptr,
             self.mk_eos.ptr, mapped, self.mk_params.ptr, mapped + SAMPLE_PARAMS.itemsize + 8,
             cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.num_hidden_layers, self.capacity,
-            self.mk_splits, n_eos, steps, int(feed_first), first_step, self._mk_epoch & 0xFFF)
+            self.mk_splits, n_eos, steps, int(feed_first), first_step, len(self._mk_ring),
+            self._mk_epoch & 0xFFF)
 
     def _mirror_params(self, params: SamplingParams) -> None:
         """Write the parameters to host-mapped memory, which the running kernel reads before
@@ -630,16 +644,20 @@ class CudaEngine(CacheBookkeeping):
         host["seed"] = seed & ((1 << 64) - 1)
 
     def _megakernel_token(self, fed: int | None, params: SamplingParams, seed: int,
-                          step: int) -> int:
+                          step: int) -> int | None:
+        """The reply's next token from the ring; None when the GPU has ended the reply first
+        (a cancel that reached it before this token)."""
         if fed is not None:
-            self._tokens.append(fed)
-        if self._mk_consumed >= self._mk_launched:
-            self._launch_megakernel(fed, params, step)
+            self._tokens.append(fed)  # the kernel has already run it
+        self._queue_launches(params)
         waited = time.monotonic()
-        slot = self._mk_ring[self._mk_consumed]
-        while int(slot[1]) != self._mk_consumed + 1:
+        wanted = self._mk_consumed + 1
+        slot = self._mk_ring[self._mk_consumed % len(self._mk_ring)]
+        while int(slot[1]) != wanted:
             if self._request.cancel.is_set():
                 self._mk_cancel[0] = 1
+                if self.stream.idle() and int(slot[1]) != wanted:
+                    return None
             if time.monotonic() - waited > MEGAKERNEL_TIMEOUT_S:
                 raise QwenchatError("the decode kernel stopped producing tokens; "
                                     "rerun with --decode layered and report this")
@@ -649,31 +667,30 @@ class CudaEngine(CacheBookkeeping):
         return token
 
     def megakernel_produced(self) -> int:
-        """Tokens the running (or last) launch has written so far."""
-        return int(np.count_nonzero(self._mk_ring[:, 1]))
+        """Tokens the reply's launches have written so far."""
+        return int(self._mk_ring[:, 1].max())
 
-    def _launch_megakernel(self, fed: int | None, params: SamplingParams, step: int) -> None:
-        self.stream.synchronize()  # the previous launch has written back its position
-        steps = self.steps_per_launch
-        if params.max_tokens is not None:
-            steps = max(1, min(steps, params.max_tokens - step))
-        steps = min(steps, len(self._mk_ring))
-        if fed is not None:
-            self._host_token[0] = fed
-            self.token.upload(self._host_token, stream=self.stream)
-        eos = np.asarray(sorted(self._request.eos_ids)[:64], dtype=np.int32)
-        if eos.size:
-            self.mk_eos.upload(eos, stream=self.stream)
-        self._mk_ring[:] = 0
+    def _queue_launches(self, params: SamplingParams) -> None:
+        """Keep a second launch queued behind the running one, so the GPU never waits for this
+        thread between launches: a host that is late by up to a launch's work (a busy UI, the
+        GIL) costs no decode time. The first launch of a reply samples from the prefill's
+        logits; every later one feeds the token the one before it left on the device."""
+        spl = self.steps_per_launch
+        while self._mk_requested - self._mk_consumed <= spl * self.launches_ahead:
+            steps = min(spl, len(self._mk_ring) - (self._mk_requested - self._mk_consumed))
+            if params.max_tokens is not None:
+                steps = min(steps, params.max_tokens - self._mk_requested)
+            if steps <= 0:
+                return
+            self._launch_megakernel(steps, self._mk_requested)
+            self._mk_requested += steps
+
+    def _launch_megakernel(self, steps: int, first_step: int) -> None:
         self.mk_tagged.fill_u8(0, stream=self.stream)
-        self._mk_consumed, self._mk_launched = 0, steps
         self._mk_epoch += 1  # every launch tags its values afresh
-        args = self._megakernel_args(steps, fed is not None, step, int(eos.size))
-        host_args = np.frombuffer(bytes(args), dtype=np.uint8)
-        self._mk_args.upload(host_args, stream=self.stream)
-        self.stream.synchronize()  # the argument block is in place before the kernel reads it
-        rt.launch(self.k["decode_megakernel"], self.mk_blocks, MEGAKERNEL_THREADS,
-                  [self._mk_args], shared=self.mk_shared, stream=self.stream, cooperative=True)
+        args = self._megakernel_args(steps, first_step > 0, first_step, self._mk_n_eos)
+        rt.launch(self.k["decode_megakernel"], self.mk_blocks, MEGAKERNEL_THREADS, [args],
+                  shared=self.mk_shared, stream=self.stream, cooperative=True)
 
     # ----------------------------------------------------------------------------- reports
     def peak_memory_bytes(self) -> int:

@@ -142,6 +142,14 @@ class Stream:
     def synchronize(self) -> None:
         check(driver.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
+    def idle(self) -> bool:
+        """Whether everything queued on the stream has finished (without waiting)."""
+        (err,) = driver.cuStreamQuery(self.handle)
+        if err == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check((err,), "cuStreamQuery")
+        return True
+
     def close(self) -> None:
         if self.handle is not None:
             check(driver.cuStreamDestroy(self.handle), "cuStreamDestroy")
@@ -388,7 +396,7 @@ _SCALAR_TYPES = (ctypes.c_bool, ctypes.c_int8, ctypes.c_uint8, ctypes.c_int16, c
                  ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64,
                  ctypes.c_float, ctypes.c_double)
 
-KernelArg = DeviceBuffer | PinnedBuffer | Ptr | ctypes._SimpleCData
+KernelArg = DeviceBuffer | PinnedBuffer | Ptr | ctypes._SimpleCData | ctypes.Structure
 
 
 class KernelArgs:
@@ -420,8 +428,11 @@ def _as_ctype(arg: Any, position: int) -> ctypes._SimpleCData:
         return ctypes.c_uint64(arg.address)
     if isinstance(arg, _SCALAR_TYPES):
         return type(arg)(arg.value)
+    if isinstance(arg, ctypes.Structure):  # a struct passed by value, laid out as in C
+        return type(arg).from_buffer_copy(arg)
     raise TypeError(f"kernel argument {position} is {type(arg).__name__}; pass a DeviceBuffer, "
-                    "Ptr(address) or a ctypes scalar such as ctypes.c_int(3)")
+                    "Ptr(address), a ctypes scalar such as ctypes.c_int(3) or a ctypes "
+                    "Structure")
 
 
 def _dim3(value: int | Sequence[int], what: str) -> tuple[int, int, int]:

@@ -39,6 +39,7 @@ from qwenchat.tui.commands import Command, interpret
 from qwenchat.tui.feed import ReplyFeed
 from qwenchat.tui.loader import LoadedModel
 from qwenchat.tui.options import ChatOptions
+from qwenchat.tui.quiet_gc import FullCollectionsDeferred
 from qwenchat.tui.screens.chats import ChatChoice, ChatListScreen
 from qwenchat.tui.screens.help import HelpScreen
 from qwenchat.tui.settings import ChatSettings
@@ -134,6 +135,7 @@ class ChatScreen(Screen[None]):
         self._reply: ActiveReply | None = None
         self._drain_timer: Timer | None = None
         self._prepare_timer: Timer | None = None
+        self._quiet_gc = FullCollectionsDeferred()
         self._drain_queued = False
         self._editing = False
         self._after_reply: list[Callable[[], Awaitable[None]]] = []
@@ -170,6 +172,7 @@ class ChatScreen(Screen[None]):
         self._prepare_next_turn()
 
     def on_unmount(self) -> None:
+        self._quiet_gc.end()
         if self._reply is not None:  # however the app ends, the generation thread stops
             self._reply.cancel.set()
 
@@ -260,6 +263,7 @@ class ChatScreen(Screen[None]):
     async def _stream(self, events: Iterator[Event], cancel: threading.Event) -> None:
         view = await self.conversation.add_reply()
         feed = ReplyFeed()
+        self._quiet_gc.begin()
         self._reply = ActiveReply(view, feed, cancel, saved_at=self.clock())
         self.status.starting()
         # A daemon thread, not a thread worker: workers run on asyncio's default executor,
@@ -309,6 +313,7 @@ class ChatScreen(Screen[None]):
             await self._finish(reply, batch.error)
 
     async def _finish(self, reply: ActiveReply, error: BaseException | None) -> None:
+        self._quiet_gc.end()
         if self._drain_timer is not None:
             self._drain_timer.stop()
             self._drain_timer = None
