@@ -53,13 +53,15 @@ def fake_model(rate: float, launch_steps: int, ahead: int, folder: Path) -> Load
     return LoadedModel("fake", model_dir, engine, tokenizer, eos)
 
 
-def cuda_model(preset: str, tokenizer_dir: Path, ctx: int) -> LoadedModel:
+def cuda_model(preset: str, tokenizer_dir: Path, ctx: int, ahead: int) -> LoadedModel:
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.model.presets import PRESETS
     from qwenchat.model.random_weights import RandomWeights
 
     config = PRESETS[preset]
     engine = CudaEngine(config, RandomWeights(config, seed=0), ctx=ctx)
+    if engine.decode == "megakernel":
+        engine.launches_ahead = ahead
     tokenizer = Tokenizer(tokenizer_dir)
     eos = frozenset({tokenizer.im_end_id, tokenizer.end_of_text_id})
     return LoadedModel(preset, tokenizer_dir, engine, tokenizer, eos)
@@ -126,7 +128,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fake", type=float, metavar="TOK_S", help="fake engine at this rate")
     parser.add_argument("--launch-steps", type=int, default=100)
-    parser.add_argument("--ahead", type=int, default=1)
+    parser.add_argument("--ahead", type=int, default=1,
+                        help="launches queued behind the running one (fake engine, megakernel)")
     parser.add_argument("--config", help="a preset, for the CUDA engine on random weights")
     parser.add_argument("--tokenizer", type=Path, help="Qwen3 tokenizer directory (--config)")
     parser.add_argument("--tokens", type=int, default=8000)
@@ -139,7 +142,7 @@ def main() -> None:
         if args.fake:
             model = fake_model(args.fake, args.launch_steps, args.ahead, Path(folder))
         elif args.config and args.tokenizer:
-            model = cuda_model(args.config, args.tokenizer, ctx=args.tokens + 256)
+            model = cuda_model(args.config, args.tokenizer, args.tokens + 256, args.ahead)
         else:
             raise SystemExit("give --fake RATE, or --config PRESET --tokenizer DIR")
         spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
@@ -154,7 +157,7 @@ def main() -> None:
             model.close()
     result = {"engine": model.engine.name, "tokens": args.tokens, "busy_cores": args.busy,
               "nominal_tok_s": args.fake, "launch_steps": args.launch_steps if args.fake else None,
-              "launches_ahead": args.ahead if args.fake else None,
+              "launches_ahead": args.ahead,
               "alone_tok_s": alone.decode_tok_s, "alone_tokens": alone.generated_tokens,
               "chat_shows_tok_s": shown_rate(summary), "chat_tokens": chat.generated_tokens,
               "chat_summary": summary, "size": args.size, "time": time.strftime("%F %T")}
