@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from qwenchat.engine.base import Engine, GenerateRequest, StopReason
 from qwenchat.errors import ContextFullError, UsageError
-from qwenchat.model.tokenizer import Message, StreamDecoder, Tokenizer, check_text
+from qwenchat.model.tokenizer import Message, PrefixReuse, StreamDecoder, Tokenizer, check_text
 from qwenchat.sampling.params import LiveParams
 
 DEFAULT_REPLY_RESERVE = 256  # tokens kept free for the reply when deciding to drop old turns
@@ -136,6 +136,7 @@ class ChatSession:
         self.messages: list[Message] = []
         self.first_in_context = 0  # index into messages of the oldest turn still rendered
         self.last_reply: Reply | None = None
+        self._encoder = PrefixReuse(tokenizer)  # each turn re-encodes only what is new
 
     def send(self, text: str, cancel: threading.Event | None = None,
              sent_at: float | None = None) -> Iterator[Event]:
@@ -179,8 +180,7 @@ class ChatSession:
         earlier reply without the <think> block its generation prompt began, so this differs
         from what the cache holds right after a reply.)"""
         context = self.context_messages()
-        probes = [self.tokenizer.encode_chat([*context, Message("user", probe)], self.thinking)
-                  for probe in ("1", "2")]
+        probes = [self._encode_chat([*context, Message("user", probe)]) for probe in ("1", "2")]
         shared = _common_prefix(*probes)
         # The next message's own header (<|im_start|>user ...) belongs to its turn.
         start = self.tokenizer.im_start_id
@@ -272,7 +272,7 @@ class ChatSession:
         reserve = self._reply_reserve()
         dropped = 0
         while True:
-            ids = self.tokenizer.encode_chat(self.context_messages(), self.thinking)
+            ids = self._encode_chat(self.context_messages())
             if len(ids) + reserve <= capacity:
                 return ids, dropped
             if not self._drop_oldest_turn():
@@ -283,6 +283,10 @@ class ChatSession:
                     "shorten it, or raise --ctx"
                 )
             dropped += 1
+
+    def _encode_chat(self, messages: list[Message]) -> list[int]:
+        """The template's rendering of `messages` as ids (what Tokenizer.encode_chat gives)."""
+        return self._encoder.encode(self.tokenizer.render(messages, self.thinking))
 
     def _reply_reserve(self) -> int:
         """Tokens kept free for a reply when deciding whether the conversation still fits."""

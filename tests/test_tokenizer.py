@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qwenchat.errors import ModelError
-from qwenchat.model.tokenizer import ChatTemplate, Message, Tokenizer
+from qwenchat.model.tokenizer import ChatTemplate, Message, PrefixReuse, Tokenizer
 from qwenchat.session import ThinkSplitter
 
 IM_START_ID = 151644
@@ -427,3 +427,52 @@ def test_think_splitter_answer_only_reply_is_all_answer(any_tok):
     ids = any_tok.encode("Just an answer, 答え.")
     text = _split(any_tok, ids, parse_thinking=True)
     assert text == {"thinking": "", "answer": "Just an answer, 答え."}
+
+
+# ----------------------------------------------------- re-encoding a growing conversation
+PIECES = ["The fox", " jumps", "\n\n", "狐狸", " 😀", " café", "```py\nx = 1\n```", "  ",
+          "<|im_end|>", "<think>", "</think>", "\r\n", "naïve", "\u0301e"]
+
+
+def random_text(rng, n: int) -> str:
+    return "".join(PIECES[rng.integers(len(PIECES))] for _ in range(n))
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_reusing_an_earlier_prefix_encodes_exactly_as_a_fresh_encode(any_tok, thinking,
+                                                                     monkeypatch):
+    rng = np.random.default_rng(3)
+    reuse = PrefixReuse(any_tok)
+    encoded: list[int] = []  # characters actually handed to the tokenizer, per encode
+    encode_with_cuts = any_tok.encode_with_cuts
+
+    def counting(text):
+        encoded.append(len(text))
+        return encode_with_cuts(text)
+
+    monkeypatch.setattr(any_tok, "encode_with_cuts", counting)
+    messages = [Message("system", random_text(rng, 5))]
+    for turn in range(12):
+        messages.append(Message("user", random_text(rng, 8)))
+        probes = [[*messages, Message("user", text)] for text in ("1", "2")]
+        for candidate in (*probes, messages):  # what a session renders each turn
+            text = any_tok.render(candidate, thinking)
+            assert reuse.encode(text) == any_tok.encode(text)
+        if turn >= 2:  # only what is new was encoded
+            assert encoded[-1] < len(text) / 2
+        messages.append(Message("assistant", random_text(rng, 30)))
+        if turn % 4 == 3:  # an edit: the last exchange replaced
+            messages[-2:] = [Message("user", random_text(rng, 6))]
+        if turn == 7:  # a new system prompt: nothing before it can be reused
+            messages[0] = Message("system", random_text(rng, 4))
+
+
+def test_cuts_split_the_text_into_parts_that_encode_on_their_own(any_tok):
+    text = any_tok.render([Message("system", "Be brief. 简洁。"), Message("user", "Hi 😀"),
+                           Message("assistant", "Hello!\n\n- a\n- b"), Message("user", "x")],
+                          enable_thinking=False)
+    ids, cuts = any_tok.encode_with_cuts(text)
+    assert cuts and ids == any_tok.encode(text)
+    for chars, tokens in cuts:
+        assert any_tok.encode(text[:chars]) == ids[:tokens]
+        assert any_tok.encode(text[chars:]) == ids[tokens:]

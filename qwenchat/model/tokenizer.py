@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import json
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +105,7 @@ class Tokenizer:
         self.im_start_id = self._tok.token_to_id(IM_START)
         self.im_end_id = self._tok.token_to_id(IM_END)
         self.end_of_text_id = self._tok.token_to_id(END_OF_TEXT)
+        self._cut_ids: frozenset[int] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -124,8 +127,68 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Message], enable_thinking: bool) -> list[int]:
         return self.encode(self.render(messages, enable_thinking))
 
+    def encode_with_cuts(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text`, and after which characters (and tokens) the text can be cut so
+        that both sides encode on their own to the same ids: just after a special token that
+        the tokenizer matches before normalising and that absorbs no whitespace (the text is
+        split at those before anything else happens to it)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        cut_after = self._cut_after_ids
+        cuts = [(end, i + 1) for i, ((_, end), token) in enumerate(zip(encoding.offsets,
+                                                                        encoding.ids,
+                                                                        strict=True))
+                if token in cut_after]
+        return list(encoding.ids), cuts
+
+    @property
+    def _cut_after_ids(self) -> frozenset[int]:
+        if self._cut_ids is None:
+            self._cut_ids = frozenset(
+                token_id for token_id, added in self._tok.get_added_tokens_decoder().items()
+                if added.special and not added.normalized and not added.lstrip
+                and not added.rstrip)
+        return self._cut_ids
+
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
+
+
+class PrefixReuse:
+    """Encodes texts that mostly repeat earlier ones, as a conversation's renderings do (each
+    turn renders the whole conversation again): the ids of the longest earlier prefix that ends
+    at a cut (Tokenizer.encode_with_cuts) are reused and only the rest is encoded, so a long
+    chat's later turns do not re-tokenize all of it. The result is exactly `encode(text)`."""
+
+    def __init__(self, tokenizer: Tokenizer, keep: int = 4):
+        self._tokenizer = tokenizer
+        self._recent: deque[tuple[str, list[int], list[tuple[int, int]]]] = deque(maxlen=keep)
+
+    def encode(self, text: str) -> list[int]:
+        chars, tokens, source = 0, 0, None
+        for old_text, old_ids, old_cuts in self._recent:
+            shared = _shared_prefix_length(text, old_text)
+            i = bisect.bisect_right(old_cuts, (shared, len(old_ids) + 1)) - 1
+            if i >= 0 and old_cuts[i][0] > chars:
+                (chars, tokens), source = old_cuts[i], (old_ids, old_cuts[: i + 1])
+        rest_ids, rest_cuts = self._tokenizer.encode_with_cuts(text[chars:])
+        ids, cuts = list(rest_ids), [(c + chars, t + tokens) for c, t in rest_cuts]
+        if source is not None:
+            ids = source[0][:tokens] + ids
+            cuts = source[1] + cuts
+        self._recent.append((text, ids, cuts))
+        return list(ids)
+
+
+def _shared_prefix_length(a: str, b: str) -> int:
+    """How many leading characters two strings share (binary search on C-speed compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class StreamDecoder:
