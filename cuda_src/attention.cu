@@ -1,6 +1,9 @@
 // Causal grouped-query attention over the KV cache ([kv_head][capacity][head_dim], bf16).
 // Prefill: flash-attention on the tensor cores, one block per (64 queries, head), keys streamed
-//   through shared memory 64 at a time with an online softmax; nothing O(N^2) is stored.
+//   through shared memory 64 at a time with an online softmax; nothing O(N^2) is stored. A few
+//   new tokens after a long cached prefix (a chat's next message) would leave most of the chip
+//   idle while each block walks every key, so the keys can be split across blocks too (grid z),
+//   each writing an unnormalised partial that attn_prefill_merge combines, as decode does.
 // Decode: flash-decoding. The cache is split into chunks across blocks (so long contexts keep
 //   the whole chip busy); each block writes an unnormalised partial output with its running max
 //   and sum, and a merge kernel combines the chunks.
@@ -14,7 +17,9 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 // ---------------------------------------------------------------------------------------------
 // Prefill. q: [n][heads][HD] bf16 for the n new tokens at positions start..start+n-1, whose keys
-// and values are already in the cache. out: [n][heads][HD] bf16.
+// and values are already in the cache. out: [n][heads][HD] bf16. With gridDim.z > 1 (splits of
+// the keys, for n <= PF_Q), the block writes part_o [n][heads][splits][HD] (unnormalised) and
+// part_ml [n][heads][splits][2] (running max in base 2, sum) instead of out.
 namespace {
 constexpr int PF_Q = 64;       // queries per block (4 warps x 16 rows)
 constexpr int PF_KV = 64;      // keys per shared-memory tile
@@ -26,7 +31,8 @@ constexpr int LDV = PF_KV + 8;
 extern "C" __global__ void __launch_bounds__(PF_THREADS)
     attn_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
                  const bf16_t* __restrict__ v_cache, int start, int n, int capacity, float scale,
-                 bf16_t* __restrict__ out) {
+                 bf16_t* __restrict__ out, float* __restrict__ part_o,
+                 float* __restrict__ part_ml) {
     __shared__ __align__(16) bf16_t Ks[PF_KV][LDK];
     __shared__ __align__(16) bf16_t Vt[HD][LDV];  // V transposed: B operand rows are head dims
     const int head = blockIdx.y, kvh = head / qw::group;
@@ -60,14 +66,18 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
 
     const int block_last_query = min(n, (blockIdx.x + 1) * PF_Q) - 1;
     const int kv_len = start + block_last_query + 1;
-    for (int j0 = 0; j0 < kv_len; j0 += PF_KV) {
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int tiles_per_split = ((kv_len + PF_KV - 1) / PF_KV + splits - 1) / splits;
+    const int k_begin = split * tiles_per_split * PF_KV;
+    const int k_end = min(kv_len, k_begin + tiles_per_split * PF_KV);
+    for (int j0 = k_begin; j0 < k_end; j0 += PF_KV) {
         __syncthreads();
         // K tile as rows; V tile transposed. 64 keys x HD dims, 16-byte chunks.
         for (int chunk = threadIdx.x; chunk < PF_KV * HD / 8; chunk += PF_THREADS) {
             const int r = chunk / (HD / 8), c = (chunk % (HD / 8)) * 8;
             const int key = j0 + r;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (key < kv_len) {
+            if (key < k_end) {
                 kv = *reinterpret_cast<const uint4*>(kc + static_cast<long long>(key) * HD + c);
                 vv = *reinterpret_cast<const uint4*>(vc + static_cast<long long>(key) * HD + c);
             }
@@ -160,6 +170,19 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int r = q_row0 + g + half * 8;
         if (r >= n) continue;
+        if (splits > 1) {  // this split's share, merged by attn_prefill_merge
+            const long long at = (static_cast<long long>(r) * qw::heads + head) * splits + split;
+            float* dst = part_o + at * HD;
+#pragma unroll
+            for (int d = 0; d < HD / 8; ++d)
+                *reinterpret_cast<float2*>(dst + d * 8 + t * 2) =
+                    make_float2(o[d][half * 2], o[d][half * 2 + 1]);
+            if (t == 0) {
+                part_ml[at * 2] = l > 0.f ? m_row[half] : QW_NEG_INF;
+                part_ml[at * 2 + 1] = l;
+            }
+            continue;
+        }
         const float inv = 1.f / l;
         bf16_t* dst = out + (static_cast<long long>(r) * qw::heads + head) * HD;
 #pragma unroll
@@ -168,6 +191,24 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
                 pack_bf16x2(o[d][half * 2] * inv, o[d][half * 2 + 1] * inv);
         }
     }
+}
+
+// out[r][head] = the splits' partials of attn_prefill combined. Grid: (n, heads); HD threads.
+extern "C" __global__ void attn_prefill_merge(const float* __restrict__ part_o,
+                                              const float* __restrict__ part_ml, int splits,
+                                              bf16_t* __restrict__ out) {
+    const long long row = static_cast<long long>(blockIdx.x) * qw::heads + blockIdx.y;
+    const float* ml = part_ml + row * splits * 2;
+    float m = QW_NEG_INF;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[2 * s]);
+    float total = 0.f, acc = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float l = ml[2 * s + 1];
+        const float w = l > 0.f ? exp2f(ml[2 * s] - m) : 0.f;  // maxima are in base 2
+        total += w * l;
+        acc += w * part_o[(row * splits + s) * HD + threadIdx.x];
+    }
+    out[row * HD + threadIdx.x] = f32_to_bf16(acc / total);
 }
 
 // ---------------------------------------------------------------------------------------------

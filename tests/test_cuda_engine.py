@@ -245,8 +245,13 @@ def reference_attention(q, k, v, start, group):
     return out
 
 
-@pytest.mark.parametrize(("start", "n"), [(0, 83), (37, 130), (200, 1)])
-def test_prefill_attention_matches_numpy(kernels, start, n):
+@pytest.mark.parametrize(("start", "n", "splits"), [
+    (0, 83, 1), (37, 130, 1), (200, 1, 1),
+    (200, 1, 3),  # one new token after a cached prefix, its keys in three blocks
+    (450, 30, 5),  # a chat's next message: 480 keys in 5 splits of 2 tiles (one split empty)
+    (0, 64, 16),  # more splits than tiles of keys: the empty ones must weigh nothing
+])
+def test_prefill_attention_matches_numpy(kernels, start, n, splits):
     rt, cfg, modules, stream = kernels
     rng = np.random.default_rng(start + n)
     cap, d, kvh, heads = 512, cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
@@ -254,16 +259,36 @@ def test_prefill_attention_matches_numpy(kernels, start, n):
     kc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
     vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
     out = poisoned(rt, n * heads * d * 2)
+    part_o = poisoned(rt, max(n, 1) * heads * splits * d * 4)
+    part_ml = poisoned(rt, max(n, 1) * heads * splits * 2 * 4)
     args = [upload(rt, q), upload(rt, kc), upload(rt, vc), ctypes.c_int(start), ctypes.c_int(n),
-            ctypes.c_int(cap), ctypes.c_float(d**-0.5), out]
-    rt.launch(modules["attention.cu"].function("attn_prefill"), ((n + 63) // 64, heads), 128,
-              args, stream=stream)
+            ctypes.c_int(cap), ctypes.c_float(d**-0.5), out, part_o, part_ml]
+    attention = modules["attention.cu"]
+    rt.launch(attention.function("attn_prefill"), ((n + 63) // 64, heads, splits), 128, args,
+              stream=stream)
+    if splits > 1:
+        rt.launch(attention.function("attn_prefill_merge"), (n, heads), d,
+                  [part_o, part_ml, ctypes.c_int(splits), out], stream=stream)
     stream.synchronize()
     length = start + n
     expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],
                                    bf16_bits_to_f32(vc)[:, :length], start, heads // kvh)
     got = bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
     assert rel_err(got, expected) <= 2e-2
+
+
+def test_a_few_tokens_after_a_long_prefix_split_their_keys_and_match_one_block_per_head(
+        real_shape):
+    config, _, gpu_engine, ref = real_shape
+    assert gpu_engine.prefill_key_splits(0, 400) == 1  # many queries: blocks enough already
+    assert gpu_engine.prefill_key_splits(900, 30) > 1
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, config.vocab_size, 930)]
+    gpu_engine.truncate(0)
+    ref.truncate(0)
+    gpu_engine.prefill(prompt[:900])
+    ours = gpu_engine.prefill_logits(prompt[900:])  # 30 tokens: keys split across blocks
+    ref.prefill(prompt[:900])
+    assert rel_err(ours, ref.prefill_logits(prompt[900:])) <= 2e-2
 
 
 @pytest.mark.parametrize(("position", "splits"), [(0, 8), (300, 8), (4000, 24)])

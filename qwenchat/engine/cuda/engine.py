@@ -34,7 +34,8 @@ KERNELS = {
                   "gemv_residual_attn", "gemv_residual_swiglu", "swiglu_rows",
                   "qk_norm_rope_store"),
     "gemm.cu": ("gemm_store", "gemm_add"),
-    "attention.cu": ("attn_prefill", "attn_decode_partial", "attn_decode_merge"),
+    "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_decode_partial",
+                     "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
 }
 MEGAKERNEL_THREADS = 512
@@ -53,6 +54,9 @@ RESIDUAL_ROWS_PER_BLOCK = 8  # 8 warps x 1 row (gemv_residual_*)
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 GEMM_TILE = 128
 PREFILL_QUERIES_PER_BLOCK = 64
+PREFILL_KEYS_PER_TILE = 64  # PF_KV in attention.cu
+PREFILL_MAX_KEY_SPLITS = 16  # a few new tokens' attention split over the cached keys
+PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a merge
 DECODE_MAX_CHUNK = 256  # keys per flash-decoding block at most (attention.cu)
 DECODE_SHORT_CHUNK = 64  # keys per block below which the fewer-split graph is used
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
@@ -281,6 +285,9 @@ class CudaEngine(CacheBookkeeping):
         most = self.split_options[-1]
         self.part_o = self._device_buffer(cfg.num_attention_heads * most * cfg.head_dim * 4)
         self.part_ml = self._device_buffer(cfg.num_attention_heads * most * 2 * 4)
+        rows = PREFILL_QUERIES_PER_BLOCK * cfg.num_attention_heads * PREFILL_MAX_KEY_SPLITS
+        self.prefill_part_o = self._device_buffer(rows * cfg.head_dim * 4)
+        self.prefill_part_ml = self._device_buffer(rows * 2 * 4)
         self.attn_f32 = self._device_buffer(cfg.q_size * 4)
         self.logits = self._device_buffer(cfg.vocab_size * 4)
         self.work = self._device_buffer(cfg.vocab_size * 4)
@@ -320,16 +327,35 @@ class CudaEngine(CacheBookkeeping):
             self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
                          rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
                          c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
-            self._launch("attn_prefill",
-                         (math.ceil(n / PREFILL_QUERIES_PER_BLOCK), cfg.num_attention_heads), 128,
-                         self.q, self.k_cache[i], self.v_cache[i], c_int(start), c_int(n),
-                         c_int(self.capacity), scale, self.attn)
+            self._attention_prefill(i, start, n, scale)
             self._gemm("gemm_add", self.attn, w.o, self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
             self._gemm("gemm_store", self.xn, w.gate_up, self.gu, n, 2 * inter, h)
             blocks = min(4096, math.ceil(n * inter / 256))
             self._launch("swiglu_rows", blocks, 256, self.gu, c_int(n), self.act)
             self._gemm("gemm_add", self.act, w.down, self.x, n, h, inter)
+
+    def prefill_key_splits(self, start: int, n: int) -> int:
+        """Blocks along the keys for the prefill attention of n tokens after `start` cached
+        ones: one, unless a single tile of queries per head would leave the chip mostly idle
+        while each block walks a long cached prefix (a chat's next message)."""
+        heads = self.config.num_attention_heads
+        if n > PREFILL_QUERIES_PER_BLOCK or heads >= self.device.sm_count:
+            return 1
+        by_keys = (start + n) // PREFILL_MIN_SPLIT_KEYS
+        return max(1, min(PREFILL_MAX_KEY_SPLITS, by_keys,
+                          math.ceil(2 * self.device.sm_count / heads)))
+
+    def _attention_prefill(self, layer: int, start: int, n: int, scale: ctypes.c_float) -> None:
+        c_int, heads = ctypes.c_int, self.config.num_attention_heads
+        splits = self.prefill_key_splits(start, n)
+        self._launch("attn_prefill", (math.ceil(n / PREFILL_QUERIES_PER_BLOCK), heads, splits),
+                     128, self.q, self.k_cache[layer], self.v_cache[layer], c_int(start),
+                     c_int(n), c_int(self.capacity), scale, self.attn, self.prefill_part_o,
+                     self.prefill_part_ml)
+        if splits > 1:
+            self._launch("attn_prefill_merge", (n, heads), self.config.head_dim,
+                         self.prefill_part_o, self.prefill_part_ml, c_int(splits), self.attn)
 
     def _gemm(self, kernel: str, a, b, c, m: int, n: int, k: int) -> None:
         grid = (math.ceil(n / GEMM_TILE), math.ceil(m / GEMM_TILE))
