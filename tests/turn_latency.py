@@ -67,6 +67,7 @@ def play(model: LoadedModel, turns: int, reply_tokens: int, pause_s: float,
     settings = ChatSettings(model.directory, False,
                             {"temperature": 0.7, "seed": 1, "max_tokens": reply_tokens})
     chat = Chat(ChatStore(None), model, settings, system="You are a helpful assistant.")
+    time.sleep(pause_s)  # the first message too is typed after a pause, as every other one
     rows, prepared = [], 0  # tokens the background prefill added before this turn (-1:
     for turn, text in enumerate(MESSAGES[:turns], start=1):  # still running at the send)
         sent_at = now()
@@ -75,6 +76,7 @@ def play(model: LoadedModel, turns: int, reply_tokens: int, pause_s: float,
         chat.finish_reply()
         stats = chat.session.last_reply.stats
         rows.append({"turn": turn, "ttft_ms": stats.ttft_s * 1e3,
+                     "prefill_ms": stats.prefill_s * 1e3,
                      "prefill_tokens": stats.prefill_tokens, "cached": stats.reused_tokens,
                      "prompt_tokens": stats.prompt_tokens,
                      "generated": stats.generated_tokens,
@@ -119,9 +121,10 @@ def main() -> None:
           f"{args.reply_tokens} tokens, {args.pause} s between turns")
     for mode, rows in result.items():
         print(f"\nhistory prefilled in the background: {'yes' if mode == 'background' else 'no'}")
-        print("turn  TTFT ms  prompt = new + cached  prefilled between turns")
+        print("turn  TTFT ms  (prefill ms)  prompt = new + cached  prefilled between turns")
         for r in rows:
-            print(f"{r['turn']:>4}  {r['ttft_ms']:7.1f}  {r['prompt_tokens']:>6} = "
+            print(f"{r['turn']:>4}  {r['ttft_ms']:7.1f}  ({r['prefill_ms']:10.1f})  "
+                  f"{r['prompt_tokens']:>6} = "
                   f"{r['prefill_tokens']:>5} + {r['cached']:>5}  {r['prepared_before']:>6}")
         later = statistics.median(r["ttft_ms"] for r in rows[1:])
         print(f"first turn {rows[0]['ttft_ms']:.1f} ms; later turns: median {later:.1f}, "
