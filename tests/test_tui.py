@@ -661,6 +661,27 @@ def test_switching_thinking_mode_takes_its_recommended_values(tmp_path, tiny_mod
     drive(app, scenario)
 
 
+def test_the_thinking_switch_and_ctrl_t_together_settle_on_the_last_choice(tmp_path,
+                                                                           tiny_model_dir):
+    # Found by hand: the switch clicked while Ctrl+T's change was still being shown flipped
+    # the mode back and forth for ever, the UI thread at 100%.
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        await pilot.press("ctrl+s")
+        switch = screen.query_one("#thinking")
+        switch.focus()
+        for key in ("ctrl+t", "enter", "ctrl+t"):  # three switches in one go
+            await pilot.press(key)
+        await pilot.pause(0.3)
+        flips = len(screen.app._notifications)
+        await pilot.pause(0.3)
+        assert len(screen.app._notifications) == flips == 3  # no switching by itself
+        assert screen.chat.session.thinking and switch.value
+
+    drive(app, scenario)
+
+
 # ---------------------------------------------------------------------------------- thinking
 def test_thinking_streams_dimmed_and_folds_away_when_the_answer_starts(tmp_path,
                                                                        tiny_model_dir):

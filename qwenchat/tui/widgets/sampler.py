@@ -75,7 +75,10 @@ class SamplerPanel(VerticalScroll):
 
     def show(self, params: SamplingParams, user_set: set[str], thinking: bool) -> None:
         """Display the values in force (a field being typed in keeps its text)."""
-        self._switch.value = thinking
+        # Shown, not switched: a Changed message from here, arriving after the user's own
+        # switch, would switch back, and the two would flip each other for ever.
+        with self._switch.prevent(Switch.Changed):
+            self._switch.value = thinking
         for name, label in LABELS.items():
             self._labels[name].update(f"{label}{' •' if name in user_set else ''}")
             shown = shown_value(getattr(params, name))
