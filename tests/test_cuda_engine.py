@@ -617,10 +617,16 @@ def greedy_tokens(gpu_engine, prompt, n, eos=frozenset(), pause_s=0.0):
     return tokens, generation.stop_reason
 
 
-def test_megakernel_queues_the_next_launch_so_a_late_host_loses_nothing(real_shape):
+def queued_megakernel(real_shape, steps_per_launch: int):
+    """The shape's engine on the megakernel, one launch queued behind the running one."""
     gpu_engine = real_shape[2]
     gpu_engine.decode = "megakernel"
-    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 16, 1
+    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = steps_per_launch, 1
+    return gpu_engine
+
+
+def test_megakernel_queues_the_next_launch_so_a_late_host_loses_nothing(real_shape):
+    gpu_engine = queued_megakernel(real_shape, 16)
     prompt = list(range(300, 330))
     alone, _ = greedy_tokens(gpu_engine, prompt, 100)
     gpu_engine.truncate(0)
@@ -639,9 +645,7 @@ def test_megakernel_queues_the_next_launch_so_a_late_host_loses_nothing(real_sha
 
 
 def test_megakernel_stops_at_eos_and_the_launch_queued_behind_writes_nothing(real_shape):
-    gpu_engine = real_shape[2]
-    gpu_engine.decode = "megakernel"
-    gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 8, 1
+    gpu_engine = queued_megakernel(real_shape, 8)
     prompt = list(range(500, 520))
     alone, _ = greedy_tokens(gpu_engine, prompt, 60)
     end = alone.index(alone[19])  # the first time the 20th token appears: a stop there
