@@ -8,11 +8,14 @@ message sent a few seconds after the previous reply ended, as a person types:
     python tests/turn_latency.py --model DIR --pause 0.2             # any checkpoint, any backend
 
 TTFT counts from the send, so it includes waiting for a background prefill step under way.
+As in the chat screen, Python's full garbage collections wait while a reply streams; the time
+the collector took during each turn's wait for its first token is reported beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import threading
@@ -26,6 +29,7 @@ from qwenchat.session import now
 from qwenchat.store import ChatStore
 from qwenchat.tui.chat import Chat
 from qwenchat.tui.loader import LoadedModel
+from qwenchat.tui.quiet_gc import FullCollectionsDeferred
 from qwenchat.tui.settings import ChatSettings
 
 MESSAGES = [
@@ -60,8 +64,26 @@ def checkpoint_model(directory: Path, backend: str, ctx: int) -> LoadedModel:
     return LoadedModel(str(directory), directory, engine, model.tokenizer, model.eos_ids)
 
 
+class CollectorClock:
+    """Seconds the garbage collector has run so far (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._began = 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._began
+
+
+COLLECTOR = CollectorClock()
+
+
 def play(model: LoadedModel, turns: int, reply_tokens: int, pause_s: float,
-         background: bool) -> list[dict]:
+         background: bool, quiet_gc: bool = True) -> list[dict]:
     """One chat of `turns` turns; each turn's numbers as the status bar would show them."""
     model.engine.truncate(0)
     settings = ChatSettings(model.directory, False,
@@ -70,13 +92,21 @@ def play(model: LoadedModel, turns: int, reply_tokens: int, pause_s: float,
     time.sleep(pause_s)  # the first message too is typed after a pause, as every other one
     rows, prepared = [], 0  # tokens the background prefill added before this turn (-1:
     for turn, text in enumerate(MESSAGES[:turns], start=1):  # still running at the send)
+        deferred = FullCollectionsDeferred()
         sent_at = now()
-        for _ in chat.send(text, threading.Event(), sent_at):
+        if quiet_gc:
+            deferred.begin()  # as the chat screen does from the send to the reply's end
+        collected = COLLECTOR.total
+        events = chat.send(text, threading.Event(), sent_at)
+        next(events)  # the first token (or the dropped-turns notice before it)
+        collected = COLLECTOR.total - collected
+        for _ in events:
             pass
+        deferred.end()
         chat.finish_reply()
         stats = chat.session.last_reply.stats
         rows.append({"turn": turn, "ttft_ms": stats.ttft_s * 1e3,
-                     "prefill_ms": stats.prefill_s * 1e3,
+                     "prefill_ms": stats.prefill_s * 1e3, "gc_ms": collected * 1e3,
                      "prefill_tokens": stats.prefill_tokens, "cached": stats.reused_tokens,
                      "prompt_tokens": stats.prompt_tokens,
                      "generated": stats.generated_tokens,
@@ -121,10 +151,10 @@ def main() -> None:
           f"{args.reply_tokens} tokens, {args.pause} s between turns")
     for mode, rows in result.items():
         print(f"\nhistory prefilled in the background: {'yes' if mode == 'background' else 'no'}")
-        print("turn  TTFT ms  (prefill ms)  prompt = new + cached  prefilled between turns")
+        print("turn  TTFT ms  (prefill ms, gc ms)  prompt = new + cached  prefilled between turns")
         for r in rows:
-            print(f"{r['turn']:>4}  {r['ttft_ms']:7.1f}  ({r['prefill_ms']:10.1f})  "
-                  f"{r['prompt_tokens']:>6} = "
+            print(f"{r['turn']:>4}  {r['ttft_ms']:7.1f}  ({r['prefill_ms']:10.1f}, "
+                  f"{r['gc_ms']:5.1f})  {r['prompt_tokens']:>6} = "
                   f"{r['prefill_tokens']:>5} + {r['cached']:>5}  {r['prepared_before']:>6}")
         later = statistics.median(r["ttft_ms"] for r in rows[1:])
         print(f"first turn {rows[0]['ttft_ms']:.1f} ms; later turns: median {later:.1f}, "
