@@ -235,7 +235,9 @@ def test_a_fast_long_reply_arrives_whole_in_order_and_its_stats_add_up(tmp_path,
         assert stats.decode_tok_s == pytest.approx((tokens - 1) / stats.decode_s)
         assert stats.ttft_s >= stats.prefill_s >= 0
         assert stats.position == stats.prompt_tokens + tokens - 1
-        summary = str(reply.query_one(".summary").render())
+        shown = reply.query_one(".summary")
+        await until(pilot, lambda: str(shown.render()) != "")  # written as the reply closes
+        summary = str(shown.render())
         assert summary.startswith(f"{tokens:,} tokens · {rate_text(stats.decode_tok_s)} tok/s")
         thresholds.append(gc.get_threshold())
 
