@@ -312,10 +312,17 @@ def _append(reply: Reply, piece: TextPiece) -> None:
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    a, b = list(a[:n]), list(b[:n])
+    if a == b:  # the usual case once the history is prefilled: one comparison in C
+        return n
+    lo, hi = 0, n - 1  # the answer is in [lo, hi]: binary search on C-speed slice compares
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _fresh_seed() -> int:

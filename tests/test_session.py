@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 from fake_engine import FakeEngine
 
@@ -255,3 +256,16 @@ def test_an_empty_chat_leaves_the_cache_as_it_is(tiny_model_dir):
     assert session.history_ids() == []
     assert session.prepare_next_turn(threading.Event()) == 0
     assert session.engine.tokens == cached
+
+
+def test_the_shared_prefix_of_two_token_lists_is_found_exactly():
+    from qwenchat.session import _common_prefix
+
+    def by_hand(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        a = rng.integers(0, 3, rng.integers(0, 40)).tolist()
+        b = a[: rng.integers(0, len(a) + 1)] + rng.integers(0, 3, rng.integers(0, 6)).tolist()
+        assert _common_prefix(a, b) == _common_prefix(b, a) == by_hand(a, b)
