@@ -262,7 +262,8 @@ def test_the_shared_prefix_of_two_token_lists_is_found_exactly():
     from qwenchat.session import _common_prefix
 
     def by_hand(a, b):
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        pairs = enumerate(zip(a, b, strict=False))
+        return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
     rng = np.random.default_rng(0)
     for _ in range(2000):
