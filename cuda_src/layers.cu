@@ -119,6 +119,33 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     rmsnorm_gemv<4>(x, norm_w, W, rows, eps, out);
 }
 
+// The longest vector a residual GEMV stages in shared memory at once: 48 KB, all the static
+// shared memory a block may have, and 8B's SwiGLU output exactly. Longer ones (14B's and 32B's:
+// 17,408 and 25,600 floats) go through in chunks of it, each lane visiting its columns in the
+// same order as in one piece, so the sums are the same.
+constexpr int VEC_CHUNK = 12288;
+
+// x[row] += W[row, :] . v for a K-vector made chunk by chunk: `make(begin, count, xs)` writes
+// v[begin .. begin + count) to xs and returns; a barrier follows.
+template <int K, typename Make>
+__device__ __forceinline__ float warp_row_dot_chunked(const bf16_t* __restrict__ W, int rows,
+                                                      int row, float* xs, Make make) {
+    static_assert(VEC_CHUNK % 256 == 0, "a chunk is whole 16-byte steps of every lane");
+    const int lane = threadIdx.x & 31;
+    const uint4* w = reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K);
+    float acc = 0.f;
+    for (int begin = 0; begin < K; begin += VEC_CHUNK) {
+        const int count = min(VEC_CHUNK, K - begin);
+        if (begin > 0) __syncthreads();  // every warp is done with the last chunk
+        make(begin, count, xs);
+        __syncthreads();
+        const int steps = count / 8, first = begin / 8;
+        for (int c = lane; c < steps; c += 32)
+            if (row < rows) acc += dot8(w[first + c], xs + c * 8);
+    }
+    return warp_sum(acc);
+}
+
 // x[r] += W[r, :] . v, where v is the attention output (o_proj). One row per warp: these
 // matrices have few rows (hidden_size), and more warps per row keep more loads in flight.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
@@ -138,14 +165,21 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     gemv_residual_swiglu(const float* __restrict__ gu, const bf16_t* __restrict__ W, int rows,
                          float* __restrict__ x) {
-    __shared__ __align__(16) float vs[qw::intermediate];
+    constexpr int I = qw::intermediate;
+    __shared__ __align__(16) float vs[I < VEC_CHUNK ? I : VEC_CHUNK];
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float result[1];
-    warp_rows_dot<qw::intermediate, 1>(W, rows, row, vs, [&] {
-        for (int j = threadIdx.x; j < qw::intermediate; j += blockDim.x)
-            vs[j] = silu(gu[j]) * gu[qw::intermediate + j];
-        __syncthreads();
-    }, result);
+    if constexpr (I <= VEC_CHUNK) {  // in one piece, the weights' first loads ahead of it
+        warp_rows_dot<I, 1>(W, rows, row, vs, [&] {
+            for (int j = threadIdx.x; j < I; j += blockDim.x) vs[j] = silu(gu[j]) * gu[I + j];
+            __syncthreads();
+        }, result);
+    } else {
+        result[0] = warp_row_dot_chunked<I>(W, rows, row, vs, [&](int begin, int count, float* xs) {
+            for (int j = threadIdx.x; j < count; j += blockDim.x)
+                xs[j] = silu(gu[begin + j]) * gu[I + begin + j];
+        });
+    }
     if ((threadIdx.x & 31) == 0 && row < rows) x[row] += result[0];
 }
 

@@ -75,8 +75,9 @@ def transformers5_raw(name: str = "qwen3-0.6b", **changes) -> dict:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_published_config_parses_to_its_preset(name):
     directory = configs_dir()
-    if not directory.is_dir():
-        pytest.skip(f"no Qwen3 config fixtures at {directory} (set QWENCHAT_TEST_CONFIGS)")
+    if not (directory / f"{name}.json").is_file():
+        pytest.skip(f"no {name}.json among the Qwen3 config fixtures at {directory} "
+                    "(set QWENCHAT_TEST_CONFIGS)")
     assert Qwen3Config.from_file(directory / f"{name}.json") == PRESETS[name]
 
 

@@ -656,3 +656,44 @@ def test_megakernel_stops_at_eos_and_the_launch_queued_behind_writes_nothing(rea
     # The next reply starts from the right place.
     again, _ = greedy_tokens(gpu_engine, prompt, 60)
     assert again == alone
+
+
+# ------------------------------------------------------------------ the largest sizes
+@pytest.fixture(scope="module", params=["qwen3-14b", "qwen3-32b"])
+def wide_shape(request):
+    """Two layers of 14B's or 32B's width (SwiGLU vectors of 17,408 and 25,600 floats, longer
+    than a block's static shared memory), with the reference engine on the same weights."""
+    import dataclasses
+
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS[request.param], num_hidden_layers=2)
+    weights = RandomWeights(config, seed=1)
+    return config, weights, ReferenceEngine(config, weights, ctx=256)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_the_largest_widths_decode_as_the_reference_on_both_paths(wide_shape, decode):
+    from qwenchat.engine.cuda.engine import CudaEngine, megakernel_layout
+
+    config, weights, ref = wide_shape
+    notices = []
+    gpu_engine = CudaEngine(config, weights, ctx=256, decode=decode, notice=notices.append)
+    try:
+        device = gpu_engine.device
+        fits = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count)
+        if decode == "megakernel" and isinstance(fits, str):
+            # Too wide for the megakernel on this GPU: it says why and uses the graph.
+            assert gpu_engine.decode == "layered" and any(fits in n for n in notices)
+        else:
+            assert gpu_engine.decode == decode
+        if gpu_engine.decode == "megakernel":
+            gpu_engine.steps_per_launch, gpu_engine.launches_ahead = 1, 0
+        prompt = [int(i) for i in np.random.default_rng(8).integers(0, config.vocab_size, 24)]
+        ref.truncate(0)
+        expected = ref.prefill_logits(prompt)
+        assert rel_err(gpu_engine.prefill_logits(prompt), expected) <= 2e-2
+        assert worst_greedy_decode_error(gpu_engine, ref, 32) <= 2e-2
+    finally:
+        gpu_engine.close()

@@ -17,6 +17,10 @@ PRESETS: dict[str, Qwen3Config] = {
                             num_attention_heads=32, tie_word_embeddings=True, **_COMMON),
     "qwen3-8b": Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                             num_attention_heads=32, tie_word_embeddings=False, **_COMMON),
+    "qwen3-14b": Qwen3Config(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                             num_attention_heads=40, tie_word_embeddings=False, **_COMMON),
+    "qwen3-32b": Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, tie_word_embeddings=False, **_COMMON),
 }
 
 

@@ -13,6 +13,7 @@ docs/perf.md) and the graph where it cannot.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -80,6 +81,53 @@ class MegaArgs(ctypes.Structure):
     _fields_ += [(name, ctypes.c_int) for name in (
         "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step",
         "ring_len", "epoch")]
+
+
+@dataclass(frozen=True)
+class MegakernelLayout:
+    """How the decode megakernel uses a GPU's shared memory for one model shape."""
+
+    stages: int  # the weight/KV stream's ring depth
+    stage_bytes: int
+    fixed: int  # the rest of its dynamic shared memory: the union region, the layer table
+    blocks: int  # one per SM
+    lm_rows: int  # LM-head rows per block
+
+    def defines(self, config: Qwen3Config) -> dict[str, int | float]:
+        return dict(kernel_defines(config), QW_MK_STAGES=self.stages,
+                    QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows)
+
+
+def megakernel_layout(cfg: Qwen3Config, shared_per_block: int,
+                      sm_count: int) -> MegakernelLayout | str:
+    """The megakernel's layout on a GPU with this much opt-in shared memory per block and
+    this many SMs, or why it cannot run there (then the per-op graph decodes)."""
+    stage = MEGAKERNEL_STAGE_BYTES
+    blocks = min(sm_count, 512)  # one block per SM (its scratch holds 512)
+    # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
+    # input vector, the warps' attention partial sums, the block's LM-head logits and the
+    # sampler's histograms; then the table of layer pointers.
+    lm_rows = math.ceil(cfg.vocab_size / blocks)
+    union = max(MEGAKERNEL_HISTOGRAM_BYTES,
+                4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
+                4 * lm_rows,
+                MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
+    fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
+    room = shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed
+    if room // stage < 3:
+        stage //= 2  # smaller GPUs: more, smaller stages
+    widest_row = 2 * max(cfg.hidden_size * 2, cfg.q_size, cfg.intermediate_size,
+                         2 * cfg.head_dim * 32)
+    while stage < widest_row:
+        stage *= 2
+    count = min(16, room // stage)
+    if count < 2:
+        # 32B's SwiGLU vector (100 KB) and two 64 KB stages do not fit in one block's 227 KB.
+        return (f"the decode megakernel needs {fixed + 2 * stage:,} bytes of shared memory "
+                f"per block for this model and the GPU has {shared_per_block:,}")
+    if math.ceil(cfg.hidden_size / blocks) > 512:
+        return "this model is too wide for the decode megakernel on this GPU"
+    return MegakernelLayout(count, stage, fixed, blocks, lm_rows)
 
 
 def unsupported_reason(config: Qwen3Config) -> str | None:
@@ -174,7 +222,9 @@ class CudaEngine(CacheBookkeeping):
             # A key/value row must fill whole 128-byte lines: within one launch a line read
             # before part of it is written may be served stale to the bulk copies.
             return f"head_dim {self.config.head_dim} is below the megakernel's 64"
-        return None
+        layout = megakernel_layout(self.config, self.device.max_shared_per_block_optin,
+                                   self.device.sm_count)
+        return layout if isinstance(layout, str) else None
 
     # ----------------------------------------------------------------------------- set-up
     def _load_kernels(self, notice: Callable[[str], None]) -> None:
@@ -565,30 +615,13 @@ class CudaEngine(CacheBookkeeping):
         if unknown:
             raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
                                 f"known: {', '.join(MEGAKERNEL_PARTS)}")
-        stage = MEGAKERNEL_STAGE_BYTES
-        blocks = min(device.sm_count, 512)  # one block per SM (its scratch holds 512)
-        # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
-        # input vector, the warps' attention partial sums, the block's LM-head logits and the
-        # sampler's histograms; then the table of layer pointers.
-        lm_rows = math.ceil(cfg.vocab_size / blocks)
-        union = max(MEGAKERNEL_HISTOGRAM_BYTES,
-                    4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
-                    4 * lm_rows,
-                    MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
-        fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
-        room = device.max_shared_per_block_optin - MEGAKERNEL_STATIC_SHARED - fixed
-        if room // stage < 3:
-            stage //= 2  # smaller GPUs: more, smaller stages
-        widest_row = 2 * max(cfg.hidden_size * 2, cfg.q_size, cfg.intermediate_size,
-                             2 * cfg.head_dim * 32)
-        while stage < widest_row:
-            stage *= 2
-        count = stages or min(16, room // stage)
-        if count < 2:
-            raise QwenchatError("the decode megakernel does not fit in this GPU's shared memory;"
-                                " use --decode layered")
-        defines = dict(kernel_defines(cfg), QW_MK_STAGES=count, QW_MK_STAGE_BYTES=stage,
-                       QW_MK_LM_ROWS=lm_rows, QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
+        layout = megakernel_layout(cfg, device.max_shared_per_block_optin, device.sm_count)
+        if isinstance(layout, str):
+            raise QwenchatError(f"{layout}; use --decode layered")
+        if stages:
+            layout = dataclasses.replace(layout, stages=stages)
+        count, stage, fixed, blocks = layout.stages, layout.stage_bytes, layout.fixed, layout.blocks
+        defines = dict(layout.defines(cfg), QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
         module = rt.Module(KernelCache().load("megakernel.cu", device.arch, defines,
                                               progress=notice))
         self._modules.append(module)
@@ -600,9 +633,6 @@ class CudaEngine(CacheBookkeeping):
             raise QwenchatError("the decode megakernel does not fit on this GPU; "
                                 "use --decode layered")
         self.mk_blocks = blocks
-        if math.ceil(cfg.hidden_size / self.mk_blocks) > 512:
-            raise QwenchatError("this model is too wide for the decode megakernel on this GPU; "
-                                "use --decode layered")
         # Chunks per kv head: enough for one item per block at long context.
         self.mk_splits = max(1, min(64, self.mk_blocks // cfg.num_key_value_heads))
         heads, hd = cfg.num_attention_heads, cfg.head_dim
