@@ -663,6 +663,36 @@ def test_switching_thinking_mode_takes_its_recommended_values(tmp_path, tiny_mod
     drive(app, scenario)
 
 
+def test_a_background_prefill_that_fails_costs_only_its_head_start(tmp_path, tiny_model_dir):
+    model = fake_model(tiny_model_dir, "Yes.")
+    engine = model.engine
+    app = make_app(tmp_path, model)
+    prefill = engine.prefill
+    failures = []
+
+    def failing_once(ids):
+        if not failures:
+            failures.append(len(ids))
+            raise RuntimeError("a step that went wrong")
+        prefill(ids)
+
+    async def scenario(pilot, screen):
+        await send(pilot, screen, "First")
+        await until(pilot, lambda: not screen.chat.preparing)
+        engine.truncate(0)  # the history to prefill again, as after opening this chat
+        engine.prefill = failing_once
+        screen.chat.start_preparing()  # its first step fails
+        await until(pilot, lambda: not screen.chat.preparing)
+        assert failures and screen.chat.prepared_tokens == 0
+        await send(pilot, screen, "Second")
+        assert [r.answer for r in replies(screen)] == ["Yes.", "Yes."]
+        stats = screen.chat.session.last_reply.stats  # the turn prefilled it all itself
+        assert stats.reused_tokens == 0 and stats.prefill_tokens == stats.prompt_tokens
+        assert stats.stop_reason == "eos"
+
+    drive(app, scenario)
+
+
 def test_the_thinking_switch_and_ctrl_t_together_settle_on_the_last_choice(tmp_path,
                                                                            tiny_model_dir):
     # Found by hand: the switch clicked while Ctrl+T's change was still being shown flipped

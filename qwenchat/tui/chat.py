@@ -47,7 +47,6 @@ class Chat:
         self._reply_before: Reply | None = None
         self._preparing: tuple[threading.Thread, threading.Event] | None = None
         self.prepared_tokens = 0  # what the last background prefill added (reports, tests)
-        self.prepare_error: Exception | None = None  # why it stopped early, if it failed
 
     @classmethod
     def open(cls, store: ChatStore, model: LoadedModel, chat_id: int,
@@ -98,10 +97,10 @@ class Chat:
     def _prepare(self, cancel: threading.Event) -> None:
         try:
             self.prepared_tokens = self.session.prepare_next_turn(cancel)
-        except Exception as exc:
+        except Exception:
             # Only a head start is lost: the next turn prefills what is missing itself, and
             # an engine that is really broken fails there, where the error is shown.
-            self.prepare_error = exc
+            self.prepared_tokens = 0
 
     # ------------------------------------------------------------------------------- turns
     def send(self, text: str, cancel: threading.Event,
