@@ -173,7 +173,8 @@ class ChatScreen(Screen[None]):
 
     def on_unmount(self) -> None:
         self._quiet_gc.end()
-        if self._reply is not None:  # however the app ends, the generation thread stops
+        self.chat.stop_preparing(timeout=0)  # however the app ends, background work stops,
+        if self._reply is not None:  # and so does the generation thread
             self._reply.cancel.set()
 
     @property
