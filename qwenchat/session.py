@@ -5,12 +5,19 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from qwenchat.engine.base import Engine, GenerateRequest, StopReason
 from qwenchat.errors import ContextFullError, UsageError
-from qwenchat.model.tokenizer import Message, PrefixReuse, StreamDecoder, Tokenizer, check_text
+from qwenchat.model.tokenizer import (
+    Message,
+    PrefixReuse,
+    StreamDecoder,
+    Tokenizer,
+    check_text,
+    shared_prefix_length,
+)
 from qwenchat.sampling.params import LiveParams
 
 DEFAULT_REPLY_RESERVE = 256  # tokens kept free for the reply when deciding to drop old turns
@@ -181,7 +188,7 @@ class ChatSession:
         from what the cache holds right after a reply.)"""
         context = self.context_messages()
         probes = [self._encode_chat([*context, Message("user", probe)]) for probe in ("1", "2")]
-        shared = _common_prefix(*probes)
+        shared = shared_prefix_length(*probes)
         # The next message's own header (<|im_start|>user ...) belongs to its turn.
         start = self.tokenizer.im_start_id
         headers = [i for i in range(shared) if probes[0][i] == start]
@@ -195,7 +202,7 @@ class ChatSession:
         target = self.history_ids()
         if len(target) + self._reply_reserve() > self.engine.capacity:
             return 0  # the next turn drops its oldest turns: a different prefix
-        done = _common_prefix(self.engine.tokens, target)
+        done = shared_prefix_length(self.engine.tokens, target)
         if done == len(target):
             return 0  # already there (an empty chat keeps the cache of the one before)
         self.engine.truncate(done)
@@ -219,7 +226,7 @@ class ChatSession:
             yield TurnsDropped(dropped, f"dropped the {dropped} oldest turn(s) to fit the "
                                         f"{self.engine.capacity}-token context")
         cached = self.engine.tokens
-        common = _common_prefix(cached, ids)
+        common = shared_prefix_length(cached, ids)
         common = min(common, len(ids) - 1)  # at least one token must run to give logits
         stats = ReplyStats(prompt_tokens=len(ids), reused_tokens=common,
                            prefill_tokens=len(ids) - common, capacity=self.engine.capacity)
@@ -308,21 +315,6 @@ def _append(reply: Reply, piece: TextPiece) -> None:
         reply.thinking += piece.text
     else:
         reply.answer += piece.text
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    a, b = list(a[:n]), list(b[:n])
-    if a == b:  # the usual case once the history is prefilled: one comparison in C
-        return n
-    lo, hi = 0, n - 1  # the answer is in [lo, hi]: binary search on C-speed slice compares
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _fresh_seed() -> int:

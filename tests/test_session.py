@@ -259,7 +259,7 @@ def test_an_empty_chat_leaves_the_cache_as_it_is(tiny_model_dir):
 
 
 def test_the_shared_prefix_of_two_token_lists_is_found_exactly():
-    from qwenchat.session import _common_prefix
+    from qwenchat.model.tokenizer import shared_prefix_length
 
     def by_hand(a, b):
         pairs = enumerate(zip(a, b, strict=False))
@@ -269,4 +269,4 @@ def test_the_shared_prefix_of_two_token_lists_is_found_exactly():
     for _ in range(2000):
         a = rng.integers(0, 3, rng.integers(0, 40)).tolist()
         b = a[: rng.integers(0, len(a) + 1)] + rng.integers(0, 3, rng.integers(0, 6)).tolist()
-        assert _common_prefix(a, b) == _common_prefix(b, a) == by_hand(a, b)
+        assert shared_prefix_length(a, b) == shared_prefix_length(b, a) == by_hand(a, b)

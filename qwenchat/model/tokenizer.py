@@ -166,12 +166,12 @@ class PrefixReuse:
     def encode(self, text: str) -> list[int]:
         chars, tokens, source = 0, 0, None
         for old_text, old_ids, old_cuts in self._recent:
-            shared = _shared_prefix_length(text, old_text)
+            shared = shared_prefix_length(text, old_text)
             i = bisect.bisect_right(old_cuts, (shared, len(old_ids) + 1)) - 1
             if i >= 0 and old_cuts[i][0] > chars:
                 (chars, tokens), source = old_cuts[i], (old_ids, old_cuts[: i + 1])
         rest_ids, rest_cuts = self._tokenizer.encode_with_cuts(text[chars:])
-        ids, cuts = list(rest_ids), [(c + chars, t + tokens) for c, t in rest_cuts]
+        ids, cuts = rest_ids, [(c + chars, t + tokens) for c, t in rest_cuts]
         if source is not None:
             ids = source[0][:tokens] + ids
             cuts = source[1] + cuts
@@ -179,8 +179,9 @@ class PrefixReuse:
         return list(ids)
 
 
-def _shared_prefix_length(a: str, b: str) -> int:
-    """How many leading characters two strings share (binary search on C-speed compares)."""
+def shared_prefix_length(a: Sequence, b: Sequence) -> int:
+    """How many leading items two sequences of one type (texts, id lists) share: a binary
+    search on C-speed slice compares, not a Python loop over a whole conversation."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -55,7 +55,6 @@ RESIDUAL_ROWS_PER_BLOCK = 8  # 8 warps x 1 row (gemv_residual_*)
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 GEMM_TILE = 128
 PREFILL_QUERIES_PER_BLOCK = 64
-PREFILL_KEYS_PER_TILE = 64  # PF_KV in attention.cu
 PREFILL_MAX_KEY_SPLITS = 16  # a few new tokens' attention split over the cached keys
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a merge
 DECODE_MAX_CHUNK = 256  # keys per flash-decoding block at most (attention.cu)
