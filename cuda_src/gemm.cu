@@ -3,7 +3,10 @@
 // (one row per output feature), so both operands are K-contiguous. 128x128 tiles, 8 warps of
 // 32x64, K steps of 32 staged through shared memory with cp.async double buffering, mma.sync
 // m16n8k16 with fp32 accumulators. K must be a multiple of 8 (16-byte rows); M and N are free.
+// FP8 weights (weights.cuh) are copied as codes and turned into bf16 tiles (code x block scale,
+// rounded) in shared memory before the same tensor-core loop; K is then a multiple of 16.
 #include "common.cuh"
+#include "weights.cuh"
 
 namespace {
 constexpr int BM = 128, BN = 128, BK = 32;
@@ -26,11 +29,47 @@ __device__ __forceinline__ void load_tile(bf16_t (*dst)[LDS], const bf16_t* __re
     }
 }
 
-template <int EPI>
-__device__ void gemm_bf16(const bf16_t* __restrict__ A, const bf16_t* __restrict__ B,
+// FP8 weight tile: 128 rows x 32 codes = 256 pieces of 16 bytes, one a thread, plus the scale
+// of the 128-column block the tile lies in (BK divides 128), returned for the conversion.
+__device__ __forceinline__ float load_tile_fp8(unsigned char (*dst)[BK], const unsigned char* src,
+                                               int rows, int K, int row0, int k0) {
+    const int r = threadIdx.x >> 1, c = (threadIdx.x & 1) * 16;
+    const int gr = row0 + r;
+    const bool ok = gr < rows && k0 + c < K;
+    const unsigned char* row = src + gr * row_bytes<true>(K);
+    cp_async_16(&dst[r][c], ok ? row + k0 + c : src, ok ? 16 : 0);
+    return ok ? reinterpret_cast<const float*>(row + K)[k0 / qw::FP8_BLOCK] : 0.f;
+}
+
+// This thread's 16 codes of the tile (its own copy, already waited for) as bf16 weights.
+__device__ __forceinline__ void convert_tile_fp8(bf16_t (*dst)[LDS],
+                                                 const unsigned char (*src)[BK], float scale) {
+    const int r = threadIdx.x >> 1, c = (threadIdx.x & 1) * 16;
+    const uint4 codes = *reinterpret_cast<const uint4*>(&src[r][c]);
+    const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
+    const float s = FP8_UNSCALE * scale;
+    unsigned packed[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float v[4];
+        e4m3x4(words[k], v);
+        packed[2 * k] = pack_bf16x2(v[0] * s, v[1] * s);
+        packed[2 * k + 1] = pack_bf16x2(v[2] * s, v[3] * s);
+    }
+    *reinterpret_cast<uint4*>(&dst[r][c]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    *reinterpret_cast<uint4*>(&dst[r][c + 8]) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+// B is a bf16 matrix, or with F8 the FP8 rows of weights.cuh: their codes are double-buffered
+// and converted into a single bf16 tile before each step's products.
+template <int EPI, bool F8>
+__device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__ Bv,
                           float* __restrict__ C, int M, int N, int K) {
     __shared__ __align__(16) bf16_t As[2][BM][LDS];
-    __shared__ __align__(16) bf16_t Bs[2][BN][LDS];
+    __shared__ __align__(16) bf16_t Bs[F8 ? 1 : 2][BN][LDS];
+    __shared__ __align__(16) unsigned char B8[F8 ? 2 : 1][F8 ? BN : 1][BK];
+    const bf16_t* B = static_cast<const bf16_t*>(Bv);
+    const unsigned char* B_codes = static_cast<const unsigned char*>(Bv);
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 64;
@@ -45,18 +84,26 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const bf16_t* __restrict
             for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
 
     const int tiles = (K + BK - 1) / BK;
+    float scale = 0.f, next_scale = 0.f;  // F8: the block scale of this step's tile, the next's
     load_tile(As[0], A, M, K, m0, 0);
-    load_tile(Bs[0], B, N, K, n0, 0);
+    if constexpr (F8) scale = load_tile_fp8(B8[0], B_codes, N, K, n0, 0);
+    else load_tile(Bs[0], B, N, K, n0, 0);
     cp_async_commit();
     for (int kt = 0; kt < tiles; ++kt) {
         const int s = kt & 1;
         if (kt + 1 < tiles) {
             load_tile(As[s ^ 1], A, M, K, m0, (kt + 1) * BK);
-            load_tile(Bs[s ^ 1], B, N, K, n0, (kt + 1) * BK);
+            if constexpr (F8) next_scale = load_tile_fp8(B8[s ^ 1], B_codes, N, K, n0, (kt + 1) * BK);
+            else load_tile(Bs[s ^ 1], B, N, K, n0, (kt + 1) * BK);
         }
         cp_async_commit();
         cp_async_wait<1>();
+        if constexpr (F8) {
+            convert_tile_fp8(Bs[0], B8[s], scale);
+            scale = next_scale;
+        }
         __syncthreads();
+        const int sb = F8 ? 0 : s;
 #pragma unroll
         for (int k16 = 0; k16 < BK; k16 += 16) {
             unsigned a[2][4], b[8][2];
@@ -71,8 +118,8 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const bf16_t* __restrict
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const int n = wn + j * 8 + g;
-                b[j][0] = ld_u32(&Bs[s][n][k16 + t * 2]);
-                b[j][1] = ld_u32(&Bs[s][n][k16 + 8 + t * 2]);
+                b[j][0] = ld_u32(&Bs[sb][n][k16 + t * 2]);
+                b[j][1] = ld_u32(&Bs[sb][n][k16 + 8 + t * 2]);
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i)
@@ -105,14 +152,14 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const bf16_t* __restrict
 }
 }  // namespace
 
-// C = A . B^T (fp32 out): Q/K/V and gate/up projections.
+// C = A . B^T (fp32 out): Q/K/V and gate/up projections (B in the model's weight format).
 extern "C" __global__ void __launch_bounds__(THREADS)
-    gemm_store(const bf16_t* A, const bf16_t* B, float* C, int M, int N, int K) {
-    gemm_bf16<STORE_F32>(A, B, C, M, N, K);
+    gemm_store(const bf16_t* A, const void* B, float* C, int M, int N, int K) {
+    gemm_bf16<STORE_F32, qw::fp8>(A, B, C, M, N, K);
 }
 
 // C += A . B^T (fp32 residual stream): o_proj and down_proj.
 extern "C" __global__ void __launch_bounds__(THREADS)
-    gemm_add(const bf16_t* A, const bf16_t* B, float* C, int M, int N, int K) {
-    gemm_bf16<ADD_F32>(A, B, C, M, N, K);
+    gemm_add(const bf16_t* A, const void* B, float* C, int M, int N, int K) {
+    gemm_bf16<ADD_F32, qw::fp8>(A, B, C, M, N, K);
 }

@@ -1,8 +1,10 @@
 // Per-token building blocks of a Qwen3 layer: embedding rows, RMSNorm, matrix-vector products
 // with 16-byte weight loads (decode), QK-norm + RoPE + KV-cache append, SwiGLU.
-// The residual stream is float32; weights and the KV cache are bf16.
+// The residual stream is float32; the KV cache is bf16; the linear layers' weights are bf16 or
+// FP8 (weights.cuh).
 #include "common.cuh"
 #include "qwen3.cuh"
+#include "weights.cuh"
 
 constexpr int GEMV_THREADS = 256;
 constexpr int GEMV_WARPS = GEMV_THREADS / 32;
@@ -33,26 +35,30 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const bf16_
         out[static_cast<long long>(row) * qw::hidden + j] = f32_to_bf16(xr[j] * rstd * bf16_to_f32(w[j]));
 }
 
-// Each warp computes ROWS dot products of W rows with a K-vector in shared memory. The weights
-// do not depend on the vector, so a lane's first loads for all its rows are issued before the
-// block prepares the vector (`prepare`, which ends with __syncthreads): the memory latency of
-// the weight stream overlaps the vector's preparation instead of following it.
-template <int K, int ROWS, typename Prepare>
-__device__ __forceinline__ void warp_rows_dot(const bf16_t* __restrict__ W, int rows, int row0,
-                                              const float* xs, Prepare prepare, float* result) {
+// Each warp computes ROWS dot products of W rows (format F8, weights.cuh) with a K-vector in
+// shared memory. The weights do not depend on the vector, so a lane's first loads for all its
+// rows are issued before the block prepares the vector (`prepare`, which ends with
+// __syncthreads): the memory latency of the weight stream overlaps the vector's preparation
+// instead of following it.
+template <int K, int ROWS, bool F8, typename Prepare>
+__device__ __forceinline__ void warp_rows_dot(const unsigned char* __restrict__ W, int rows,
+                                              int row0, const float* xs, Prepare prepare,
+                                              float* result) {
     const int lane = threadIdx.x & 31;
-    constexpr int STEPS = K / 8;  // 16-byte chunks per row
+    constexpr int PER = piece_values<F8>();
+    constexpr long long RB = row_bytes<F8>(K);
+    static_assert(K % PER == 0, "rows are whole 16-byte pieces");
+    constexpr int STEPS = K / PER;  // 16-byte pieces per row
     constexpr int PER_LANE = (STEPS + 31) / 32;
     constexpr int PRE = PER_LANE < 16 / ROWS ? PER_LANE : 16 / ROWS;  // <= 16 loads in flight
-    uint4 first[PRE][ROWS];
+    WeightPiece first[PRE][ROWS];
 #pragma unroll
     for (int p = 0; p < PRE; ++p)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int c = lane + p * 32, row = row0 + r;
-            first[p][r] = (row < rows && c < STEPS)
-                              ? reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c]
-                              : make_uint4(0, 0, 0, 0);
+            first[p][r] = (row < rows && c < STEPS) ? load_piece<F8, K>(W + row * RB, c)
+                                                    : no_piece();
         }
     prepare();
     float acc[ROWS];
@@ -63,19 +69,18 @@ __device__ __forceinline__ void warp_rows_dot(const bf16_t* __restrict__ W, int 
         const int c = lane + p * 32;
         if (c < STEPS) {
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) acc[r] += dot8(first[p][r], xs + c * 8);
+            for (int r = 0; r < ROWS; ++r) acc[r] += piece_dot<F8>(first[p][r], xs + c * PER);
         }
     }
     for (int c = lane + PRE * 32; c < STEPS; c += 32) {
-        uint4 w[ROWS];
+        WeightPiece w[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int row = row0 + r;
-            w[r] = row < rows ? reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K)[c]
-                              : make_uint4(0, 0, 0, 0);
+            w[r] = row < rows ? load_piece<F8, K>(W + row * RB, c) : no_piece();
         }
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[r] += dot8(w[r], xs + c * 8);
+        for (int r = 0; r < ROWS; ++r) acc[r] += piece_dot<F8>(w[r], xs + c * PER);
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) result[r] = warp_sum(acc[r]);
@@ -83,16 +88,16 @@ __device__ __forceinline__ void warp_rows_dot(const bf16_t* __restrict__ W, int 
 
 // out[r] = W[r, :] . (rmsnorm(x) * norm_w): fused norm + GEMV for Q/K/V, gate/up and the LM head.
 // Each block recomputes the norm of the K-vector (a few KB, from L2) instead of a separate kernel.
-template <int ROWS>
+template <int ROWS, bool F8>
 __device__ void rmsnorm_gemv(const float* __restrict__ x, const bf16_t* __restrict__ norm_w,
-                             const bf16_t* __restrict__ W, int rows, float eps,
+                             const void* __restrict__ W, int rows, float eps,
                              float* __restrict__ out) {
     __shared__ __align__(16) float xs[qw::hidden];
     __shared__ float scratch[32];
     const int warp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * GEMV_WARPS + warp) * ROWS;
     float result[ROWS];
-    warp_rows_dot<qw::hidden, ROWS>(W, rows, row0, xs, [&] {
+    warp_rows_dot<qw::hidden, ROWS, F8>(static_cast<const unsigned char*>(W), rows, row0, xs, [&] {
         float ss = 0.f;
         for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x) ss += x[j] * x[j];
         const float rstd = rsqrtf(block_sum(ss, scratch) / qw::hidden + eps);
@@ -107,16 +112,18 @@ __device__ void rmsnorm_gemv(const float* __restrict__ x, const bf16_t* __restri
     }
 }
 
+// Q/K/V and gate/up: the model's weight format.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    rmsnorm_gemv2(const float* x, const bf16_t* norm_w, const bf16_t* W, int rows, float eps,
+    rmsnorm_gemv2(const float* x, const bf16_t* norm_w, const void* W, int rows, float eps,
                   float* out) {
-    rmsnorm_gemv<2>(x, norm_w, W, rows, eps, out);
+    rmsnorm_gemv<2, qw::fp8>(x, norm_w, W, rows, eps, out);
 }
 
+// The LM head: bf16 in every format.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     rmsnorm_gemv4(const float* x, const bf16_t* norm_w, const bf16_t* W, int rows, float eps,
                   float* out) {
-    rmsnorm_gemv<4>(x, norm_w, W, rows, eps, out);
+    rmsnorm_gemv<4, false>(x, norm_w, W, rows, eps, out);
 }
 
 // The longest vector a residual GEMV stages in shared memory at once: 48 KB, all the static
@@ -127,21 +134,22 @@ constexpr int VEC_CHUNK = 12288;
 
 // x[row] += W[row, :] . v for a K-vector made chunk by chunk: `make(begin, count, xs)` writes
 // v[begin .. begin + count) to xs and returns; a barrier follows.
-template <int K, typename Make>
-__device__ __forceinline__ float warp_row_dot_chunked(const bf16_t* __restrict__ W, int rows,
-                                                      int row, float* xs, Make make) {
-    static_assert(VEC_CHUNK % 256 == 0, "a chunk is whole 16-byte steps of every lane");
+template <int K, bool F8, typename Make>
+__device__ __forceinline__ float warp_row_dot_chunked(const unsigned char* __restrict__ W,
+                                                      int rows, int row, float* xs, Make make) {
+    constexpr int PER = piece_values<F8>();
+    static_assert(VEC_CHUNK % (32 * PER) == 0, "a chunk is whole 16-byte pieces of every lane");
     const int lane = threadIdx.x & 31;
-    const uint4* w = reinterpret_cast<const uint4*>(W + static_cast<long long>(row) * K);
+    const unsigned char* w = W + row * row_bytes<F8>(K);
     float acc = 0.f;
     for (int begin = 0; begin < K; begin += VEC_CHUNK) {
         const int count = min(VEC_CHUNK, K - begin);
         if (begin > 0) __syncthreads();  // every warp is done with the last chunk
         make(begin, count, xs);
         __syncthreads();
-        const int steps = count / 8, first = begin / 8;
+        const int steps = count / PER, first = begin / PER;
         for (int c = lane; c < steps; c += 32)
-            if (row < rows) acc += dot8(w[first + c], xs + c * 8);
+            if (row < rows) acc += piece_dot<F8>(load_piece<F8, K>(w, first + c), xs + c * PER);
     }
     return warp_sum(acc);
 }
@@ -149,12 +157,12 @@ __device__ __forceinline__ float warp_row_dot_chunked(const bf16_t* __restrict__
 // x[r] += W[r, :] . v, where v is the attention output (o_proj). One row per warp: these
 // matrices have few rows (hidden_size), and more warps per row keep more loads in flight.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    gemv_residual_attn(const float* __restrict__ v, const bf16_t* __restrict__ W, int rows,
+    gemv_residual_attn(const float* __restrict__ v, const void* __restrict__ W, int rows,
                        float* __restrict__ x) {
     __shared__ __align__(16) float vs[qw::q_size];
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float result[1];
-    warp_rows_dot<qw::q_size, 1>(W, rows, row, vs, [&] {
+    warp_rows_dot<qw::q_size, 1, qw::fp8>(static_cast<const unsigned char*>(W), rows, row, vs, [&] {
         for (int j = threadIdx.x; j < qw::q_size; j += blockDim.x) vs[j] = v[j];
         __syncthreads();
     }, result);
@@ -163,19 +171,21 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 
 // x[r] += W[r, :] . (silu(gate) * up), with gu = [gate | up] (down_proj, SwiGLU fused in).
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    gemv_residual_swiglu(const float* __restrict__ gu, const bf16_t* __restrict__ W, int rows,
+    gemv_residual_swiglu(const float* __restrict__ gu, const void* __restrict__ W, int rows,
                          float* __restrict__ x) {
     constexpr int I = qw::intermediate;
     __shared__ __align__(16) float vs[I < VEC_CHUNK ? I : VEC_CHUNK];
+    const unsigned char* w = static_cast<const unsigned char*>(W);
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float result[1];
     if constexpr (I <= VEC_CHUNK) {  // in one piece, the weights' first loads ahead of it
-        warp_rows_dot<I, 1>(W, rows, row, vs, [&] {
+        warp_rows_dot<I, 1, qw::fp8>(w, rows, row, vs, [&] {
             for (int j = threadIdx.x; j < I; j += blockDim.x) vs[j] = silu(gu[j]) * gu[I + j];
             __syncthreads();
         }, result);
     } else {
-        result[0] = warp_row_dot_chunked<I>(W, rows, row, vs, [&](int begin, int count, float* xs) {
+        result[0] = warp_row_dot_chunked<I, qw::fp8>(w, rows, row, vs,
+                                                     [&](int begin, int count, float* xs) {
             for (int j = threadIdx.x; j < count; j += blockDim.x)
                 xs[j] = silu(gu[begin + j]) * gu[I + begin + j];
         });

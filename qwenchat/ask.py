@@ -32,6 +32,7 @@ class AskOptions:
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
     device: int = 0
     decode: str = "auto"
+    quantize: str = "none"
 
 
 # Byte-order marks honoured on stdin: UTF-8's is dropped, UTF-16's (as Windows tools write)
@@ -74,13 +75,15 @@ def check_overrides(overrides: dict[str, Any]) -> None:
 
 def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     check_overrides(options.overrides)
-    check_engine_flags(options.backend, options.ctx, options.device, options.decode)
+    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
+                       options.quantize)
     say = _stderr_line(err)
     load_started = time.perf_counter()
     model = open_model(options.model)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
     engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
-                           device=options.device, notice=say, decode=options.decode)
+                           device=options.device, notice=say, decode=options.decode,
+                           quantize=options.quantize)
     load_s = time.perf_counter() - load_started
     session = ChatSession(engine, model.tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think)
@@ -94,7 +97,8 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
         elif isinstance(event, Progress) and event.final:
             stats = event.stats
     if options.as_json:
-        record = {"model": model.spec, "backend": engine.name, "load_s": round(load_s, 4),
+        record = {"model": model.spec, "backend": engine.name, "weights": engine.weight_format,
+                  "load_s": round(load_s, 4),
                   **writer.result(), **stats.as_dict(), "params": params.as_dict()}
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:

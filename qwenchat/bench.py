@@ -26,9 +26,16 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from qwenchat.engine import Engine, GenerateRequest, Generation, create_engine
+from qwenchat.engine import (
+    Engine,
+    GenerateRequest,
+    Generation,
+    check_engine_flags,
+    create_engine,
+)
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.errors import UsageError
+from qwenchat.model import fp8
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.loader import open_model
@@ -94,8 +101,10 @@ def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
     return sizes
 
 
-def weight_bytes_per_step(config: Qwen3Config) -> int:
-    """bf16 weight bytes one decode step reads: every tensor once, the LM head in full.
+def weight_bytes_per_step(config: Qwen3Config, weight_format: str = "bf16") -> int:
+    """Weight bytes one decode step reads: every tensor once, the LM head in full; the linear
+    layers in `weight_format` (FP8: codes and block scales as the GPU stores them), the rest
+    (norms, LM head) in bf16.
 
     The embedding table counts only when it is the (tied) LM head: otherwise a step reads one
     row of it, which is negligible.
@@ -103,12 +112,14 @@ def weight_bytes_per_step(config: Qwen3Config) -> int:
     shapes = config.tensor_shapes()
     if not config.tie_word_embeddings:
         del shapes["model.embed_tokens.weight"]
-    return 2 * sum(math.prod(shape) for shape in shapes.values())
+    return sum(fp8.linear_bytes(shape, weight_format) if fp8.is_linear(name)
+               else 2 * math.prod(shape) for name, shape in shapes.items())
 
 
-def bytes_per_step(config: Qwen3Config, position: int) -> int:
+def bytes_per_step(config: Qwen3Config, position: int, weight_format: str = "bf16") -> int:
     """Weights plus the bf16 keys and values of `position` cached tokens."""
-    return weight_bytes_per_step(config) + config.kv_bytes_per_position() * position
+    return (weight_bytes_per_step(config, weight_format)
+            + config.kv_bytes_per_position() * position)
 
 
 @dataclass
@@ -127,6 +138,9 @@ class DecodeResult:
     tok_s: float | None = None
     gb_s: float | None = None  # bytes_per_step × tok_s, in 10^9 bytes per second
     copy_fraction: float | None = None  # of the measured copy bandwidth
+    # tok/s if bytes_per_step moved at the copy bandwidth, and if the weights were bf16
+    floor_tok_s: float | None = None
+    bf16_floor_tok_s: float | None = None
     skipped: str | None = None
 
 
@@ -153,6 +167,7 @@ class BenchResult:
     steps: int
     repeats: int
     sampler: str  # what chose the decoded tokens
+    weight_format: str  # of the linear layers, as the engine ran them
     weight_bytes_per_step: int
     kv_bytes_per_position: int
     copy_bandwidth_bytes_s: float | None
@@ -188,7 +203,8 @@ def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights:
         device=getattr(engine, "device_name", None), config=config,
         parameters=config.parameter_count(), ctx=engine.capacity, steps=settings.steps,
         repeats=settings.repeats, sampler=_sampler_name(settings),
-        weight_bytes_per_step=weight_bytes_per_step(config),
+        weight_format=engine.weight_format,
+        weight_bytes_per_step=weight_bytes_per_step(config, engine.weight_format),
         kv_bytes_per_position=config.kv_bytes_per_position(),
         copy_bandwidth_bytes_s=copy_bandwidth,
         peak_memory_bytes=_optional_call(engine, "peak_memory_bytes"),
@@ -219,9 +235,9 @@ def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
 
 def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
                     rng: np.random.Generator, copy_bandwidth: float | None) -> DecodeResult:
-    config = engine.config
+    config, weight_format = engine.config, engine.weight_format
     if position + settings.steps > engine.capacity:
-        return DecodeResult(position, bytes_per_step(config, position),
+        return DecodeResult(position, bytes_per_step(config, position, weight_format),
                             skipped=_no_room(settings.steps, engine.capacity))
     ids = _random_ids(rng, config, position)
     engine.truncate(0)
@@ -233,7 +249,8 @@ def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
             engine.truncate(position - 1)
             engine.prefill(ids[-1:])
         rates.append(_decode_rate(engine, settings.steps, settings.sampled))
-    return _decode_result(config, position, statistics.median(rates), copy_bandwidth)
+    return _decode_result(config, position, statistics.median(rates), copy_bandwidth,
+                          weight_format)
 
 
 def _decode_rate(engine: Engine, steps: int, sampled: bool = False) -> float:
@@ -249,11 +266,16 @@ def _decode_rate(engine: Engine, steps: int, sampled: bool = False) -> float:
 
 
 def _decode_result(config: Qwen3Config, position: int, tok_s: float,
-                   copy_bandwidth: float | None) -> DecodeResult:
-    nbytes = bytes_per_step(config, position)
+                   copy_bandwidth: float | None, weight_format: str = "bf16") -> DecodeResult:
+    """The rate beside its napkin math: the bytes the step actually reads (in the engine's
+    weight format), and the floors those bytes and bf16 weights would give."""
+    nbytes = bytes_per_step(config, position, weight_format)
     achieved = nbytes * tok_s
-    return DecodeResult(position, nbytes, tok_s, achieved / 1e9,
-                        achieved / copy_bandwidth if copy_bandwidth else None)
+    if not copy_bandwidth:
+        return DecodeResult(position, nbytes, tok_s, achieved / 1e9)
+    return DecodeResult(position, nbytes, tok_s, achieved / 1e9, achieved / copy_bandwidth,
+                        copy_bandwidth / nbytes,
+                        copy_bandwidth / bytes_per_step(config, position))
 
 
 def _no_room(steps: int, capacity: int) -> str:
@@ -532,6 +554,7 @@ class BenchOptions:
     as_json: bool = False
     compare_hf: bool = False
     decode: str = "auto"  # the CUDA engine's decode path
+    quantize: str = "none"  # "fp8": the linear layers quantized at load time
 
 
 def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -541,8 +564,8 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
 
     if options.config is not None and options.model is not None:
         raise UsageError("give --config (random weights) or --model (a checkpoint), not both")
-    if options.device < 0:
-        raise UsageError(f"--device must be a GPU index (0 or more); got {options.device}")
+    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
+                       options.quantize)
     settings = options.settings
     console = Console(file=err)
 
@@ -566,7 +589,7 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
         try:
             ctx = settings.default_ctx(config) if options.ctx is None else options.ctx
             engine = create_engine(options.backend, config, weights, ctx, device=options.device,
-                                   notice=say, decode=options.decode)
+                                   notice=say, decode=options.decode, quantize=options.quantize)
             try:
                 if isinstance(engine, ReferenceEngine):
                     say(CPU_WARNING)
@@ -612,12 +635,15 @@ def render(result: BenchResult, out: TextIO) -> None:
     from rich.table import Table
 
     console = Console(file=out, highlight=False)
+    if not console.is_terminal:  # a pipe or a log: room for every column, nothing cut short
+        console.width = 140
     console.print(
         f"{result.model} · {result.weights} weights · "
         f"{_count(result.parameters)} parameters\n"
         f"engine {result.engine} · device {result.device or '–'} · ctx {result.ctx} · "
         f"{result.steps} decode steps, {result.sampler}, median of {result.repeats} runs\n"
-        f"a decode step reads {_bytes(result.weight_bytes_per_step)} of bf16 weights + "
+        f"a decode step reads {_bytes(result.weight_bytes_per_step)} of "
+        f"{result.weight_format} weights{_bf16_beside(result)} + "
         f"{_bytes(result.kv_bytes_per_position)} of KV cache per cached position\n"
         f"copy bandwidth {_bandwidth(result.copy_bandwidth_bytes_s)} · peak GPU memory "
         f"{_bytes(result.peak_memory_bytes)}", markup=False, soft_wrap=True)
@@ -634,7 +660,12 @@ def render(result: BenchResult, out: TextIO) -> None:
     console.print(prefill)
 
     decode = Table(title="decode", title_justify="left")
-    for column in ("system", "position", "tok/s", "ms/token", "bytes/step", "GB/s", "of copy"):
+    columns = ["system", "position", "tok/s", "ms/token", "bytes/step", "GB/s", "of copy",
+               "floor"]
+    quantized = result.weight_format != "bf16"
+    if quantized:  # what the same step would reach at best with bf16 weights
+        columns.append("bf16 floor")
+    for column in columns:
         decode.add_column(column, justify="left" if column == "system" else "right")
     systems = [("qwenchat", result.decode, None)]
     systems += [(f"hf {t.variant}", t.decode, t.unavailable)
@@ -642,13 +673,17 @@ def render(result: BenchResult, out: TextIO) -> None:
     for system, rows, unavailable in systems:
         if unavailable:
             notes.append(f"{system} unavailable: {unavailable}")
-            decode.add_row(system, "–", "unavailable", "–", "–", "–", "–")
+            decode.add_row(system, "–", "unavailable", *["–"] * (len(columns) - 3))
         for d in rows:
             if d.skipped:
                 notes.append(f"{system} at position {d.position} skipped: {d.skipped}")
-            decode.add_row(system, str(d.position), _num(d.tok_s, ",.1f", "skipped"),
-                           _ms(1 / d.tok_s if d.tok_s else None), _bytes(d.bytes_per_step),
-                           _num(d.gb_s, ",.1f"), _num(d.copy_fraction, ".0%"))
+            cells = [system, str(d.position), _num(d.tok_s, ",.1f", "skipped"),
+                     _ms(1 / d.tok_s if d.tok_s else None), _bytes(d.bytes_per_step),
+                     _num(d.gb_s, ",.1f"), _num(d.copy_fraction, ".0%"),
+                     _num(d.floor_tok_s, ",.0f")]
+            if quantized:
+                cells.append(_num(d.bf16_floor_tok_s, ",.0f"))
+            decode.add_row(*cells)
     console.print(decode)
     for t in result.transformers:
         if t.unavailable is None:
@@ -657,6 +692,12 @@ def render(result: BenchResult, out: TextIO) -> None:
                          f"{_bytes(t.peak_memory_bytes)}")
     for note in notes:
         console.print(note, markup=False, soft_wrap=True)
+
+
+def _bf16_beside(result: BenchResult) -> str:
+    if result.weight_format == "bf16":
+        return ""
+    return f" (bf16: {_bytes(weight_bytes_per_step(result.config))})"
 
 
 def _num(value: float | None, spec: str, missing: str = "–") -> str:

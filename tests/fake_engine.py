@@ -23,6 +23,7 @@ class FakeEngine(CacheBookkeeping):
     "model" is a script."""
 
     name = "fake engine"
+    weight_format = "bf16"
     device_name = "Fake GPU 9000"
 
     def __init__(self, config: Qwen3Config, script: Sequence[int], capacity: int = 4096,

@@ -26,8 +26,8 @@ from qwenchat.bench import (
     weight_bytes_per_step,
 )
 from qwenchat.engine.reference import ReferenceEngine
-from qwenchat.model.checkpoint import bf16_bits_to_f32, f32_to_bf16_bits
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
 
@@ -289,3 +289,35 @@ def test_compare_hf_on_the_cpu_reports_transformers_eager(tiny_config_file):
     if not torch.cuda.is_available():
         assert eager["device"] == "CPU" and eager["dtype"] == "float32"
         assert "CUDA" in variants["static+compile"]["unavailable"]
+
+
+def test_fp8_steps_count_codes_and_scales_and_keep_the_bf16_floor_beside():
+    import io
+
+    from qwenchat.bench import render
+    from qwenchat.model.fp8 import Fp8Weights
+
+    config = PRESETS["qwen3-8b"]
+    h, i, q, kv = 4096, 12288, 32 * 128, 8 * 128
+    # Each row: its codes, then one float32 scale per 128 columns, padded to 16 bytes.
+    rows_of_h = (q + 2 * kv + 2 * i) * (h + 128)  # q, k, v, gate, up: 4096 columns
+    rows_of_q = h * (q + 128)  # o_proj
+    rows_of_i = h * (i + 384)  # down_proj
+    norms = 2 * (2 * h + 2 * 128)
+    layers = 36 * (rows_of_h + rows_of_q + rows_of_i + norms)
+    head_and_final = 2 * (config.vocab_size * h + h)
+    assert weight_bytes_per_step(config, "fp8") == layers + head_and_final
+    assert weight_bytes_per_step(config, "fp8") / weight_bytes_per_step(config) == pytest.approx(
+        0.555, abs=0.005)  # the bf16 LM head (1.2 GB) keeps it above a half
+    engine = _InstrumentedEngine(TIED, Fp8Weights(RandomWeights(TIED)), 32)
+    assert engine.weight_format == "fp8"
+    result = measure_engine(engine, BenchSettings(prompts=(4,), positions=(1,), steps=2,
+                                                  repeats=1), "tiny", "random")
+    d = result.decode[0]
+    assert d.bytes_per_step == bytes_per_step(TIED, 1, "fp8") < bytes_per_step(TIED, 1)
+    assert d.floor_tok_s == pytest.approx(2e9 / d.bytes_per_step)
+    assert d.bf16_floor_tok_s == pytest.approx(2e9 / bytes_per_step(TIED, 1))
+    text = io.StringIO()
+    render(result, text)
+    shown = text.getvalue()
+    assert "of fp8 weights (bf16: " in shown and "bf16 floor" in shown

@@ -15,8 +15,8 @@ from tiny_model import write_tiny_model
 
 from qwenchat.engine.base import GenerateRequest, StopReason
 from qwenchat.engine.reference import ReferenceEngine
-from qwenchat.model.checkpoint import bf16_bits_to_f32, f32_to_bf16_bits
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 from qwenchat.model.loader import open_model_dir
 from qwenchat.sampling.params import LiveParams, SamplingParams
 

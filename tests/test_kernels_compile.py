@@ -130,6 +130,24 @@ def test_every_kernel_compiles(kernel, arch, shape):
     assert cubin.startswith(ELF_MAGIC)
 
 
+# The kernels that read the linear layers' weights, built for FP8 ones (weights.cuh).
+FP8_KERNEL_FILES = ("gemm.cu", "layers.cu")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", FP8_KERNEL_FILES)
+def test_every_weight_kernel_compiles_for_fp8_weights(kernel, arch, shape):
+    cubin = compile_source(kernel, arch, kernel_defines(SHAPES[shape], "fp8"))
+    assert cubin.startswith(ELF_MAGIC)
+
+
+def test_fp8_weights_add_one_define():
+    config = PRESETS["qwen3-8b"]
+    assert kernel_defines(config, "fp8") == {**kernel_defines(config), "QW_FP8": 1}
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_kernel_compiles_with_an_in_memory_header(src, arch):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
 import numpy as np
 
-from qwenchat.model.checkpoint import f32_to_bf16_bits
+from qwenchat.model import fp8
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.floats import f32_to_bf16_bits, f32_to_e4m3
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 NON_SPECIAL_ADDED = ["<think>", "</think>"]
@@ -111,6 +113,8 @@ def random_tensors(config: Qwen3Config, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def encode_tensor(array: np.ndarray, dtype: str) -> bytes:
+    if dtype == "F8_E4M3":
+        return array.astype(np.uint8).tobytes()  # already e4m3 codes
     if dtype == "BF16":
         return f32_to_bf16_bits(array).tobytes()
     if dtype == "F16":
@@ -118,12 +122,15 @@ def encode_tensor(array: np.ndarray, dtype: str) -> bytes:
     return array.astype("<f4").tobytes()
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> None:
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray],
+                      dtype: str | dict[str, str]) -> None:
+    """One file; `dtype` is every tensor's, or a dtype per tensor name."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     blobs, offset = [], 0
     for name, array in tensors.items():
-        blob = encode_tensor(array, dtype)
-        header[name] = {"dtype": dtype, "shape": list(array.shape),
+        kind = dtype if isinstance(dtype, str) else dtype[name]
+        blob = encode_tensor(array, kind)
+        header[name] = {"dtype": kind, "shape": list(array.shape),
                         "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
@@ -136,31 +143,72 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) ->
             handle.write(blob)
 
 
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128]}
+
+
+def round_significand(values: np.ndarray, bits: int) -> np.ndarray:
+    """float32 values rounded to `bits` significant bits (toward zero)."""
+    mask = np.uint32((0xFFFFFFFF << (24 - bits)) & 0xFFFFFFFF)
+    return (np.ascontiguousarray(values, np.float32).view(np.uint32) & mask).view(np.float32)
+
+
+def fp8_tensors(tensors: dict[str, np.ndarray], scale_dtype: str = "BF16",
+                exact_in_bf16: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Tensors in Qwen's FP8 layout: each linear weight as e4m3 codes plus a
+    `_scale_inv` tensor of its 128 x 128 block scales; everything else in BF16.
+
+    With `exact_in_bf16` the scales keep 4 significant bits, so every code x scale (4 bits
+    times 4 bits) is exactly a bfloat16 number: a bf16 copy of the dequantized weights is then
+    the very same model, for comparisons with engines that cannot read FP8."""
+    out: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for name, weight in tensors.items():
+        if not fp8.is_linear(name):
+            out[name], dtypes[name] = weight, "BF16"
+            continue
+        codes, scales = fp8.quantize(weight)
+        if exact_in_bf16:
+            scales = round_significand(scales, 4)
+            safe = np.where(scales > 0, scales, np.float32(1))
+            codes = f32_to_e4m3(weight / fp8.expand_scales(safe, weight.shape))
+        out[name], dtypes[name] = codes, "F8_E4M3"
+        out[name + fp8.SCALE_SUFFIX], dtypes[name + fp8.SCALE_SUFFIX] = scales, scale_dtype
+    return out, dtypes
+
+
 def write_tiny_model(
     directory: Path,
     dtype: str = "BF16",
     shards: int = 1,
     seed: int = 0,
     tokenizer=None,
+    scale_dtype: str = "BF16",
     **config_overrides,
 ) -> Path:
-    """A complete model directory: config, weights, generation config, tokenizer, template."""
+    """A complete model directory: config, weights, generation config, tokenizer, template.
+    dtype "FP8" writes Qwen's FP8 layout (scales in `scale_dtype`)."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer or train_tokenizer()
     raw = tiny_config(**config_overrides)
     raw["vocab_size"] = max(raw["vocab_size"], tokenizer.get_vocab_size())
+    if dtype == "FP8":
+        raw.setdefault("quantization_config", FP8_QUANTIZATION)
     config = Qwen3Config.from_dict(raw)
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     tensors = random_tensors(config, seed)
+    dtypes: str | dict[str, str] = dtype
+    if dtype == "FP8":
+        tensors, dtypes = fp8_tensors(tensors, scale_dtype)
     if shards == 1:
-        write_safetensors(directory / "model.safetensors", tensors, dtype)
+        write_safetensors(directory / "model.safetensors", tensors, dtypes)
     else:
         names = list(tensors)
         weight_map = {}
         for k in range(shards):
             part = names[k::shards]
             filename = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-            write_safetensors(directory / filename, {n: tensors[n] for n in part}, dtype)
+            write_safetensors(directory / filename, {n: tensors[n] for n in part}, dtypes)
             weight_map.update({n: filename for n in part})
         index = {"metadata": {}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -181,4 +229,41 @@ def write_tiny_model(
         "chat_template": CHATML_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return directory
+
+
+def write_dequantized_copy(source: Path, directory: Path, dtype: str = "BF16") -> Path:
+    """The FP8 model at `source` as a plain checkpoint of its dequantized weights (no
+    quantization_config), tokenizer and all: what transformers can read."""
+    from qwenchat.model.loader import open_model_dir
+
+    shutil.copytree(source, directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    model = open_model_dir(source)
+    tensors = {name: model.checkpoint.float32(name) for name in model.config.tensor_shapes()}
+    model.close()
+    for old in directory.glob("model*.safetensors*"):
+        old.unlink()
+    write_safetensors(directory / "model.safetensors", tensors, dtype)
+    return directory
+
+
+def write_quantized_copy(source: Path, directory: Path, scale_dtype: str = "F32") -> Path:
+    """The model at `source` as an FP8 checkpoint made offline with the recipe `--quantize
+    fp8` applies at load time (scales as computed, not rounded)."""
+    from qwenchat.model.loader import open_model_dir
+
+    shutil.copytree(source, directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw["quantization_config"] = FP8_QUANTIZATION
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    model = open_model_dir(source)
+    tensors = {name: model.checkpoint.float32(name) for name in model.config.tensor_shapes()}
+    model.close()
+    for old in directory.glob("model*.safetensors*"):
+        old.unlink()
+    encoded, dtypes = fp8_tensors(tensors, scale_dtype, exact_in_bf16=False)
+    write_safetensors(directory / "model.safetensors", encoded, dtypes)
     return directory

@@ -8,6 +8,7 @@ from qwenchat.engine.base import Engine, GenerateRequest, Generation, StopReason
 from qwenchat.errors import BackendUnavailable, UsageError
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.fp8 import QUANTIZE_CHOICES, with_quantization
 
 BACKENDS = ("auto", "cuda", "cpu")
 DECODES = ("auto", "megakernel", "layered")  # the CUDA engine's decode paths
@@ -17,13 +18,16 @@ __all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
 
 
 def check_engine_flags(backend: str, ctx: int | None, device: int,
-                       decode: str = "auto") -> None:
-    """Validate --backend, --ctx, --device and --decode before anything is loaded, so mistakes
-    fail fast."""
+                       decode: str = "auto", quantize: str = "none") -> None:
+    """Validate --backend, --ctx, --device, --decode and --quantize before anything is loaded,
+    so mistakes fail fast."""
     if backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if decode not in DECODES:
         raise UsageError(f"--decode must be one of {', '.join(DECODES)}; got {decode!r}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise UsageError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}; "
+                         f"got {quantize!r}")
     if ctx is not None and ctx < 2:
         raise UsageError(f"--ctx must be at least 2 tokens; got {ctx}")
     if device < 0:
@@ -38,9 +42,12 @@ def create_engine(
     device: int = 0,
     notice: Callable[[str], None] = lambda _: None,
     decode: str = "auto",
+    quantize: str = "none",
 ) -> Engine:
-    """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`."""
-    check_engine_flags(backend, ctx, device, decode)
+    """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`.
+    `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does)."""
+    check_engine_flags(backend, ctx, device, decode, quantize)
+    weights = with_quantization(weights, quantize)
     if backend in ("auto", "cuda"):
         try:
             return _cuda_engine(config, weights, ctx, device, notice, decode)

@@ -60,6 +60,7 @@ class Generation:
 class Engine(Protocol):
     config: Qwen3Config
     name: str
+    weight_format: str  # of the linear layers, as the engine runs them: "bf16", "fp8", ...
 
     @property
     def position(self) -> int: ...

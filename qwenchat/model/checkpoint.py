@@ -19,18 +19,22 @@ from typing import Protocol
 import numpy as np
 
 from qwenchat.errors import ModelError
+from qwenchat.model import fp8
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-# On-disk dtype -> the NumPy dtype its bytes are viewed as (bf16 as raw 16-bit patterns).
+# On-disk dtype -> the NumPy dtype its bytes are viewed as (bf16 and e4m3 as raw bit patterns).
 DISK_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype("<u2"),
     "F16": np.dtype("<f2"),
     "F32": np.dtype("<f4"),
+    "F8_E4M3": np.dtype("u1"),
 }
+FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass(frozen=True)
@@ -43,24 +47,11 @@ class TensorEntry:
     nbytes: int
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """Round float32 to the nearest bfloat16 (ties to even), returned as uint16 bit patterns."""
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    nan = np.isnan(values)
-    out = rounded.astype(np.uint16)
-    out[nan] = 0x7FC0
-    return out
-
-
 class WeightSource(Protocol):
     """What an engine reads weights from: a checkpoint on disk, or random weights for bench."""
 
     config: Qwen3Config
+    weight_format: str  # of the linear layers: "bf16", "f16", "f32" or "fp8"
 
     def float32(self, name: str) -> np.ndarray: ...
 
@@ -93,19 +84,34 @@ class Checkpoint:
         array = np.frombuffer(buffer, DISK_DTYPES[entry.dtype], _numel(entry.shape), entry.offset)
         return array.reshape(entry.shape)
 
+    @property
+    def weight_format(self) -> str:
+        """How the linear layers are stored: "fp8" if any is, else their dtype ("bf16", ...)."""
+        linear = [e.dtype for n, e in self.entries.items() if fp8.is_linear(n)]
+        return "fp8" if "F8_E4M3" in linear else (linear[0] if linear else "BF16").lower()
+
     def float32(self, name: str) -> np.ndarray:
-        """The tensor upcast to float32 (a new array)."""
+        """The tensor upcast to float32 (a new array); FP8 weights dequantized."""
+        blocks = self.fp8_blocks(name)
+        if blocks is not None:
+            return fp8.dequantize(*blocks)
         array = self.raw(name)
         if self.entries[name].dtype == "BF16":
             return bf16_bits_to_f32(array)
         return array.astype(np.float32)
 
     def bf16_bits(self, name: str) -> np.ndarray:
-        """The tensor as bfloat16 bit patterns, rounding fp16/fp32 checkpoints."""
-        array = self.raw(name)
+        """The tensor as bfloat16 bit patterns, rounding fp16/fp32 (and dequantized FP8)."""
         if self.entries[name].dtype == "BF16":
-            return array
-        return f32_to_bf16_bits(array.astype(np.float32))
+            return self.raw(name)
+        return f32_to_bf16_bits(self.float32(name))
+
+    def fp8_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """An FP8 tensor's e4m3 codes (a view into the file) and its block scales as float32;
+        None for a tensor stored in any other dtype."""
+        if self.entries[name].dtype != "F8_E4M3":
+            return None
+        return self.raw(name), self._scales(name)
 
     def lm_head_name(self) -> str:
         if self.config.tie_word_embeddings:
@@ -125,6 +131,21 @@ class Checkpoint:
                 self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         return self._maps[path]
 
+    def _scales(self, name: str) -> np.ndarray:
+        """An FP8 tensor's block scales as float32, checked: a NaN, infinite or negative scale
+        (a damaged file) would silently poison every logit."""
+        scale_name = name + fp8.SCALE_SUFFIX
+        entry = self.entries[scale_name]
+        raw = self.raw(scale_name)
+        scales = bf16_bits_to_f32(raw) if entry.dtype == "BF16" else raw.astype(np.float32)
+        bad = ~(np.isfinite(scales) & (scales >= 0))
+        if bad.any():
+            i, j = (int(k) for k in np.argwhere(bad)[0])
+            raise ModelError(f"{entry.path}: tensor {scale_name} holds {scales[i, j]} at block "
+                             f"({i}, {j}); scales must be finite and not negative (a damaged "
+                             "file: download the model again)")
+        return scales
+
     def _validate(self) -> None:
         for name, shape in self.config.tensor_shapes().items():
             entry = self.entries.get(name)
@@ -136,6 +157,30 @@ class Checkpoint:
                     f"{entry.path}: tensor {name} has shape {list(entry.shape)}, "
                     f"config.json implies {list(shape)}"
                 )
+            if entry.dtype == "F8_E4M3":
+                self._validate_fp8(entry)
+
+    def _validate_fp8(self, entry: TensorEntry) -> None:
+        name, config_file = entry.name, self.directory / "config.json"
+        if not fp8.is_linear(name):
+            raise ModelError(f"{entry.path}: tensor {name} is F8_E4M3; only the linear layers "
+                             "(the *_proj weights) may be FP8")
+        if self.config.quantization != "fp8":
+            raise ModelError(f"{entry.path}: tensor {name} is F8_E4M3 but {config_file} "
+                             "declares no FP8 quantization_config (quant_method \"fp8\")")
+        scale = self.entries.get(name + fp8.SCALE_SUFFIX)
+        if scale is None:
+            raise ModelError(f"{entry.path}: FP8 tensor {name} has no scales "
+                             f"({name}{fp8.SCALE_SUFFIX} is missing)")
+        if scale.dtype not in FLOAT_DTYPES:
+            raise ModelError(f"{scale.path}: tensor {scale.name} has dtype {scale.dtype}; "
+                             "qwenchat reads BF16, F16 or F32 scales")
+        want = fp8.scale_shape(entry.shape)
+        if scale.shape != want:
+            raise ModelError(f"{scale.path}: tensor {scale.name} has shape {list(scale.shape)}, "
+                             f"but 128 x 128 blocks of the {list(entry.shape)} weight need "
+                             f"{list(want)}")
+        self._scales(name)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -206,7 +251,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             raise ModelError(f"{path}: tensor {name} has an invalid byte range [{begin}, {end}]")
         if dtype not in DISK_DTYPES:
             raise ModelError(f"{path}: tensor {name} has dtype {dtype}; "
-                             "qwenchat reads BF16, F16 and F32 checkpoints")
+                             "qwenchat reads BF16, F16, F32 and FP8 (F8_E4M3) checkpoints")
         expected = _numel(shape) * DISK_DTYPES[dtype].itemsize
         if end - begin != expected:
             raise ModelError(f"{path}: tensor {name} spans {end - begin} bytes but its shape "

@@ -26,6 +26,8 @@ class Qwen3Config:
     max_position_embeddings: int = 40_960
     tie_word_embeddings: bool = True
     torch_dtype: str = "bfloat16"
+    # "fp8" when config.json declares Qwen's fine-grained FP8 (quantization_config), else None.
+    quantization: str | None = None
 
     @property
     def q_size(self) -> int:
@@ -104,6 +106,7 @@ class Qwen3Config:
             values["tie_word_embeddings"] = tie
         if raw.get("dtype") is not None and raw.get("torch_dtype") is None:
             values["torch_dtype"] = str(raw["dtype"])
+        values["quantization"] = _quantization(raw.get("quantization_config"), source)
         theta = _rope_theta(raw)
         if theta is not None:
             values["rope_theta"] = theta
@@ -154,6 +157,38 @@ def _rope_theta(raw: dict[str, Any]) -> float | None:
     if raw.get("rope_theta") is not None:
         return float(raw["rope_theta"])
     return None
+
+
+FP8_BLOCK = [128, 128]
+
+
+def _quantization(spec: Any, source: str) -> str | None:
+    """"fp8" for Qwen's own FP8 layout (e4m3 weights, 128 x 128 blocks of scales, activations
+    unscaled); one line naming the field for any other quantization."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ModelError(f"{source}: quantization_config must be a JSON object")
+
+    def refuse(field: str, why: str) -> ModelError:
+        value = json.dumps(spec.get(field))
+        return ModelError(f"{source}: unsupported quantization_config.{field}={value} ({why})")
+
+    if spec.get("quant_method") != "fp8":
+        raise refuse("quant_method", "qwenchat reads unquantized checkpoints and Qwen's FP8 "
+                     "ones (\"fp8\"); use the model's bf16 release, with --quantize fp8 if "
+                     "you want FP8")
+    if spec.get("fmt", "e4m3") != "e4m3":
+        raise refuse("fmt", "FP8 weights must be e4m3")
+    if spec.get("activation_scheme", "dynamic") != "dynamic":
+        raise refuse("activation_scheme", "only \"dynamic\": qwenchat keeps activations "
+                     "unquantized and reads no activation scales")
+    if spec.get("weight_block_size") != FP8_BLOCK:
+        raise refuse("weight_block_size", "Qwen's FP8 checkpoints use [128, 128] blocks, the "
+                     "only size qwenchat reads")
+    if spec.get("scale_fmt") not in (None, "float"):
+        raise refuse("scale_fmt", "scales must be plain floating point")
+    return "fp8"
 
 
 def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:

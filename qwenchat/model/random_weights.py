@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 
-from qwenchat.model.checkpoint import bf16_bits_to_f32, f32_to_bf16_bits
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 
 TABLE_SIZE = 1 << 16  # one entry per value of a 16-bit index
 
@@ -30,6 +30,8 @@ class RandomWeights:
     N(0,1)/sqrt(fan_in), embedding and LM head N(0,1)/sqrt(hidden_size), so the logits of the
     final RMS-normed state are about N(0,1): finite, and neither flat nor one-hot.
     """
+
+    weight_format = "bf16"
 
     def __init__(self, config: Qwen3Config, seed: int = 0):
         self.config = config

@@ -69,7 +69,8 @@ def model_loader(options: ChatOptions) -> Loader:
                 notice(text)
 
         engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
-                               options.device, notice=engine_message, decode=options.decode)
+                               options.device, notice=engine_message, decode=options.decode,
+                               quantize=options.quantize)
         return LoadedModel(model.spec, model.directory, engine, model.tokenizer, model.eos_ids)
 
     return load

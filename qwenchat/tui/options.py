@@ -23,6 +23,7 @@ class ChatOptions:
     ctx: int | None = None
     device: int = 0
     decode: str = "auto"  # the CUDA engine's decode path
+    quantize: str = "none"  # "fp8": quantize the linear layers at load time
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
 
@@ -30,7 +31,8 @@ class ChatOptions:
 def check_chat_options(options: ChatOptions) -> None:
     """The same checks, and the same one-line errors, as `ask`: before the app starts."""
     check_overrides(options.overrides)
-    check_engine_flags(options.backend, options.ctx, options.device, options.decode)
+    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
+                       options.quantize)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.
     if looks_like_path(options.model) or Path(options.model).expanduser().exists():

@@ -38,14 +38,18 @@ class KernelCompileError(QwenchatError):
         self.log = log
 
 
-def kernel_defines(config: Qwen3Config) -> dict[str, int]:
-    """The model dimensions as the QW_* macros cuda_src/qwen3.cuh expects."""
-    return {"QW_HIDDEN": config.hidden_size,
-            "QW_INTERMEDIATE": config.intermediate_size,
-            "QW_HEADS": config.num_attention_heads,
-            "QW_KV_HEADS": config.num_key_value_heads,
-            "QW_HEAD_DIM": config.head_dim,
-            "QW_VOCAB": config.vocab_size}
+def kernel_defines(config: Qwen3Config, weight_format: str = "bf16") -> dict[str, int]:
+    """The model dimensions as the QW_* macros cuda_src/qwen3.cuh expects, and QW_FP8 for
+    FP8 linear layers (cuda_src/weights.cuh)."""
+    defines = {"QW_HIDDEN": config.hidden_size,
+               "QW_INTERMEDIATE": config.intermediate_size,
+               "QW_HEADS": config.num_attention_heads,
+               "QW_KV_HEADS": config.num_key_value_heads,
+               "QW_HEAD_DIM": config.head_dim,
+               "QW_VOCAB": config.vocab_size}
+    if weight_format == "fp8":
+        defines["QW_FP8"] = 1
+    return defines
 
 
 def _nvrtc() -> Any:

@@ -26,6 +26,7 @@ from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
 from qwenchat.errors import BackendUnavailable, QwenchatError
+from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import SamplingParams
@@ -129,14 +130,26 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int,
     return MegakernelLayout(count, stage, fixed, blocks, lm_rows)
 
 
-def unsupported_reason(config: Qwen3Config) -> str | None:
-    """Why the kernels cannot run this shape, or None (they need 16-byte aligned rows)."""
+def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str | None:
+    """Why the kernels cannot run this shape, or None (they need 16-byte aligned rows: 8 bf16
+    values, or 16 FP8 ones)."""
     if config.head_dim not in (16, 32, 64, 128, 256):
         return f"head_dim {config.head_dim} (the CUDA kernels need 16, 32, 64, 128 or 256)"
+    multiple = 16 if weight_format == "fp8" else 8
     for name in ("hidden_size", "intermediate_size"):
-        if getattr(config, name) % 8:
-            return f"{name} {getattr(config, name)} (the CUDA kernels need a multiple of 8)"
+        if getattr(config, name) % multiple:
+            return (f"{name} {getattr(config, name)} (the CUDA kernels need a multiple of "
+                    f"{multiple} for {weight_format} weights)")
     return None
+
+
+def weight_bytes(config: Qwen3Config, weight_format: str) -> int:
+    """GPU memory of the weights: linear layers in their format, everything else bf16."""
+    total = 0
+    for name, shape in config.tensor_shapes().items():
+        total += (fp8.linear_bytes(shape, weight_format) if fp8.is_linear(name)
+                  else 2 * math.prod(shape))
+    return total
 
 
 @dataclass
@@ -177,7 +190,9 @@ class CudaEngine(CacheBookkeeping):
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
-        reason = unsupported_reason(config)
+        # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8.
+        self.weight_format = "fp8" if getattr(weights, "weight_format", "") == "fp8" else "bf16"
+        reason = unsupported_reason(config, self.weight_format)
         if reason:
             raise BackendUnavailable(f"this model's {reason}; use --backend cpu")
         self.config = config
@@ -196,7 +211,7 @@ class CudaEngine(CacheBookkeeping):
                 raise
             self.close()
             free, total = self.device.mem_info()
-            need = 2 * config.parameter_count()
+            need = weight_bytes(config, self.weight_format)
             raise QwenchatError(
                 f"out of GPU memory: the weights need {need / 2**30:.2f} GiB and "
                 f"{self.device.name} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free; "
@@ -215,6 +230,8 @@ class CudaEngine(CacheBookkeeping):
             self._setup_megakernel(notice, megakernel_skip, megakernel_stages)
 
     def _megakernel_unusable(self) -> str | None:
+        if self.weight_format == "fp8":
+            return "the decode megakernel does not read FP8 weights yet"
         if not self.device.cooperative_launch:
             return "this GPU cannot launch cooperative kernels"
         if self.config.head_dim < 64:
@@ -228,7 +245,7 @@ class CudaEngine(CacheBookkeeping):
     # ----------------------------------------------------------------------------- set-up
     def _load_kernels(self, notice: Callable[[str], None]) -> None:
         cache = KernelCache()
-        defines = kernel_defines(self.config)
+        defines = kernel_defines(self.config, self.weight_format)
         self.k: dict[str, rt.Kernel] = {}
         for source, names in KERNELS.items():
             module = rt.Module(cache.load(source, self.device.arch, defines, progress=notice))
@@ -251,7 +268,12 @@ class CudaEngine(CacheBookkeeping):
             return buffer
 
         def rows(*names: str) -> rt.DeviceBuffer:
-            buffer = _upload_rows([weights.bf16_bits(n) for n in names])
+            """Linear layers, one after another, in the model's format (weights.cuh)."""
+            if self.weight_format == "fp8":
+                parts = [fp8.pack_rows(*weights.fp8(n)) for n in names]
+            else:
+                parts = [weights.bf16_bits(n) for n in names]
+            buffer = _upload_rows(parts)
             self._buffers.append(buffer)
             return buffer
 
@@ -264,10 +286,10 @@ class CudaEngine(CacheBookkeeping):
                          p + "self_attn.v_proj.weight"),
                 q_norm=one(p + "self_attn.q_norm.weight"),
                 k_norm=one(p + "self_attn.k_norm.weight"),
-                o=one(p + "self_attn.o_proj.weight"),
+                o=rows(p + "self_attn.o_proj.weight"),
                 post_norm=one(p + "post_attention_layernorm.weight"),
                 gate_up=rows(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=one(p + "mlp.down_proj.weight"),
+                down=rows(p + "mlp.down_proj.weight"),
             ))
         self.embed = one("model.embed_tokens.weight")
         self.final_norm = one("model.norm.weight")

@@ -148,7 +148,8 @@ class ChatScreen(Screen[None]):
         self.prompt = PromptInput(id="prompt", placeholder="Message qwenchat · Enter sends · "
                                   "Ctrl+J new line · /help")
         self.sampler = SamplerPanel(id="sampler")
-        self.status = StatusBar(model.engine.name, model.device_name, id="status")
+        self.status = StatusBar(model.engine.name, model.device_name,
+                                model.engine.weight_format, id="status")
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:

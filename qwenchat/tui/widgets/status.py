@@ -43,9 +43,10 @@ class KVGauge(Widget):
 
 
 class StatusBar(Horizontal):
-    def __init__(self, engine: str, device: str, id: str | None = None):
+    def __init__(self, engine: str, device: str, weights: str = "bf16", id: str | None = None):
         super().__init__(id=id)
         label = f"{engine} · {device}" if device not in engine else engine
+        label += f" · {weights} weights"
         self._engine = Static(label, id="engine", markup=False)
         self._activity = Static("", id="activity", markup=False)
         self._numbers = Static("", id="numbers", markup=False)

@@ -1,0 +1,85 @@
+// How the linear layers' weights sit in GPU memory, and one 16-byte piece of a weight row
+// dotted with its activations. Two formats, chosen per model when the kernels are compiled:
+//   bf16 (QW_FP8 = 0): a row is K bf16 values.
+//   FP8  (QW_FP8 = 1, Qwen's fine-grained layout): a row is its K e4m3 codes, then one float
+//        scale per 128 columns (the scale of the row's 128 x 128 block), padded to 16 bytes;
+//        a weight is code x scale. The scales ride with the row, so whatever streams rows
+//        (a warp's loads, a shared-memory stage) brings them along at 1/32 of the bytes.
+// The embedding and the LM head stay bf16 in both (Qwen's FP8 checkpoints keep them so).
+#pragma once
+#include "common.cuh"
+
+#ifndef QW_FP8
+#define QW_FP8 0
+#endif
+
+namespace qw {
+constexpr bool fp8 = QW_FP8 != 0;
+constexpr int FP8_BLOCK = 128;
+}  // namespace qw
+
+// Values in one 16-byte piece of a row.
+template <bool F8>
+__host__ __device__ constexpr int piece_values() {
+    return F8 ? 16 : 8;
+}
+
+// Bytes from one row to the next for K columns.
+template <bool F8>
+__host__ __device__ constexpr long long row_bytes(long long k) {
+    return F8 ? k + ((k + qw::FP8_BLOCK - 1) / qw::FP8_BLOCK * 4 + 15) / 16 * 16 : 2 * k;
+}
+
+// 2^120: an e4m3 code moved bit for bit into float32's fields (below) is its value times 2^-120.
+constexpr float FP8_UNSCALE = 1.329227995784916e36f;
+
+// The e4m3 code in the top byte of v as a float equal to its value x 2^-120: sign, exponent
+// and mantissa keep their bits, only their places change, so subnormal codes stay exact too.
+// Two integer instructions a value, on every architecture (sm_80 has no FP8 conversion).
+__device__ __forceinline__ float e4m3_top(unsigned v) {
+    return __uint_as_float((v & 0x80000000u) | ((v >> 4) & 0x07f00000u));
+}
+
+// The four codes of a word, lowest byte first, each x 2^-120.
+__device__ __forceinline__ void e4m3x4(unsigned w, float* out) {
+    out[0] = e4m3_top(w << 24);
+    out[1] = e4m3_top(w << 16);
+    out[2] = e4m3_top(w << 8);
+    out[3] = e4m3_top(w);
+}
+
+// Dot product of 16 FP8 codes (one 16-byte load) with 16 floats, x 2^-120.
+__device__ __forceinline__ float dot16_e4m3(const uint4 w, const float* x) {
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    float acc = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float v[4];
+        e4m3x4(words[k], v);
+        acc += v[0] * x[4 * k] + v[1] * x[4 * k + 1] + v[2] * x[4 * k + 2] + v[3] * x[4 * k + 3];
+    }
+    return acc;
+}
+
+// Piece c of a row with K columns, and (FP8) the scale of the block it lies in.
+struct WeightPiece {
+    uint4 w;
+    float scale;
+};
+
+template <bool F8, int K>
+__device__ __forceinline__ WeightPiece load_piece(const unsigned char* row, int c) {
+    WeightPiece p;
+    p.w = reinterpret_cast<const uint4*>(row)[c];
+    p.scale = F8 ? reinterpret_cast<const float*>(row + K)[c * 16 / qw::FP8_BLOCK] : 1.f;
+    return p;
+}
+
+__device__ __forceinline__ WeightPiece no_piece() { return {make_uint4(0, 0, 0, 0), 0.f}; }
+
+// The piece's weights dotted with x[0 .. piece_values).
+template <bool F8>
+__device__ __forceinline__ float piece_dot(const WeightPiece& p, const float* x) {
+    if constexpr (F8) return dot16_e4m3(p.w, x) * FP8_UNSCALE * p.scale;
+    else return dot8(p.w, x);
+}

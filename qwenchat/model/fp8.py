@@ -1,0 +1,134 @@
+"""Qwen's fine-grained FP8 weights: float8 e4m3 values in 128 × 128 blocks, one scale a block.
+
+A linear layer's weight is stored as e4m3 codes plus `<name>_scale_inv`, a (ceil(out/128),
+ceil(in/128)) tensor; the weight is code × its block's scale. The same recipe (absmax of the
+block / 448, rounded to nearest even) quantizes a bf16 checkpoint at load time
+(`--quantize fp8`). NumPy only: both engines use it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from qwenchat.model.floats import E4M3_MAX, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3
+
+if TYPE_CHECKING:
+    from qwenchat.model.checkpoint import WeightSource
+
+BLOCK = 128  # rows and columns of one scale block
+SCALE_SUFFIX = "_scale_inv"  # model.layers.0.mlp.up_proj.weight -> ...weight_scale_inv
+LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                   "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                   "mlp.up_proj.weight", "mlp.down_proj.weight")
+QUANTIZE_CHOICES = ("none", "fp8")
+
+
+def is_linear(name: str) -> bool:
+    """A projection inside a layer: the tensors FP8 checkpoints store as e4m3 (norms, the
+    embedding and the LM head keep the checkpoint's own dtype)."""
+    return name.startswith("model.layers.") and name.endswith(LINEAR_SUFFIXES)
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    rows, cols = shape
+    return math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
+
+
+def expand_scales(scales: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Each element's scale: the block scales repeated over their 128 × 128 blocks."""
+    rows, cols = shape
+    return np.repeat(np.repeat(scales, BLOCK, axis=0)[:rows], BLOCK, axis=1)[:, :cols]
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """code × its block's scale, in float32."""
+    out = e4m3_to_f32(codes)
+    for r in range(0, codes.shape[0], BLOCK):  # a band of blocks at a time: no full-size copy
+        out[r : r + BLOCK] *= np.repeat(scales[r // BLOCK], BLOCK)[: codes.shape[1]]
+    return out
+
+
+def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, scales) of a float32 matrix: each 128 × 128 block scaled so its largest
+    magnitude maps to 448, then rounded to e4m3. An all-zero block gets scale 0."""
+    rows, cols = weight.shape
+    scales = np.zeros(scale_shape(weight.shape), np.float32)
+    codes = np.empty(weight.shape, np.uint8)
+    padded_cols = scales.shape[1] * BLOCK
+    for b, r in enumerate(range(0, rows, BLOCK)):
+        band = np.zeros((min(BLOCK, rows - r), padded_cols), np.float32)
+        band[:, :cols] = weight[r : r + BLOCK]
+        blocks = band.reshape(band.shape[0], -1, BLOCK)
+        absmax = np.abs(blocks).max(axis=(0, 2))
+        scales[b] = absmax / np.float32(E4M3_MAX)
+        divisor = np.where(scales[b] > 0, scales[b], np.float32(1))
+        codes[r : r + BLOCK] = f32_to_e4m3(blocks / divisor[None, :, None]).reshape(
+            band.shape)[:, :cols]
+    return codes, scales
+
+
+class Fp8Weights:
+    """A WeightSource whose linear layers are FP8: the checkpoint's own blocks where it has
+    them, else its weights quantized at load time with the same recipe. Everything else
+    (norms, embedding, LM head) passes through as the checkpoint has it."""
+
+    weight_format = "fp8"
+
+    def __init__(self, source: WeightSource):
+        self.source = source
+        self.config = source.config
+
+    def fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(codes uint8 [out, in], scales float32 [ceil(out/128), ceil(in/128)])."""
+        own = getattr(self.source, "fp8_blocks", None)
+        blocks = own(name) if own is not None else None
+        return blocks if blocks is not None else quantize(self.source.float32(name))
+
+    def float32(self, name: str) -> np.ndarray:
+        return dequantize(*self.fp8(name)) if is_linear(name) else self.source.float32(name)
+
+    def bf16_bits(self, name: str) -> np.ndarray:
+        if is_linear(name):
+            return f32_to_bf16_bits(self.float32(name))
+        return self.source.bf16_bits(name)
+
+    def lm_head_name(self) -> str:
+        return self.source.lm_head_name()
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:
+    """The weights an engine runs: FP8 linears when asked (`--quantize fp8`) or when the
+    checkpoint holds any (a layer it left in bf16 is quantized too, so every linear layer has
+    one format), else the checkpoint as it is."""
+    if quantize_to == "fp8" or getattr(weights, "weight_format", None) == "fp8":
+        return weights if isinstance(weights, Fp8Weights) else Fp8Weights(weights)
+    return weights
+
+
+def packed_row_bytes(cols: int) -> int:
+    """Bytes of one row in the packed layout the GPU engine streams: the row's codes, then a
+    float32 scale per 128 columns (its block's), padded to 16 bytes."""
+    return cols + -(-4 * math.ceil(cols / BLOCK) // 16) * 16
+
+
+def pack_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(codes, block scales) as packed rows (uint8, rows x packed_row_bytes(cols))."""
+    rows, cols = codes.shape
+    out = np.zeros((rows, packed_row_bytes(cols)), np.uint8)
+    out[:, :cols] = codes
+    per_row = np.ascontiguousarray(np.repeat(scales.astype(np.float32), BLOCK, axis=0)[:rows])
+    out[:, cols : cols + 4 * scales.shape[1]] = per_row.view(np.uint8)
+    return out
+
+
+def linear_bytes(shape: tuple[int, ...], weight_format: str) -> int:
+    """Bytes a linear layer's weight occupies on the GPU in this format (bf16 for any
+    unquantized one: the GPU engine converts f16 and f32 checkpoints)."""
+    rows, cols = shape
+    return rows * (packed_row_bytes(cols) if weight_format == "fp8" else 2 * cols)

@@ -1,0 +1,141 @@
+"""FP8 weights on the GPU: Qwen's FP8 checkpoints and `--quantize fp8` against the NumPy
+reference on the same (dequantized) weights (GPU only; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_model import write_quantized_copy, write_tiny_model
+
+from qwenchat.engine.base import GenerateRequest
+from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.model.fp8 import Fp8Weights
+from qwenchat.model.loader import open_model_dir
+from qwenchat.sampling.params import LiveParams, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module", params=["BF16", "F32"])
+def fp8_dir(request, tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny FP8 checkpoint in Qwen's layout, scales in each dtype the published files use;
+    head_dim 64 so the megakernel could take it."""
+    return write_tiny_model(tmp_path_factory.mktemp(f"fp8-{request.param}") / "m", dtype="FP8",
+                            scale_dtype=request.param, tokenizer=tiny_tokenizer,
+                            max_position_embeddings=2048, head_dim=64)
+
+
+def engines(directory: Path, ctx: int | None = None, **kwargs):
+    from qwenchat.engine import create_engine
+
+    model = open_model_dir(directory)
+    gpu = create_engine("cuda", model.config, model.checkpoint, ctx, **kwargs)
+    ref = create_engine("cpu", model.config, model.checkpoint, ctx, **kwargs)
+    assert gpu.weight_format == ref.weight_format == "fp8"
+    return gpu, ref
+
+
+def greedy_against_the_reference(gpu, ref, steps: int) -> tuple[float, list[str]]:
+    """Greedy decode on the GPU with the reference following its tokens: the worst relative
+    logit error, and every step where the two chose differently (allowed only at an exact
+    near-tie of the reference's logits, which the list shows)."""
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=steps)),
+                              frozenset(), seed=0)
+    worst, ties = 0.0, []
+    for step, token in enumerate(gpu.generate(request)):
+        expected = ref.last_logits()
+        best = int(np.argmax(expected))
+        if token != best:
+            gap = float(expected[best] - expected[token])
+            assert gap <= 1e-3 * float(np.abs(expected).max()), (
+                f"step {step}: GPU chose {token}, the reference {best} by {gap:.4g}")
+            ties.append(f"step {step}: {token} vs {best}, logits {expected[token]:.6g} / "
+                        f"{expected[best]:.6g}")
+        worst = max(worst, rel_err(gpu.last_logits(), expected))
+        ref.prefill([token])
+    return worst, ties
+
+
+def test_fp8_prefill_logits_match_the_reference(fp8_dir):
+    gpu, ref = engines(fp8_dir, decode="layered")
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
+    assert rel_err(gpu.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
+    gpu.close()
+
+
+def test_fp8_greedy_decode_follows_the_reference_for_256_steps(fp8_dir):
+    gpu, ref = engines(fp8_dir, decode="layered")
+    prompt = [int(i) for i in np.random.default_rng(1).integers(0, 400, 40)]
+    gpu.prefill(prompt)
+    ref.prefill(prompt)
+    worst, ties = greedy_against_the_reference(gpu, ref, 256)
+    print(f"worst relative logit error {worst:.2e}; near-ties: {ties or 'none'}")
+    assert worst <= 2e-2
+    gpu.close()
+
+
+def test_quantize_fp8_on_the_gpu_equals_the_fp8_checkpoint_of_the_same_weights(
+        tiny_tokenizer, tmp_path):
+    plain = write_tiny_model(tmp_path / "bf16", tokenizer=tiny_tokenizer,
+                             max_position_embeddings=512, head_dim=64)
+    offline = write_quantized_copy(plain, tmp_path / "fp8")
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 400, 100)]
+    at_load, _ = engines(plain, quantize="fp8", decode="layered")
+    from_file, _ = engines(offline, decode="layered")
+    assert np.array_equal(at_load.prefill_logits(ids), from_file.prefill_logits(ids))
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=64)),
+                              frozenset(), seed=0)
+    assert list(at_load.generate(request)) == list(from_file.generate(request))
+    at_load.close()
+    from_file.close()
+
+
+def test_fp8_weights_take_about_half_the_memory_and_peak_stays_within_256_mib(fp8_dir):
+    from qwenchat.engine.cuda import runtime as rt
+    from qwenchat.engine.cuda.engine import weight_bytes
+
+    before = rt.allocated_bytes()
+    rt.reset_peak()
+    gpu, _ = engines(fp8_dir, ctx=1024, decode="layered")
+    assert gpu.weight_bytes == weight_bytes(gpu.config, "fp8") < weight_bytes(gpu.config, "bf16")
+    gpu.prefill(list(range(1, 300)))
+    list(gpu.generate(GenerateRequest(
+        LiveParams(SamplingParams(temperature=0.0, max_tokens=20)), frozenset(), seed=0)))
+    used = rt.peak_allocated_bytes() - before
+    assert used <= gpu.weight_bytes + gpu.kv_bytes + 256 * 2**20
+    gpu.close()
+
+
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-14b", "qwen3-32b"])
+def quantized_shape(request):
+    """Two layers of a real width, quantized at load time, and the reference on the same
+    FP8 weights."""
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS[request.param], num_hidden_layers=2)
+    weights = Fp8Weights(RandomWeights(config, seed=3))
+    return config, weights, ReferenceEngine(config, weights, ctx=256)
+
+
+def test_real_widths_in_fp8_prefill_and_decode_as_the_reference(quantized_shape):
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    config, weights, ref = quantized_shape
+    gpu = CudaEngine(config, weights, ctx=256, decode="layered")
+    try:
+        prompt = [int(i) for i in np.random.default_rng(4).integers(0, config.vocab_size, 24)]
+        ref.truncate(0)
+        assert rel_err(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
+        worst, ties = greedy_against_the_reference(gpu, ref, 32)
+        print(f"{config.hidden_size}: worst {worst:.2e}; near-ties: {ties or 'none'}")
+        assert worst <= 2e-2
+    finally:
+        gpu.close()
