@@ -26,6 +26,7 @@
 // QW_MK_SKIP leaves parts out, for timing only (the results are then wrong): 1 weight copies,
 // 2 attention, 4 the waits for other blocks' values, 8 sampling.
 #include "sampling.cuh"
+#include "weights.cuh"
 
 #ifndef QW_MK_STAGES
 #define QW_MK_STAGES 4
@@ -62,16 +63,24 @@ __host__ __device__ constexpr int nseg(int k) {
     return (k + 1023) / 1024 < WARPS ? (k + 1023) / 1024 : WARPS;
 }
 __host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
-__host__ __device__ constexpr int rows_per_stage(int k) { return STAGE / (2 * k); }
-constexpr int PAIRS_PER_STAGE = STAGE / (4 * qw::hidden);  // gate/up rows, both halves
+// Rows of K columns in a stage, for the model's weight format (F8 = qw::fp8) or bf16 (the LM
+// head). An FP8 row carries its block scales after its codes (weights.cuh).
+template <bool F8 = qw::fp8>
+__host__ __device__ constexpr int rows_per_stage(int k) {
+    return static_cast<int>(STAGE / row_bytes<F8>(k));
+}
+constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves
+    static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden)));
 constexpr int KEYS = STAGE / (4 * HD);                      // keys (K and V rows) per stage
 constexpr int RED = 1024;                                   // segment sums kept per stage
 
 static_assert(STAGE % 128 == 0, "stages are 128-byte aligned");
 static_assert(rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
-                  rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1,
+                  rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
+                  rows_per_stage<false>(qw::hidden) >= 1,
               "QW_MK_STAGE_BYTES must hold a whole weight row (and a gate/up pair)");
 static_assert(rows_per_stage(qw::hidden) * nseg(qw::hidden) <= RED &&
+                  rows_per_stage<false>(qw::hidden) * nseg(qw::hidden) <= RED &&
                   rows_per_stage(qw::q_size) * nseg(qw::q_size) <= RED &&
                   rows_per_stage(qw::intermediate) * nseg(qw::intermediate) <= RED &&
                   2 * PAIRS_PER_STAGE * nseg(qw::hidden) <= RED,
@@ -105,13 +114,13 @@ constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most
 
 struct MegaLayer {
     const bf16_t* input_norm;
-    const bf16_t* qkv;
+    const unsigned char* qkv;  // the linear layers: rows in the model's format (weights.cuh)
     const bf16_t* q_norm;
     const bf16_t* k_norm;
-    const bf16_t* o;
+    const unsigned char* o;
     const bf16_t* post_norm;
-    const bf16_t* gate_up;
-    const bf16_t* down;
+    const unsigned char* gate_up;
+    const unsigned char* down;
     bf16_t* k_cache;
     bf16_t* v_cache;
 };
@@ -312,7 +321,7 @@ __device__ __forceinline__ MegaLayer* layer_table() {
 }
 
 __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
-    if (layer == a.num_layers) return range_tiles(qw::vocab, rows_per_stage(qw::hidden));
+    if (layer == a.num_layers) return range_tiles(qw::vocab, rows_per_stage<false>(qw::hidden));
     switch (phase) {
         case QKV: return range_tiles(QKV_ROWS, rows_per_stage(qw::hidden));
         case ATTN: {
@@ -358,29 +367,33 @@ __device__ TileSource tile_source(const MegaArgs& a) {
     const Cursor c = producer.c;
     TileSource s{nullptr, nullptr, 0, 0, 0, true};
     int lo, hi;
-    auto rows = [&](const bf16_t* w, int n, int k) {
-        const int per = rows_per_stage(k);
+    // n rows of k columns, each `bytes` long, `per` to a stage
+    auto rows = [&](const void* w, int n, long long bytes, int per) {
         block_range(n, lo, hi);
         const int r0 = lo + c.t * per, r1 = min(hi, r0 + per);
-        s.src0 = w + static_cast<long long>(r0) * k;
-        s.bytes0 = static_cast<unsigned>((r1 - r0) * k * 2);
+        s.src0 = static_cast<const unsigned char*>(w) + r0 * bytes;
+        s.bytes0 = static_cast<unsigned>((r1 - r0) * bytes);
+    };
+    auto linear = [&](const unsigned char* w, int n, int k) {
+        rows(w, n, row_bytes<qw::fp8>(k), rows_per_stage(k));
     };
     if (c.layer == a.num_layers) {
-        rows(a.lm_head, qw::vocab, qw::hidden);
+        rows(a.lm_head, qw::vocab, row_bytes<false>(qw::hidden), rows_per_stage<false>(qw::hidden));
         return s;
     }
     const MegaLayer& L = layer_table()[c.layer];
     switch (c.phase) {
-        case QKV: rows(L.qkv, QKV_ROWS, qw::hidden); break;
-        case OPROJ: rows(L.o, qw::hidden, qw::q_size); break;
-        case DOWN: rows(L.down, qw::hidden, qw::intermediate); break;
+        case QKV: linear(L.qkv, QKV_ROWS, qw::hidden); break;
+        case OPROJ: linear(L.o, qw::hidden, qw::q_size); break;
+        case DOWN: linear(L.down, qw::hidden, qw::intermediate); break;
         case GATEUP: {
+            constexpr long long RB = row_bytes<qw::fp8>(qw::hidden);
             block_range(qw::intermediate, lo, hi);
             const int r0 = lo + c.t * PAIRS_PER_STAGE, r1 = min(hi, r0 + PAIRS_PER_STAGE);
-            s.src0 = L.gate_up + static_cast<long long>(r0) * qw::hidden;
-            s.src1 = L.gate_up + static_cast<long long>(qw::intermediate + r0) * qw::hidden;
-            s.bytes0 = s.bytes1 = static_cast<unsigned>((r1 - r0) * qw::hidden * 2);
-            s.offset1 = PAIRS_PER_STAGE * qw::hidden * 2;
+            s.src0 = L.gate_up + r0 * RB;
+            s.src1 = L.gate_up + (qw::intermediate + r0) * RB;
+            s.bytes0 = s.bytes1 = static_cast<unsigned>((r1 - r0) * RB);
+            s.offset1 = static_cast<unsigned>(PAIRS_PER_STAGE * RB);
             break;
         }
         default: {  // ATTN: find the item and the stage within it
@@ -624,15 +637,23 @@ __device__ __forceinline__ void load_plain(Vec<K>& out, const tagged_t* src, uns
     }
 }
 
-// The warp's partial dot product of one weight row in shared memory with its vector segment.
-template <int K>
-__device__ __forceinline__ float row_dot(const bf16_t* row, const Vec<K>& v) {
+// The warp's partial dot product of one weight row in shared memory with its vector segment:
+// 8 values a chunk, 16 bytes of bf16 or 8 FP8 codes times their block's scale.
+template <int K, bool F8>
+__device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>& v) {
     const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
     float acc = 0.f;
 #pragma unroll
     for (int q = 0; q < cpl(K); ++q) {
         const int c = seg * cpl(K) * 32 + lane + 32 * q;
-        if (c < chunks(K)) acc += dot8(reinterpret_cast<const uint4*>(row)[c], v.v[q]);
+        if (c < chunks(K)) {
+            if constexpr (F8) {
+                const float scale = reinterpret_cast<const float*>(row + K)[c * 8 / qw::FP8_BLOCK];
+                acc += dot8_e4m3(reinterpret_cast<const uint2*>(row)[c], v.v[q]) * FP8_UNSCALE * scale;
+            } else {
+                acc += dot8(reinterpret_cast<const uint4*>(row)[c], v.v[q]);
+            }
+        }
     }
     return warp_sum(acc);
 }
@@ -641,13 +662,14 @@ __device__ __forceinline__ float row_dot(const bf16_t* row, const Vec<K>& v) {
 // segment. Row lo + i belongs to thread i % THREADS, which calls `pre(row)` when the row's
 // stage is waited for (to start loads the emit will need) and `emit(row, sum, up, pre)` after
 // the stage is released. With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE rows)
-// the matching up rows, and `up` is the up row's sum. Not inlined: each phase gets all the
-// registers.
-template <int K, bool PAIRS, typename Load, typename Pre, typename Emit>
+// the matching up rows, and `up` is the up row's sum. F8: the rows are in the model's weight
+// format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
+template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
 __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
                                         float* red, Load load, Pre pre, Emit emit) {
     constexpr int NSEG = nseg(K), GROUPS = WARPS / NSEG;
-    constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage(K);
+    constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+    constexpr long long RB = row_bytes<F8>(K);
     static_assert(PER <= THREADS, "a stage holds more rows than the block has threads");
     Vec<K> v;
     load(v);
@@ -660,11 +682,11 @@ __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, i
         const bool has_row = mine < r0 + n;
         const int extra = has_row ? pre(mine) : 0;
         float* sums = red + (consumed & 1) * RED;
-        const bf16_t* tile = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
+        const unsigned char* tile = pipe_wait(consumed);
         if (group < GROUPS) {
             for (int r = group; r < (PAIRS ? 2 * PER : n); r += GROUPS) {
                 if (PAIRS && r % PER >= n) continue;
-                const float d = row_dot<K>(tile + static_cast<long long>(r) * K, v);
+                const float d = row_dot<K, F8>(tile + r * RB, v);
                 if ((threadIdx.x & 31) == 0) sums[r * NSEG + seg] = d;
             }
         }
@@ -1248,7 +1270,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             // (The last block wrote this step's parameters before any output of its that the
             // x below depends on.)
             load_params(&step_params, a.params + (i & 1));
-            rows_phase<qw::hidden, false>(
+            rows_phase<qw::hidden, false, false>(
                 a, consumed, qw::vocab, red,
                 [&](Vec<qw::hidden>& v) {
                     load_normed<qw::hidden>(v, a.x, nullptr, best_tag - 1u, a.final_norm, a.eps);

@@ -83,3 +83,12 @@ __device__ __forceinline__ float piece_dot(const WeightPiece& p, const float* x)
     if constexpr (F8) return dot16_e4m3(p.w, x) * FP8_UNSCALE * p.scale;
     else return dot8(p.w, x);
 }
+
+// Dot product of 8 FP8 codes (an 8-byte load) with 8 floats, x 2^-120.
+__device__ __forceinline__ float dot8_e4m3(const uint2 w, const float* x) {
+    float lo[4], hi[4];
+    e4m3x4(w.x, lo);
+    e4m3x4(w.y, hi);
+    return lo[0] * x[0] + lo[1] * x[1] + lo[2] * x[2] + lo[3] * x[3] + hi[0] * x[4] +
+           hi[1] * x[5] + hi[2] * x[6] + hi[3] * x[7];
+}

@@ -93,8 +93,9 @@ class MegakernelLayout:
     blocks: int  # one per SM
     lm_rows: int  # LM-head rows per block
 
-    def defines(self, config: Qwen3Config) -> dict[str, int | float]:
-        return dict(kernel_defines(config), QW_MK_STAGES=self.stages,
+    def defines(self, config: Qwen3Config,
+                weight_format: str = "bf16") -> dict[str, int | float]:
+        return dict(kernel_defines(config, weight_format), QW_MK_STAGES=self.stages,
                     QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows)
 
 
@@ -230,8 +231,6 @@ class CudaEngine(CacheBookkeeping):
             self._setup_megakernel(notice, megakernel_skip, megakernel_stages)
 
     def _megakernel_unusable(self) -> str | None:
-        if self.weight_format == "fp8":
-            return "the decode megakernel does not read FP8 weights yet"
         if not self.device.cooperative_launch:
             return "this GPU cannot launch cooperative kernels"
         if self.config.head_dim < 64:
@@ -642,7 +641,8 @@ class CudaEngine(CacheBookkeeping):
         if stages:
             layout = dataclasses.replace(layout, stages=stages)
         count, stage, fixed, blocks = layout.stages, layout.stage_bytes, layout.fixed, layout.blocks
-        defines = dict(layout.defines(cfg), QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
+        defines = dict(layout.defines(cfg, self.weight_format),
+                       QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
         module = rt.Module(KernelCache().load("megakernel.cu", device.arch, defines,
                                               progress=notice))
         self._modules.append(module)
