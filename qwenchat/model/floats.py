@@ -43,15 +43,20 @@ def e4m3_to_f32(codes: np.ndarray) -> np.ndarray:
 def f32_to_e4m3(values: np.ndarray) -> np.ndarray:
     """The nearest e4m3 codes (ties to even), saturating at ±448; NaN stays NaN."""
     v = np.ascontiguousarray(values, dtype=np.float32)
-    magnitude = np.abs(v)
-    bits = magnitude.view(np.uint32)
+    bits = v.view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
     # Normal range: keep 3 of float32's 23 mantissa bits, rounding to nearest even, and
     # re-bias the exponent (127 -> 7); a carry out of the mantissa bumps the exponent as it
     # should. Below 2^-6 the steps are 2^-9 apart (rint is round-half-even; 8 steps is the
-    # smallest normal, code 8, so the two ranges meet).
-    rounded = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20).astype(np.int64) - ((127 - 7) << 3)
-    small = magnitude < 2.0**-6
-    subnormal = np.rint(np.where(small, magnitude, 0) * np.float32(512)).astype(np.int64)
-    code = np.clip(np.where(small, subnormal, rounded), 0, 0x7E)
-    code[np.isnan(magnitude)] = 0x7F
-    return (code | (np.signbit(v).astype(np.int64) << 7)).astype(np.uint8)
+    # smallest normal, code 8, so the two ranges meet). 32-bit integers throughout: this runs
+    # over every weight of a model quantized at load time.
+    rounded = (magnitude + np.uint32(0x7FFFF) + ((magnitude >> 20) & np.uint32(1))) >> 20
+    code = rounded.view(np.int32) - np.int32((127 - 7) << 3)
+    small = magnitude < np.uint32(0x3C800000)  # 2^-6
+    if small.any():
+        tiny = magnitude[small].view(np.float32) * np.float32(512)
+        code[small] = np.rint(tiny).astype(np.int32)
+    np.clip(code, 0, 0x7E, out=code)
+    code[magnitude > np.uint32(0x7F800000)] = 0x7F  # NaN
+    code |= (bits >> 31).view(np.int32) << 7
+    return code.astype(np.uint8)

@@ -9,6 +9,8 @@ block / 448, rounded to nearest even) quantizes a bf16 checkpoint at load time
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,20 +55,26 @@ def dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codes, scales) of a float32 matrix: each 128 × 128 block scaled so its largest
-    magnitude maps to 448, then rounded to e4m3. An all-zero block gets scale 0."""
+    magnitude maps to 448, then rounded to e4m3. An all-zero block gets scale 0.
+
+    Bands of 128 rows are independent and NumPy lets go of the GIL inside them, so they run
+    on every core: `--quantize fp8` converts every weight of the model at load time."""
     rows, cols = weight.shape
     scales = np.zeros(scale_shape(weight.shape), np.float32)
     codes = np.empty(weight.shape, np.uint8)
-    padded_cols = scales.shape[1] * BLOCK
-    for b, r in enumerate(range(0, rows, BLOCK)):
-        band = np.zeros((min(BLOCK, rows - r), padded_cols), np.float32)
-        band[:, :cols] = weight[r : r + BLOCK]
-        blocks = band.reshape(band.shape[0], -1, BLOCK)
-        absmax = np.abs(blocks).max(axis=(0, 2))
-        scales[b] = absmax / np.float32(E4M3_MAX)
+
+    def band(b: int) -> None:
+        r = b * BLOCK
+        part = np.zeros((min(BLOCK, rows - r), scales.shape[1] * BLOCK), np.float32)
+        part[:, :cols] = weight[r : r + BLOCK]
+        blocks = part.reshape(part.shape[0], -1, BLOCK)
+        scales[b] = np.abs(blocks).max(axis=(0, 2)) / np.float32(E4M3_MAX)
         divisor = np.where(scales[b] > 0, scales[b], np.float32(1))
-        codes[r : r + BLOCK] = f32_to_e4m3(blocks / divisor[None, :, None]).reshape(
-            band.shape)[:, :cols]
+        blocks /= divisor[None, :, None]
+        codes[r : r + BLOCK] = f32_to_e4m3(part)[:, :cols]
+
+    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:
+        list(pool.map(band, range(scales.shape[0])))
     return codes, scales
 
 
