@@ -12,6 +12,9 @@ PACKAGES = ("numpy", "tokenizers", "safetensors", "jinja2", "huggingface_hub", "
             "typer", "rich", "textual", "cuda-python", "cuda-bindings", "torch", "transformers")
 
 Section = tuple[str, list[tuple[str, str]]]
+WEIGHT_FORMATS = ("bf16 (f16 and f32 checkpoints are converted to it); fp8: Qwen's FP8 "
+                  "checkpoints (e4m3, 128 x 128 blocks) and any checkpoint with --quantize fp8, "
+                  "converted in registers on sm_80 and newer")
 
 
 def gather() -> list[Section]:
@@ -45,6 +48,7 @@ def _gpu() -> Section:
                      f"{gpu.total_memory / 2**30:.1f} GiB, {gpu.sm_count} SMs"))
     rows.extend(("problem", p) for p in found.problems)
     rows.append(("cuda backend", "usable" if found.usable else "not usable: CPU fallback"))
+    rows.append(("weight formats", WEIGHT_FORMATS))
     return "GPU", rows
 
 

@@ -218,7 +218,8 @@ def test_python_dash_m_runs_the_same_cli():
 def test_info_reports_gpu_status_and_locations(isolated_home):
     result = qwenchat("info", env={"XDG_CACHE_HOME": str(isolated_home / "cache")})
     assert result.returncode == 0, result.stderr
-    for heading in ("Software", "GPU", "Locations", "cuda backend", "compiled kernels"):
+    for heading in ("Software", "GPU", "Locations", "cuda backend", "compiled kernels",
+                    "weight formats"):
         assert heading in result.stdout
     assert str(isolated_home / "cache") in "".join(result.stdout.split())
 
