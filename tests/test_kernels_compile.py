@@ -113,39 +113,24 @@ def test_every_define_becomes_one_sorted_option():
         compiler.compile_options("sm_90", {"A B": 1})
 
 
+# The kernels that read the linear layers' weights are also built for FP8 ones (weights.cuh).
+FP8_KERNEL_FILES = ("gemm.cu", "layers.cu", "megakernel.cu")
+BUILDS = [(k, "bf16") for k in KERNEL_FILES] + [(k, "fp8") for k in FP8_KERNEL_FILES]
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kernel", KERNEL_FILES)
-def test_every_kernel_compiles(kernel, arch, shape):
+@pytest.mark.parametrize(("kernel", "weights"), BUILDS)
+def test_every_kernel_compiles(kernel, weights, arch, shape):
     config = SHAPES[shape]
-    defines = kernel_defines(config)
+    defines = kernel_defines(config, weights)
     if kernel == "megakernel.cu":  # built as the engine builds it on such a GPU, or refused
         layout = megakernel_layout(config, *GPUS[arch])
         if isinstance(layout, str):  # the engine decodes with the per-op graph there
             assert "shared memory" in layout and f"{GPUS[arch][0]:,}" in layout
             return
-        defines = layout.defines(config)
-    cubin = compile_source(kernel, arch, defines)
-    assert cubin.startswith(ELF_MAGIC)
-
-
-# The kernels that read the linear layers' weights, built for FP8 ones (weights.cuh).
-FP8_KERNEL_FILES = ("gemm.cu", "layers.cu", "megakernel.cu")
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kernel", FP8_KERNEL_FILES)
-def test_every_weight_kernel_compiles_for_fp8_weights(kernel, arch, shape):
-    config = SHAPES[shape]
-    defines = kernel_defines(config, "fp8")
-    if kernel == "megakernel.cu":
-        layout = megakernel_layout(config, *GPUS[arch])
-        if isinstance(layout, str):
-            return  # the per-op graph decodes there (test_every_kernel_compiles)
-        defines = layout.defines(config, "fp8")
+        defines = layout.defines(config, weights)
     cubin = compile_source(kernel, arch, defines)
     assert cubin.startswith(ELF_MAGIC)
 

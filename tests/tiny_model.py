@@ -232,20 +232,30 @@ def write_tiny_model(
     return directory
 
 
-def write_dequantized_copy(source: Path, directory: Path, dtype: str = "BF16") -> Path:
-    """The FP8 model at `source` as a plain checkpoint of its dequantized weights (no
-    quantization_config), tokenizer and all: what transformers can read."""
+def _rewritten_copy(source: Path, directory: Path,
+                    quantization: dict | None) -> dict[str, np.ndarray]:
+    """`source` copied to `directory` with its weight files removed and config.json's
+    quantization_config set (or dropped); returns the source's weights as float32."""
     from qwenchat.model.loader import open_model_dir
 
     shutil.copytree(source, directory)
     raw = json.loads((directory / "config.json").read_text())
     raw.pop("quantization_config", None)
+    if quantization is not None:
+        raw["quantization_config"] = quantization
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     model = open_model_dir(source)
     tensors = {name: model.checkpoint.float32(name) for name in model.config.tensor_shapes()}
     model.close()
     for old in directory.glob("model*.safetensors*"):
         old.unlink()
+    return tensors
+
+
+def write_dequantized_copy(source: Path, directory: Path, dtype: str = "BF16") -> Path:
+    """The FP8 model at `source` as a plain checkpoint of its dequantized weights (no
+    quantization_config), tokenizer and all: what transformers can read."""
+    tensors = _rewritten_copy(source, directory, None)
     write_safetensors(directory / "model.safetensors", tensors, dtype)
     return directory
 
@@ -253,17 +263,7 @@ def write_dequantized_copy(source: Path, directory: Path, dtype: str = "BF16") -
 def write_quantized_copy(source: Path, directory: Path, scale_dtype: str = "F32") -> Path:
     """The model at `source` as an FP8 checkpoint made offline with the recipe `--quantize
     fp8` applies at load time (scales as computed, not rounded)."""
-    from qwenchat.model.loader import open_model_dir
-
-    shutil.copytree(source, directory)
-    raw = json.loads((directory / "config.json").read_text())
-    raw["quantization_config"] = FP8_QUANTIZATION
-    (directory / "config.json").write_text(json.dumps(raw, indent=2))
-    model = open_model_dir(source)
-    tensors = {name: model.checkpoint.float32(name) for name in model.config.tensor_shapes()}
-    model.close()
-    for old in directory.glob("model*.safetensors*"):
-        old.unlink()
+    tensors = _rewritten_copy(source, directory, FP8_QUANTIZATION)
     encoded, dtypes = fp8_tensors(tensors, scale_dtype, exact_in_bf16=False)
     write_safetensors(directory / "model.safetensors", encoded, dtypes)
     return directory
