@@ -48,17 +48,18 @@ __device__ __forceinline__ void e4m3x4(unsigned w, float* out) {
     out[3] = e4m3_top(w);
 }
 
+// Dot product of 8 FP8 codes (an 8-byte load) with 8 floats, x 2^-120.
+__device__ __forceinline__ float dot8_e4m3(const uint2 w, const float* x) {
+    float lo[4], hi[4];
+    e4m3x4(w.x, lo);
+    e4m3x4(w.y, hi);
+    return lo[0] * x[0] + lo[1] * x[1] + lo[2] * x[2] + lo[3] * x[3] + hi[0] * x[4] +
+           hi[1] * x[5] + hi[2] * x[6] + hi[3] * x[7];
+}
+
 // Dot product of 16 FP8 codes (one 16-byte load) with 16 floats, x 2^-120.
 __device__ __forceinline__ float dot16_e4m3(const uint4 w, const float* x) {
-    const unsigned words[4] = {w.x, w.y, w.z, w.w};
-    float acc = 0.f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        float v[4];
-        e4m3x4(words[k], v);
-        acc += v[0] * x[4 * k] + v[1] * x[4 * k + 1] + v[2] * x[4 * k + 2] + v[3] * x[4 * k + 3];
-    }
-    return acc;
+    return dot8_e4m3(make_uint2(w.x, w.y), x) + dot8_e4m3(make_uint2(w.z, w.w), x + 8);
 }
 
 // Piece c of a row with K columns, and (FP8) the scale of the block it lies in.
@@ -82,13 +83,4 @@ template <bool F8>
 __device__ __forceinline__ float piece_dot(const WeightPiece& p, const float* x) {
     if constexpr (F8) return dot16_e4m3(p.w, x) * FP8_UNSCALE * p.scale;
     else return dot8(p.w, x);
-}
-
-// Dot product of 8 FP8 codes (an 8-byte load) with 8 floats, x 2^-120.
-__device__ __forceinline__ float dot8_e4m3(const uint2 w, const float* x) {
-    float lo[4], hi[4];
-    e4m3x4(w.x, lo);
-    e4m3x4(w.y, hi);
-    return lo[0] * x[0] + lo[1] * x[1] + lo[2] * x[2] + lo[3] * x[3] + hi[0] * x[4] +
-           hi[1] * x[5] + hi[2] * x[6] + hi[3] * x[7];
 }

@@ -112,8 +112,7 @@ def weight_bytes_per_step(config: Qwen3Config, weight_format: str = "bf16") -> i
     shapes = config.tensor_shapes()
     if not config.tie_word_embeddings:
         del shapes["model.embed_tokens.weight"]
-    return sum(fp8.linear_bytes(shape, weight_format) if fp8.is_linear(name)
-               else 2 * math.prod(shape) for name, shape in shapes.items())
+    return fp8.weight_bytes(shapes, weight_format)
 
 
 def bytes_per_step(config: Qwen3Config, position: int, weight_format: str = "bf16") -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_compare import relative_error
 from tiny_model import write_quantized_copy, write_tiny_model
 
 from qwenchat.engine.base import GenerateRequest
@@ -17,10 +18,6 @@ from qwenchat.model.loader import open_model_dir
 from qwenchat.sampling.params import LiveParams, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
-
-
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module", params=["BF16", "F32"])
@@ -69,7 +66,7 @@ def greedy_against_the_reference(gpu, ref, steps: int) -> tuple[float, list[str]
                 f"step {step}: GPU chose {token}, the reference {best} by {gap:.4g}")
             ties.append(f"step {step}: {token} vs {best}, logits {expected[token]:.6g} / "
                         f"{expected[best]:.6g}")
-        worst = max(worst, rel_err(gpu.last_logits(), expected))
+        worst = max(worst, relative_error(gpu.last_logits(), expected))
         ref.prefill([token])
     return worst, ties
 
@@ -77,7 +74,7 @@ def greedy_against_the_reference(gpu, ref, steps: int) -> tuple[float, list[str]
 def test_fp8_prefill_logits_match_the_reference(fp8_dir):
     gpu, ref = engines(fp8_dir, decode="layered")
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
-    assert rel_err(gpu.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
+    assert relative_error(gpu.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
     gpu.close()
 
 
@@ -112,12 +109,13 @@ def test_quantize_fp8_on_the_gpu_equals_the_fp8_checkpoint_of_the_same_weights(
 
 def test_fp8_weights_take_about_half_the_memory_and_peak_stays_within_256_mib(fp8_dir):
     from qwenchat.engine.cuda import runtime as rt
-    from qwenchat.engine.cuda.engine import weight_bytes
+    from qwenchat.model.fp8 import weight_bytes
 
     before = rt.allocated_bytes()
     rt.reset_peak()
     gpu, _ = engines(fp8_dir, ctx=1024, decode="layered")
-    assert gpu.weight_bytes == weight_bytes(gpu.config, "fp8") < weight_bytes(gpu.config, "bf16")
+    shapes = gpu.config.tensor_shapes()
+    assert gpu.weight_bytes == weight_bytes(shapes, "fp8") < weight_bytes(shapes, "bf16")
     gpu.prefill(list(range(1, 300)))
     list(gpu.generate(GenerateRequest(
         LiveParams(SamplingParams(temperature=0.0, max_tokens=20)), frozenset(), seed=0)))
@@ -150,7 +148,7 @@ def test_real_widths_in_fp8_prefill_and_decode_as_the_reference(quantized_shape,
         one_step_a_launch(gpu)
         prompt = [int(i) for i in np.random.default_rng(4).integers(0, config.vocab_size, 24)]
         ref.truncate(0)
-        assert rel_err(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
+        assert relative_error(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
         worst, ties = greedy_against_the_reference(gpu, ref, 32)
         print(f"{config.hidden_size}: worst {worst:.2e}; near-ties: {ties or 'none'}")
         assert worst <= 2e-2

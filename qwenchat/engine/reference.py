@@ -84,7 +84,7 @@ class ReferenceEngine(CacheBookkeeping):
     def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None):
         super().__init__(ctx or config.max_position_embeddings)
         self.config = config
-        self.weight_format = getattr(checkpoint, "weight_format", "bf16")
+        self.weight_format = checkpoint.weight_format
         self.embed = checkpoint.float32("model.embed_tokens.weight")
         self.layers = [LayerWeights.load(checkpoint, i) for i in range(config.num_hidden_layers)]
         self.final_norm = checkpoint.float32("model.norm.weight")

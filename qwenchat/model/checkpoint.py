@@ -68,6 +68,7 @@ class Checkpoint:
         self.config = config
         self.entries = _index_entries(directory)
         self._maps: dict[Path, mmap.mmap] = {}
+        self._scales: dict[str, np.ndarray] = {}  # FP8 block scales, read and checked at open
         self._validate()
 
     @property
@@ -111,7 +112,7 @@ class Checkpoint:
         None for a tensor stored in any other dtype."""
         if self.entries[name].dtype != "F8_E4M3":
             return None
-        return self.raw(name), self._scales(name)
+        return self.raw(name), self._scales[name]
 
     def lm_head_name(self) -> str:
         if self.config.tie_word_embeddings:
@@ -131,7 +132,7 @@ class Checkpoint:
                 self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         return self._maps[path]
 
-    def _scales(self, name: str) -> np.ndarray:
+    def _read_scales(self, name: str) -> np.ndarray:
         """An FP8 tensor's block scales as float32, checked: a NaN, infinite or negative scale
         (a damaged file) would silently poison every logit."""
         scale_name = name + fp8.SCALE_SUFFIX
@@ -180,7 +181,7 @@ class Checkpoint:
             raise ModelError(f"{scale.path}: tensor {scale.name} has shape {list(scale.shape)}, "
                              f"but 128 x 128 blocks of the {list(entry.shape)} weight need "
                              f"{list(want)}")
-        self._scales(name)
+        self._scales[name] = self._read_scales(name)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qwenchat.errors import ModelError
+from qwenchat.model import fp8
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -159,9 +160,6 @@ def _rope_theta(raw: dict[str, Any]) -> float | None:
     return None
 
 
-FP8_BLOCK = [128, 128]
-
-
 def _quantization(spec: Any, source: str) -> str | None:
     """"fp8" for Qwen's own FP8 layout (e4m3 weights, 128 x 128 blocks of scales, activations
     unscaled); one line naming the field for any other quantization."""
@@ -183,7 +181,7 @@ def _quantization(spec: Any, source: str) -> str | None:
     if spec.get("activation_scheme", "dynamic") != "dynamic":
         raise refuse("activation_scheme", "only \"dynamic\": qwenchat keeps activations "
                      "unquantized and reads no activation scales")
-    if spec.get("weight_block_size") != FP8_BLOCK:
+    if spec.get("weight_block_size") != [fp8.BLOCK, fp8.BLOCK]:
         raise refuse("weight_block_size", "Qwen's FP8 checkpoints use [128, 128] blocks, the "
                      "only size qwenchat reads")
     if spec.get("scale_fmt") not in (None, "float"):

@@ -114,7 +114,7 @@ def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:
     """The weights an engine runs: FP8 linears when asked (`--quantize fp8`) or when the
     checkpoint holds any (a layer it left in bf16 is quantized too, so every linear layer has
     one format), else the checkpoint as it is."""
-    if quantize_to == "fp8" or getattr(weights, "weight_format", None) == "fp8":
+    if quantize_to == "fp8" or weights.weight_format == "fp8":
         return weights if isinstance(weights, Fp8Weights) else Fp8Weights(weights)
     return weights
 
@@ -133,6 +133,12 @@ def pack_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     per_row = np.ascontiguousarray(np.repeat(scales.astype(np.float32), BLOCK, axis=0)[:rows])
     out[:, cols : cols + 4 * scales.shape[1]] = per_row.view(np.uint8)
     return out
+
+
+def weight_bytes(shapes: dict[str, tuple[int, ...]], weight_format: str) -> int:
+    """GPU bytes of these tensors: the linear layers in `weight_format`, the rest bf16."""
+    return sum(linear_bytes(shape, weight_format) if is_linear(name) else 2 * math.prod(shape)
+               for name, shape in shapes.items())
 
 
 def linear_bytes(shape: tuple[int, ...], weight_format: str) -> int:

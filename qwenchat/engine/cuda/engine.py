@@ -144,15 +144,6 @@ def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str 
     return None
 
 
-def weight_bytes(config: Qwen3Config, weight_format: str) -> int:
-    """GPU memory of the weights: linear layers in their format, everything else bf16."""
-    total = 0
-    for name, shape in config.tensor_shapes().items():
-        total += (fp8.linear_bytes(shape, weight_format) if fp8.is_linear(name)
-                  else 2 * math.prod(shape))
-    return total
-
-
 @dataclass
 class LayerBuffers:
     input_norm: rt.DeviceBuffer
@@ -192,7 +183,7 @@ class CudaEngine(CacheBookkeeping):
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
         # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8.
-        self.weight_format = "fp8" if getattr(weights, "weight_format", "") == "fp8" else "bf16"
+        self.weight_format = "fp8" if weights.weight_format == "fp8" else "bf16"
         reason = unsupported_reason(config, self.weight_format)
         if reason:
             raise BackendUnavailable(f"this model's {reason}; use --backend cpu")
@@ -212,7 +203,7 @@ class CudaEngine(CacheBookkeeping):
                 raise
             self.close()
             free, total = self.device.mem_info()
-            need = weight_bytes(config, self.weight_format)
+            need = fp8.weight_bytes(config.tensor_shapes(), self.weight_format)
             raise QwenchatError(
                 f"out of GPU memory: the weights need {need / 2**30:.2f} GiB and "
                 f"{self.device.name} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free; "
