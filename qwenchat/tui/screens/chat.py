@@ -133,6 +133,7 @@ class ChatScreen(Screen[None]):
         self.chat = Chat(store, model, settings, options.system, warn=self._warn)
         self.debug = options.debug
         self._reply: ActiveReply | None = None
+        self._finishing = False  # a reply's last text is still going into its view
         self._drain_timer: Timer | None = None
         self._prepare_timer: Timer | None = None
         self._quiet_gc = FullCollectionsDeferred()
@@ -180,7 +181,8 @@ class ChatScreen(Screen[None]):
 
     @property
     def generating(self) -> bool:
-        return self._reply is not None
+        """A reply streams, or its last text and summary are not shown yet."""
+        return self._reply is not None or self._finishing
 
     @property
     def engine_in_use(self) -> bool:
@@ -320,6 +322,19 @@ class ChatScreen(Screen[None]):
             self._drain_timer.stop()
             self._drain_timer = None
         self._reply = None
+        self._finishing = True
+        try:
+            await self._close_reply(reply, error)
+        finally:
+            self._finishing = False
+        self.refresh_bindings()
+        waiting, self._after_reply = self._after_reply, []
+        if not waiting:
+            self._prepare_next_turn()
+        for then in waiting:
+            await then()
+
+    async def _close_reply(self, reply: ActiveReply, error: BaseException | None) -> None:
         restored = self.chat.finish_reply()
         if restored is not None:  # the turn never started: its text goes back to the prompt
             await self.conversation.drop_turns_from(len(self.conversation.turns) - 2)
@@ -336,12 +351,6 @@ class ChatScreen(Screen[None]):
                 self._prompt_error(message)
             else:
                 await self.conversation.add_notice(message, "error")
-        self.refresh_bindings()
-        waiting, self._after_reply = self._after_reply, []
-        if not waiting:
-            self._prepare_next_turn()
-        for then in waiting:
-            await then()
 
     async def _when_idle(self, then: Callable[[], Awaitable[None]]) -> bool:
         """True when no reply streams; otherwise stop it and run `then` once it has ended."""
