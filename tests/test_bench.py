@@ -321,3 +321,44 @@ def test_fp8_steps_count_codes_and_scales_and_keep_the_bf16_floor_beside():
     render(result, text)
     shown = text.getvalue()
     assert "of fp8 weights (bf16: " in shown and "bf16 floor" in shown
+
+
+def test_random_fp8_weights_are_seeded_finite_codes_with_block_scales():
+    from qwenchat.model import fp8
+    from qwenchat.model.floats import e4m3_to_f32
+
+    config = PRESETS["qwen3-0.6b"]
+    name = "model.layers.2.mlp.down_proj.weight"  # 1024 x 3072, fan-in 3072
+    weights = RandomWeights(config, seed=5, weight_format="fp8")
+    assert weights.weight_format == "fp8" and weights.dtype(name) == "F8_E4M3"
+    codes, scales = weights.fp8_blocks(name)
+    assert codes.shape == (1024, 3072) and codes.dtype == np.uint8
+    assert scales.shape == fp8.scale_shape(codes.shape) and (scales > 0).all()
+    assert np.isfinite(e4m3_to_f32(codes)).all()  # no NaN codes
+    again_codes, again_scales = RandomWeights(config, seed=5, weight_format="fp8").fp8_blocks(name)
+    assert np.array_equal(codes, again_codes) and np.array_equal(scales, again_scales)
+    other_codes, _ = RandomWeights(config, seed=6, weight_format="fp8").fp8_blocks(name)
+    assert not np.array_equal(codes, other_codes)
+    # The blocks differ in scale, and the weights keep the bf16 model's spread.
+    assert len(np.unique(scales)) > scales.size // 4
+    values = weights.float32(name)
+    assert np.array_equal(values, fp8.dequantize(codes, scales))
+    assert values.std() == pytest.approx(1 / math.sqrt(3072), rel=0.1)
+    assert np.array_equal(weights.bf16_bits(name), f32_to_bf16_bits(values))
+    # Norms and the embedding stay the bf16 random model's.
+    plain = RandomWeights(config, seed=5)
+    for kept in ("model.layers.2.input_layernorm.weight", "model.embed_tokens.weight"):
+        assert weights.fp8_blocks(kept) is None and weights.dtype(kept) == "BF16"
+        assert np.array_equal(weights.float32(kept), plain.float32(kept))
+    assert plain.fp8_blocks(name) is None
+    with pytest.raises(ValueError, match="bf16 or fp8"):
+        RandomWeights(config, weight_format="int4")
+
+
+def test_bench_quantize_fp8_on_a_config_draws_fp8_weights(tiny_config_file):
+    result = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--quantize", "fp8",
+                      "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["weights"] == "random FP8 (seed 0)"
+    assert record["weight_format"] == "fp8"

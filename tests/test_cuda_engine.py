@@ -682,7 +682,8 @@ def test_the_largest_widths_decode_as_the_reference_on_both_paths(wide_shape, de
     gpu_engine = CudaEngine(config, weights, ctx=256, decode=decode, notice=notices.append)
     try:
         device = gpu_engine.device
-        fits = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count)
+        fits = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
+                                 gpu_engine.weight_format)
         if decode == "megakernel" and isinstance(fits, str):
             # Too wide for the megakernel on this GPU: it says why and uses the graph.
             assert gpu_engine.decode == "layered" and any(fits in n for n in notices)

@@ -126,7 +126,7 @@ def test_every_kernel_compiles(kernel, weights, arch, shape):
     config = SHAPES[shape]
     defines = kernel_defines(config, weights)
     if kernel == "megakernel.cu":  # built as the engine builds it on such a GPU, or refused
-        layout = megakernel_layout(config, *GPUS[arch])
+        layout = megakernel_layout(config, *GPUS[arch], weights)
         if isinstance(layout, str):  # the engine decodes with the per-op graph there
             assert "shared memory" in layout and f"{GPUS[arch][0]:,}" in layout
             return

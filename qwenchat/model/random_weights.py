@@ -1,4 +1,5 @@
-"""Random bf16 weights for any Qwen3 shape, so `qwenchat bench` runs with nothing downloaded.
+"""Random weights for any Qwen3 shape, so `qwenchat bench` runs with nothing downloaded:
+bf16, or (weight_format "fp8") linear layers drawn directly as FP8 codes and block scales.
 
 Every tensor is a pure function of (seed, tensor name): asking in any order, or twice, gives
 the same values. Values are exact bfloat16 numbers, so `float32` and `bf16_bits` describe the
@@ -8,19 +9,29 @@ Drawing a normal float32 per element and rounding it to bf16 costs ~25 ns an ele
 a quarter of a minute for Qwen3-0.6B. Instead each tensor indexes, with 16 raw random bits an
 element, a table of 65,536 bf16-rounded normal samples: the same distribution (bf16 has only
 65,536 values anyway) at the cost of one gather, about 3 s for 0.6B on two slow cores.
+
+FP8 linear layers index a table of 256 e4m3 codes of normal samples with one random byte an
+element, in bands of 128 rows on every core, and draw each 128 × 128 block's scale: Qwen3-32B
+in FP8 is ready in seconds, where drawing it in bf16 and quantizing it takes minutes. Such a
+model is a different random model from the bf16 one of the same seed (`--quantize fp8` on a
+bf16 source quantizes that source instead).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from qwenchat.model import fp8
 from qwenchat.model.config import Qwen3Config
-from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
+from qwenchat.model.floats import E4M3_MAX, bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3
 
 TABLE_SIZE = 1 << 16  # one entry per value of a 16-bit index
+FP8_SPREAD = 4.0  # an FP8 block's codes span ±4 standard deviations (clipped beyond)
 
 
 class RandomWeights:
@@ -31,24 +42,59 @@ class RandomWeights:
     final RMS-normed state are about N(0,1): finite, and neither flat nor one-hot.
     """
 
-    weight_format = "bf16"
-
-    def __init__(self, config: Qwen3Config, seed: int = 0):
+    def __init__(self, config: Qwen3Config, seed: int = 0, weight_format: str = "bf16"):
+        if weight_format not in ("bf16", "fp8"):
+            raise ValueError(f"random weights come in bf16 or fp8, not {weight_format!r}")
         self.config = config
         self.seed = seed
+        self.weight_format = weight_format
         self._shapes = config.tensor_shapes()
         # A few 128 KiB tables, one per distinct scale, shared by all tensors of that scale.
         self._tables: dict[tuple[float, float], np.ndarray] = {}
+        self._fp8_codes: np.ndarray | None = None
 
     def float32(self, name: str) -> np.ndarray:
-        """The tensor as float32 (a new array); every value is exactly a bfloat16 number."""
+        """The tensor as float32 (a new array); every value is exactly a bfloat16 number, or
+        (FP8 linear layers) exactly code × block scale."""
+        blocks = self.fp8_blocks(name)
+        if blocks is not None:
+            return fp8.dequantize(*blocks)
         # Gathering from the table's float32 form writes the result once, with no bf16-sized
         # intermediate to widen afterwards.
         return bf16_bits_to_f32(self._table(name))[self._indices(name)]
 
     def bf16_bits(self, name: str) -> np.ndarray:
         """The tensor as bfloat16 bit patterns (uint16), rounded to nearest even from float32."""
+        if self.weight_format == "fp8" and fp8.is_linear(name):
+            return f32_to_bf16_bits(self.float32(name))
         return self._table(name)[self._indices(name)]
+
+    def fp8_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(codes, scales) of an FP8 linear layer, as a checkpoint's would be; None for a
+        tensor kept in bf16 (and for every tensor of bf16 random weights)."""
+        if self.weight_format != "fp8" or not fp8.is_linear(name):
+            return None
+        rows, cols = shape = self._shape(name)
+        std = 1.0 / math.sqrt(cols)
+        table = self._fp8_table()
+        codes = np.empty(shape, np.uint8)
+        scales = np.empty(fp8.scale_shape(shape), np.float32)
+        unit = np.float32(std * FP8_SPREAD / E4M3_MAX)  # a code's value for a unit-scale block
+        words = self._name_words(name)
+
+        def band(b: int) -> None:
+            stream = np.random.Philox(np.random.SeedSequence([self.seed, *words, b]))
+            r = b * fp8.BLOCK
+            count, n_scales = min(fp8.BLOCK, rows - r) * cols, scales.shape[1]
+            raw = stream.random_raw(-(-(n_scales + count) // 8)).view(np.uint8)
+            # Scales of 0.5 to 1.5 units: blocks differ, as a real checkpoint's do.
+            scales[b] = unit * (raw[:n_scales].astype(np.float32) / np.float32(255) +
+                                np.float32(0.5))
+            codes[r : r + fp8.BLOCK] = table[raw[n_scales : n_scales + count]].reshape(-1, cols)
+
+        with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:
+            list(pool.map(band, range(scales.shape[0])))
+        return codes, scales
 
     def lm_head_name(self) -> str:
         if self.config.tie_word_embeddings:
@@ -57,7 +103,7 @@ class RandomWeights:
 
     def dtype(self, name: str) -> str:
         self._shape(name)
-        return "BF16"
+        return "F8_E4M3" if self.weight_format == "fp8" and fp8.is_linear(name) else "BF16"
 
     def close(self) -> None:
         self._tables.clear()
@@ -92,8 +138,20 @@ class RandomWeights:
             self._tables[mean, std] = f32_to_bf16_bits(np.float32(mean) + np.float32(std) * normal)
         return self._tables[mean, std]
 
+    def _fp8_table(self) -> np.ndarray:
+        """e4m3 codes of 256 normal samples, ±FP8_SPREAD standard deviations mapped to ±448."""
+        if self._fp8_codes is None:
+            stream = np.random.Generator(np.random.Philox(np.random.SeedSequence([self.seed, 8])))
+            normal = np.clip(stream.standard_normal(256, dtype=np.float32), -FP8_SPREAD,
+                             FP8_SPREAD)
+            self._fp8_codes = f32_to_e4m3(normal * np.float32(E4M3_MAX / FP8_SPREAD))
+        return self._fp8_codes
+
     def _seed_sequence(self, name: str) -> np.random.SeedSequence:
+        return np.random.SeedSequence([self.seed, *self._name_words(name)])
+
+    @staticmethod
+    def _name_words(name: str) -> list[int]:
         # A stable hash (Python's hash() is salted per process) of the name picks the stream.
         digest = hashlib.blake2b(name.encode(), digest_size=16).digest()
-        words = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
-        return np.random.SeedSequence([self.seed, *words])
+        return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]

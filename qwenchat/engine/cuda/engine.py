@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -99,10 +100,11 @@ class MegakernelLayout:
                     QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows)
 
 
-def megakernel_layout(cfg: Qwen3Config, shared_per_block: int,
-                      sm_count: int) -> MegakernelLayout | str:
+def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
+                      weight_format: str = "bf16") -> MegakernelLayout | str:
     """The megakernel's layout on a GPU with this much opt-in shared memory per block and
-    this many SMs, or why it cannot run there (then the per-op graph decodes)."""
+    this many SMs, for linear layers in `weight_format`, or why it cannot run there (then the
+    per-op graph decodes)."""
     stage = MEGAKERNEL_STAGE_BYTES
     blocks = min(sm_count, 512)  # one block per SM (its scratch holds 512)
     # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
@@ -117,14 +119,20 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int,
     room = shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed
     if room // stage < 3:
         stage //= 2  # smaller GPUs: more, smaller stages
-    widest_row = 2 * max(cfg.hidden_size * 2, cfg.q_size, cfg.intermediate_size,
-                         2 * cfg.head_dim * 32)
+    # A stage holds a whole row of every matrix (a gate/up pair together), in the weights'
+    # format; the LM head's rows stay bf16.
+    row = partial(fp8.linear_bytes, weight_format=weight_format)
+    widest_row = max(2 * row((1, cfg.hidden_size)), row((1, cfg.q_size)),
+                     row((1, cfg.intermediate_size)), 2 * cfg.hidden_size,
+                     4 * cfg.head_dim * 32)
     while stage < widest_row:
         stage *= 2
     count = min(16, room // stage)
     if count < 2:
-        # 32B's SwiGLU vector (100 KB) and two 64 KB stages do not fit in one block's 227 KB.
-        return (f"the decode megakernel needs {fixed + 2 * stage:,} bytes of shared memory "
+        # 32B's SwiGLU vector (100 KB) and two 64 KB bf16 stages do not fit in one block's
+        # 227 KB (its FP8 rows fit 32 KB stages).
+        need = MEGAKERNEL_STATIC_SHARED + fixed + 2 * stage
+        return (f"the decode megakernel needs {need:,} bytes of shared memory "
                 f"per block for this model and the GPU has {shared_per_block:,}")
     if math.ceil(cfg.hidden_size / blocks) > 512:
         return "this model is too wide for the decode megakernel on this GPU"
@@ -182,7 +190,9 @@ class CudaEngine(CacheBookkeeping):
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
-        # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8.
+        # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8 (with
+        # any layer the file left in bf16 quantized, so every linear layer has one format).
+        weights = fp8.with_quantization(weights, "none")
         self.weight_format = "fp8" if weights.weight_format == "fp8" else "bf16"
         reason = unsupported_reason(config, self.weight_format)
         if reason:
@@ -229,7 +239,7 @@ class CudaEngine(CacheBookkeeping):
             # before part of it is written may be served stale to the bulk copies.
             return f"head_dim {self.config.head_dim} is below the megakernel's 64"
         layout = megakernel_layout(self.config, self.device.max_shared_per_block_optin,
-                                   self.device.sm_count)
+                                   self.device.sm_count, self.weight_format)
         return layout if isinstance(layout, str) else None
 
     # ----------------------------------------------------------------------------- set-up
@@ -626,7 +636,8 @@ class CudaEngine(CacheBookkeeping):
         if unknown:
             raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
                                 f"known: {', '.join(MEGAKERNEL_PARTS)}")
-        layout = megakernel_layout(cfg, device.max_shared_per_block_optin, device.sm_count)
+        layout = megakernel_layout(cfg, device.max_shared_per_block_optin, device.sm_count,
+                                   self.weight_format)
         if isinstance(layout, str):
             raise QwenchatError(f"{layout}; use --decode layered")
         if stages:
