@@ -1,0 +1,290 @@
+// Attention: QK-norm, RoPE and the key/value append for the new position, flash-decoding
+// over each block's chunks, and the merge of a kv head's chunks.
+#pragma once
+#include "mk_matvec.cuh"
+
+namespace {
+using namespace mk;
+
+struct AttnShared {
+    float q[qw::group][HD];
+    float k_new[HD];
+    float v_new[HD];
+    float wm[WARPS][qw::group], wl[WARPS][qw::group];  // each warp's running max and sum
+    float gm[qw::group], gl[qw::group];                // the chunk's max and sum
+    float merge_w[qw::group][MAX_SPLITS];  // a chunk's weight in the merge
+    float merge_l[qw::group];
+    int last;
+};
+
+// RMSNorm over head_dim with weight w, then rotate-half RoPE at pos; one warp.
+__device__ __forceinline__ void norm_rope_warp(const tagged_t* src, unsigned tag, const bf16_t* w,
+                                               const float* inv_freq, int pos, float eps,
+                                               float* dst) {
+    constexpr int PER = (HD / 2 + 31) / 32;
+    const int lane = threadIdx.x & 31;
+    const tagged_t* at[2 * PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = min(lane + 32 * j, HD / 2 - 1);  // (lanes past HD / 2 load and drop)
+        at[2 * j] = src + i;
+        at[2 * j + 1] = src + i + HD / 2;
+    }
+    float got[2 * PER], x0[PER], x1[PER], ss = 0.f;
+    take_all(at, tag, got);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const bool in = lane + 32 * j < HD / 2;
+        x0[j] = in ? got[2 * j] : 0.f;
+        x1[j] = in ? got[2 * j + 1] : 0.f;
+        ss += x0[j] * x0[j] + x1[j] * x1[j];
+    }
+    const float rstd = rsqrtf(warp_sum(ss) / HD + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = lane + 32 * j;
+        if (i < HD / 2) {
+            const float a0 = x0[j] * rstd * bf16_to_f32(w[i]);
+            const float a1 = x1[j] * rstd * bf16_to_f32(w[i + HD / 2]);
+            float s, c;
+            sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
+            dst[i] = a0 * c - a1 * s;
+            dst[i + HD / 2] = a1 * c + a0 * s;
+        }
+    }
+}
+
+// The last block to finish a kv head's chunks merges them into attn (its group's heads). The
+// counters only grow during a launch: this layer's chunks are the ones after merge_base.
+__device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned merge_base,
+                              unsigned tag, AttnShared& sh) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        sh.last = atomicAdd(&a.merge_count[kvh], 1u) + 1u == merge_base + splits;
+    __syncthreads();
+    if (!sh.last) return;
+    __threadfence();
+    // Every chunk's (max, sum) at once, then each output's chunks eight loads at a time.
+    if (threadIdx.x < qw::group * 32) {
+        const int gh = threadIdx.x / 32, lane = threadIdx.x % 32;
+        const int head = kvh * qw::group + gh;
+        float m[MAX_SPLITS / 32], l[MAX_SPLITS / 32], mx = QW_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) {
+            const int sp = lane + 32 * j;
+            m[j] = sp < splits ? ld_cg(a.part_ml + (head * a.splits + sp) * 2) : QW_NEG_INF;
+            l[j] = sp < splits ? ld_cg(a.part_ml + (head * a.splits + sp) * 2 + 1) : 0.f;
+            mx = fmaxf(mx, m[j]);
+        }
+        mx = warp_max(mx);
+        float total = 0.f;
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) {
+            const float w = lane + 32 * j < splits ? __expf(m[j] - mx) : 0.f;
+            if (lane + 32 * j < splits) sh.merge_w[gh][lane + 32 * j] = w;
+            total += w * l[j];
+        }
+        total = warp_sum(total);
+        if (lane == 0) sh.merge_l[gh] = total;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < qw::group * HD; i += THREADS) {
+        const int gh = i / HD, head = kvh * qw::group + gh, d = i % HD;
+        const float* po = a.part_o + static_cast<long long>(head) * a.splits * HD + d;
+        float acc = 0.f;
+        for (int s0 = 0; s0 < splits; s0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = s0 + j < splits ? ld_cg(po + (s0 + j) * HD) : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (s0 + j < splits) acc += sh.merge_w[gh][s0 + j] * v[j];
+        }
+        put(a.attn + head * HD + d, acc / sh.merge_l[gh], tag);
+    }
+}
+
+// This block's flash-decoding items at position pos (the cache then holds len = pos + 1 keys,
+// the last one computed here by the block whose chunk holds it).
+// Its inputs are tagged `tag`, its outputs `tag + 1`.
+//
+// Within a stage of KEYS keys every warp takes its own KPW keys and keeps its own online
+// softmax (max, sum, and the lane's DPL output dimensions of each query head of the group) in
+// registers, so a stage costs the block one __syncthreads (before the stage is refilled). At
+// the end of the chunk the warps' states are merged in a fixed order through shared memory.
+__device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consumed,
+                                             const MegaLayer& L, int pos, const AttnGeom& g,
+                                             unsigned tag, unsigned merge_base,
+                                             AttnShared& sh) {
+    constexpr int G = qw::group;
+    const int len = pos + 1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int part = lane % LPK, slot = lane / LPK;
+    float* comb = vec_buf();  // [WARPS][G][HD]: the warps' scaled partial outputs
+    for (int item = blockIdx.x; item < qw::kv_heads * g.splits; item += gridDim.x) {
+        const int kvh = item / g.splits, split = item % g.splits;
+        const int k_begin = split * g.chunk, keys = item_keys(g, len, item);
+        const bool has_new = k_begin <= pos && pos < k_begin + keys;
+        if (warp < G) {
+            norm_rope_warp(a.qkv + (kvh * G + warp) * HD, tag, L.q_norm, a.inv_freq, pos, a.eps,
+                           sh.q[warp]);
+        } else if (has_new && warp == G) {
+            norm_rope_warp(a.qkv + qw::q_size + kvh * HD, tag, L.k_norm, a.inv_freq, pos, a.eps,
+                           sh.k_new);
+        } else if (has_new && warp == G + 1) {
+            const tagged_t* at[HD / 32];
+            float got[HD / 32];
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j)
+                at[j] = a.qkv + qw::q_size + qw::kv_size + kvh * HD + lane + 32 * j;
+            take_all(at, tag, got);
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j) sh.v_new[lane + 32 * j] = got[j];
+        }
+        __syncthreads();
+        if (has_new && threadIdx.x < HD) {  // the new key and value join the cache
+            const long long at = (static_cast<long long>(kvh) * a.capacity + pos) * HD + threadIdx.x;
+            L.k_cache[at] = f32_to_bf16(sh.k_new[threadIdx.x]);
+            L.v_cache[at] = f32_to_bf16(sh.v_new[threadIdx.x]);
+        }
+        float m[G], l[G], acc[G][DPL];
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            m[h] = QW_NEG_INF;
+            l[h] = 0.f;
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
+        }
+        for (int k0 = 0; k0 < keys; k0 += KEYS) {
+            const int n = min(KEYS, keys - k0);
+            const bf16_t* kt = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
+            const bf16_t* vt = kt + KEYS * HD;
+            const int new_row = pos - (k_begin + k0);
+            if (has_new && new_row >= 0 && new_row < n) {  // the copy predates the new key
+                if (threadIdx.x < HD) {
+                    const_cast<bf16_t*>(kt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.k_new[threadIdx.x]);
+                    const_cast<bf16_t*>(vt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.v_new[threadIdx.x]);
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int p0 = 0; p0 < KPW; p0 += KPASS) {
+                const int first = warp * KPW + p0;  // the pass's first key in the stage
+                if (first >= n) break;              // (warp-uniform)
+                // Scores: LPK lanes a key, DPK dimensions a lane (16-byte pieces, interleaved).
+                const int kk = first + slot;
+                const bool scored = slot < KPASS && kk < n;
+                float s[G];
+#pragma unroll
+                for (int h = 0; h < G; ++h) s[h] = 0.f;
+                if (scored) {
+#pragma unroll
+                    for (int c = 0; c < DPK / 8; ++c) {
+                        const int piece = c * LPK + part;
+                        const uint4 kv = reinterpret_cast<const uint4*>(kt + kk * HD)[piece];
+#pragma unroll
+                        for (int h = 0; h < G; ++h) s[h] += dot8(kv, &sh.q[h][piece * 8]);
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+#pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+                    s[h] = scored ? s[h] * a.scale : QW_NEG_INF;
+                }
+                // The pass's values: this lane's DPL dimensions of each of its KPASS keys.
+                float v[KPASS][DPL];
+#pragma unroll
+                for (int j = 0; j < KPASS; ++j) {
+                    const bf16_t* row = vt + (first + j) * HD + lane * DPL;
+                    if (first + j < n && DPL % 2 == 0) {
+#pragma unroll
+                        for (int d = 0; d + 1 < DPL; d += 2) {
+                            const unsigned pair = *reinterpret_cast<const unsigned*>(row + d);
+                            v[j][d] = bf16_lo(pair);
+                            v[j][d + 1] = bf16_hi(pair);
+                        }
+                    } else if (first + j < n) {
+#pragma unroll
+                        for (int d = 0; d < DPL; ++d) v[j][d] = bf16_to_f32(row[d]);
+                    } else {
+#pragma unroll
+                        for (int d = 0; d < DPL; ++d) v[j][d] = 0.f;
+                    }
+                }
+                // Online softmax per query head over the pass's keys.
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    float sc[KPASS], mt = QW_NEG_INF;
+#pragma unroll
+                    for (int j = 0; j < KPASS; ++j) {
+                        sc[j] = __shfl_sync(0xffffffffu, s[h], j * LPK);
+                        mt = fmaxf(mt, sc[j]);
+                    }
+                    const float m_new = fmaxf(m[h], mt);  // finite: the pass's first key exists
+                    const float alpha = __expf(m[h] - m_new);
+                    float sum = 0.f;
+#pragma unroll
+                    for (int d = 0; d < DPL; ++d) acc[h][d] *= alpha;
+#pragma unroll
+                    for (int j = 0; j < KPASS; ++j) {
+                        const float pj = __expf(sc[j] - m_new);
+                        sum += pj;
+#pragma unroll
+                        for (int d = 0; d < DPL; ++d) acc[h][d] += pj * v[j][d];
+                    }
+                    l[h] = l[h] * alpha + sum;
+                    m[h] = m_new;
+                }
+            }
+            __syncthreads();
+            pipe_release(a, consumed);
+        }
+        // The new key and value are visible to the next steps' copies (on other SMs) before
+        // anything this item publishes (merge_if_last fences too).
+        if (has_new && g.splits == 1 && threadIdx.x < HD) __threadfence();
+        // Merge the warps: the chunk's max and sum, then each warp's outputs scaled to it.
+        if (lane == 0) {
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                sh.wm[warp][h] = m[h];
+                sh.wl[warp][h] = l[h];
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            float mx = QW_NEG_INF;
+            for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
+            const float e = m[h] == QW_NEG_INF ? 0.f : __expf(m[h] - mx);
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) comb[(warp * G + h) * HD + lane * DPL + d] = acc[h][d] * e;
+            if (warp == 0 && lane == 0) {
+                float total = 0.f;
+                for (int w = 0; w < WARPS; ++w)
+                    if (sh.wm[w][h] != QW_NEG_INF) total += __expf(sh.wm[w][h] - mx) * sh.wl[w][h];
+                sh.gm[h] = mx;
+                sh.gl[h] = total;
+            }
+        }
+        __syncthreads();
+        for (int out = threadIdx.x; out < G * HD; out += THREADS) {
+            const int h = out / HD, head = kvh * G + h, d = out % HD;
+            float total = 0.f;
+            for (int w = 0; w < WARPS; ++w) total += comb[(w * G + h) * HD + d];
+            if (g.splits == 1) {
+                put(a.attn + head * HD + d, total / sh.gl[h], tag + 1);
+            } else {
+                a.part_o[(static_cast<long long>(head) * a.splits + split) * HD + d] = total;
+                if (d == 0) {
+                    a.part_ml[(head * a.splits + split) * 2] = sh.gm[h];
+                    a.part_ml[(head * a.splits + split) * 2 + 1] = sh.gl[h];
+                }
+            }
+        }
+        if (g.splits > 1) merge_if_last(a, kvh, g.splits, merge_base, tag + 1, sh);
+        __syncthreads();
+    }
+}
+}  // namespace

@@ -1,0 +1,152 @@
+// The decode megakernel's geometry (stages, warps, segments, attention lanes) and the
+// arguments and per-layer pointers it gets from the host (MegaArgs and MegaLayer mirror the
+// ctypes structures in qwenchat/engine/cuda/engine.py).
+#pragma once
+#include "sampling.cuh"
+#include "weights.cuh"
+
+#ifndef QW_MK_STAGES
+#define QW_MK_STAGES 4
+#endif
+#ifndef QW_MK_STAGE_BYTES
+#define QW_MK_STAGE_BYTES 32768
+#endif
+#ifndef QW_MK_SKIP
+#define QW_MK_SKIP 0
+#endif
+// The most LM-head rows a block owns (the host passes ceil(vocab / blocks)).
+#ifndef QW_MK_LM_ROWS
+#define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
+#define QW_MK_TMA 1
+#else
+#define QW_MK_TMA 0
+#endif
+
+namespace mk {
+constexpr int THREADS = 512;
+constexpr int WARPS = THREADS / 32;
+constexpr int STAGES = QW_MK_STAGES;
+constexpr int STAGE = QW_MK_STAGE_BYTES;
+constexpr int HD = qw::head_dim;
+constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
+
+// A matrix-vector phase over K columns: each warp holds one segment of the input vector in
+// registers (CPL 16-byte chunks per lane), NSEG segments cover K, and WARPS / NSEG row groups
+// take the rows of a stage in turn; a row's segment sums are added in a fixed order.
+__host__ __device__ constexpr int chunks(int k) { return k / 8; }
+__host__ __device__ constexpr int nseg(int k) {
+    return (k + 1023) / 1024 < WARPS ? (k + 1023) / 1024 : WARPS;
+}
+__host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
+// Rows of K columns in a stage, for the model's weight format (F8 = qw::fp8) or bf16 (the LM
+// head). An FP8 row carries its block scales after its codes (weights.cuh).
+template <bool F8 = qw::fp8>
+__host__ __device__ constexpr int rows_per_stage(int k) {
+    return static_cast<int>(STAGE / row_bytes<F8>(k));
+}
+constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves
+    static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden)));
+constexpr int KEYS = STAGE / (4 * HD);                      // keys (K and V rows) per stage
+constexpr int RED = 1024;                                   // segment sums kept per stage
+
+static_assert(STAGE % 128 == 0, "stages are 128-byte aligned");
+static_assert(rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
+                  rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
+                  rows_per_stage<false>(qw::hidden) >= 1,
+              "QW_MK_STAGE_BYTES must hold a whole weight row (and a gate/up pair)");
+static_assert(rows_per_stage(qw::hidden) * nseg(qw::hidden) <= RED &&
+                  rows_per_stage<false>(qw::hidden) * nseg(qw::hidden) <= RED &&
+                  rows_per_stage(qw::q_size) * nseg(qw::q_size) <= RED &&
+                  rows_per_stage(qw::intermediate) * nseg(qw::intermediate) <= RED &&
+                  2 * PAIRS_PER_STAGE * nseg(qw::hidden) <= RED,
+              "a stage holds more rows than the segment-sum buffer");
+static_assert(qw::group + 2 <= WARPS, "a warp per query head of a group, plus two");
+
+enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };
+
+// Attention: a warp takes KPW keys of each stage, KPASS at a time with LPK lanes a key (DPK
+// dimensions a lane) for the scores; for P . V each lane holds DPL of the head's dimensions.
+constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
+constexpr int KPW = KEYS / WARPS;
+constexpr int KPASS = 32 / LPK < KPW ? 32 / LPK : KPW;
+static_assert(HD >= 32 && KPW >= 1 && KPW % KPASS == 0, "attention lane geometry");
+
+// Sampling with top-k <= CAND: each block offers its own top-k (ties included) as candidates.
+constexpr int CAND = 64;
+constexpr int LM_ROWS = QW_MK_LM_ROWS;
+
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int HIST_BYTES = WARPS * 256 * 8;
+constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
+// The union after the stages: a phase's input vector, or the warps' attention partial sums,
+// or the block's LM-head logits, or (block 0, sampling) the radix histograms.
+constexpr int UNION_BYTES =
+    (cmax(cmax(HIST_BYTES, 4 * VEC_FLOATS), cmax(4 * LM_ROWS, WARPS * qw::group * HD * 4)) + 127) /
+    128 * 128;
+constexpr int RESID = 512;       // residual rows a block may own
+constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most
+}  // namespace mk
+
+struct MegaLayer {
+    const bf16_t* input_norm;
+    const unsigned char* qkv;  // the linear layers: rows in the model's format (weights.cuh)
+    const bf16_t* q_norm;
+    const bf16_t* k_norm;
+    const unsigned char* o;
+    const bf16_t* post_norm;
+    const unsigned char* gate_up;
+    const unsigned char* down;
+    bf16_t* k_cache;
+    bf16_t* v_cache;
+};
+
+// Values other blocks wait for are "tagged": 8 bytes, the float (or int) bits and the number
+// of the phase that wrote them. A consumer spins until every value it needs carries the tag
+// it expects, so no grid-wide barrier is needed anywhere: a phase waits only for the data it
+// reads, one L2 round trip after the last producer's store. The host zeroes the tags (and the
+// merge counters) before each launch.
+typedef unsigned long long tagged_t;
+
+struct MegaArgs {
+    const MegaLayer* layers;
+    const bf16_t* embed;
+    const bf16_t* final_norm;
+    const bf16_t* lm_head;
+    const float* inv_freq;
+    tagged_t* x;       // [hidden] the residual stream
+    tagged_t* qkv;     // [q_size + 2 kv_size]
+    tagged_t* attn;    // [q_size]
+    tagged_t* h;       // [intermediate] SwiGLU output
+    tagged_t* best;    // [4 x blocks] each block's best logit, its id, its candidates, its k-th key
+    tagged_t* chosen;  // [1] the token block 0 chose, bit 31: stop
+    float* logits;
+    float* work;
+    float* part_o;
+    float* part_ml;
+    int2* cand;  // [blocks x CAND] each block's sampling candidates: (logit bits, id)
+    unsigned* merge_count;  // [kv_heads] chunks finished, counting up through the launch
+    unsigned char* seen;
+    int* counts;
+    int* token;  // the token to feed first (in), the last token sampled (out)
+    int* pos;    // cache length (in/out)
+    int* stopped;  // set when a reply ends on the GPU (EOS, cancel, full cache): later launches
+                   // already queued behind this one return at once
+    const int* eos;
+    const unsigned* host;  // host-mapped: SampleParams, then the cancel flag
+    SampleParams* params;  // [2] the steps' parameters, copied from the host by the last block
+    int* ring;             // host-mapped: (token, sequence number) pairs, the reply's token
+                           // n in slot n % ring_len
+    float eps;
+    float scale;
+    int num_layers;
+    int capacity;
+    int splits;  // the most chunks per kv head (the partial buffers' size)
+    int n_eos;
+    int max_steps;
+    int feed_first;
+    int first_step;  // the reply's tokens before this launch's first
+    int ring_len;
+    int epoch;  // the launch's number (12 bits), the high bits of every tag
+};

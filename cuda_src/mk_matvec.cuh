@@ -1,0 +1,178 @@
+// Matrix-vector phases: a warp's segment of the input vector in registers, dotted with the
+// weight rows of each stage.
+#pragma once
+#include "mk_pipe.cuh"
+
+namespace {
+using namespace mk;
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+
+template <int K>
+struct Vec {
+    float v[cpl(K)][8];
+};
+
+// The block's warps sum their squares here (the vector itself goes to vec_buf()).
+__shared__ float warp_sums[WARPS];
+
+__device__ __forceinline__ void ld_tagged2(const tagged_t* p, tagged_t& a, tagged_t& b,
+                                           bool strong) {
+    if (strong)
+        asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];"
+                     : "=l"(a), "=l"(b) : "l"(p) : "memory");
+    else
+        asm volatile("ld.global.cg.v2.u64 {%0,%1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+
+// Loads a K-vector that other blocks are writing with `tag` (or, with `row`, a bf16 embedding
+// row) into vec_buf() with the whole block, returning the sum of squares when asked.
+template <int K>
+__device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t* row, unsigned tag,
+                                              bool squares, bool wait = true) {
+    float* buf = vec_buf();
+    float ss = 0.f;
+    for (int j = threadIdx.x * 4; j < K; j += THREADS * 4) {
+        float4 e;
+        if (row) {
+            const uint2 r = *reinterpret_cast<const uint2*>(row + j);
+            e = make_float4(bf16_lo(r.x), bf16_hi(r.x), bf16_lo(r.y), bf16_hi(r.y));
+        } else {
+            tagged_t w0, w1, w2, w3;
+            for (bool strong = false;; strong = true) {
+                if (strong) back_off();
+                ld_tagged2(src + j, w0, w1, strong);
+                ld_tagged2(src + j + 2, w2, w3, strong);
+                if ((QW_MK_SKIP & 4) || !wait ||
+                    (tag_of(w0) == tag && tag_of(w1) == tag && tag_of(w2) == tag && tag_of(w3) == tag))
+                    break;
+            }
+            e = make_float4(value_of(w0), value_of(w1), value_of(w2), value_of(w3));
+        }
+        *reinterpret_cast<float4*>(buf + j) = e;
+        ss += e.x * e.x + e.y * e.y + e.z * e.z + e.w * e.w;
+    }
+    if (squares) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+    float total = 0.f;
+    if (squares) {
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
+    }
+    return total;
+}
+
+// The warp's segment of rmsnorm(src) * w, src a float vector or (layer 0) a bf16 row.
+template <int K>
+__device__ __forceinline__ void load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
+                                            unsigned tag, const bf16_t* w, float eps) {
+    const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
+    const float* buf = vec_buf();
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        if (c < chunks(K)) {
+            const uint4 g = *reinterpret_cast<const uint4*>(w + c * 8);
+            const float gw[8] = {bf16_lo(g.x), bf16_hi(g.x), bf16_lo(g.y), bf16_hi(g.y),
+                                 bf16_lo(g.z), bf16_hi(g.z), bf16_lo(g.w), bf16_hi(g.w)};
+            const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
+            const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
+            const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) out.v[q][j] = e[j] * rstd * gw[j];
+        }
+    }
+}
+
+// The warp's segment of a float vector other blocks are writing with `tag`.
+template <int K>
+__device__ __forceinline__ void load_plain(Vec<K>& out, const tagged_t* src, unsigned tag,
+                                           bool wait = true) {
+    stage_vector<K>(src, nullptr, tag, false, wait);
+    const float* buf = vec_buf();
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        if (c < chunks(K)) {
+            const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
+            const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
+            out.v[q][0] = lo.x; out.v[q][1] = lo.y; out.v[q][2] = lo.z; out.v[q][3] = lo.w;
+            out.v[q][4] = hi.x; out.v[q][5] = hi.y; out.v[q][6] = hi.z; out.v[q][7] = hi.w;
+        }
+    }
+}
+
+// The warp's partial dot product of one weight row in shared memory with its vector segment:
+// 8 values a chunk, 16 bytes of bf16 or 8 FP8 codes times their block's scale.
+template <int K, bool F8>
+__device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>& v) {
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+    float acc = 0.f;
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        if (c < chunks(K)) {
+            if constexpr (F8) {
+                const float scale = reinterpret_cast<const float*>(row + K)[c * 8 / qw::FP8_BLOCK];
+                acc += dot8_e4m3(reinterpret_cast<const uint2*>(row)[c], v.v[q]) * FP8_UNSCALE * scale;
+            } else {
+                acc += dot8(reinterpret_cast<const uint4*>(row)[c], v.v[q]);
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Rows [lo, hi) of this block's slice, stage by stage. `load(v)` first fills the warp's vector
+// segment. Row lo + i belongs to thread i % THREADS, which calls `pre(row)` when the row's
+// stage is waited for (to start loads the emit will need) and `emit(row, sum, up, pre)` after
+// the stage is released. With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE rows)
+// the matching up rows, and `up` is the up row's sum. F8: the rows are in the model's weight
+// format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
+template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
+__device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
+                                        float* red, Load load, Pre pre, Emit emit) {
+    constexpr int NSEG = nseg(K), GROUPS = WARPS / NSEG;
+    constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+    constexpr long long RB = row_bytes<F8>(K);
+    static_assert(PER <= THREADS, "a stage holds more rows than the block has threads");
+    Vec<K> v;
+    load(v);
+    const int warp = threadIdx.x >> 5, seg = warp % NSEG, group = warp / NSEG;
+    int lo, hi;
+    block_range(n_rows, lo, hi);
+    for (int r0 = lo; r0 < hi; r0 += PER) {
+        const int n = min(PER, hi - r0);
+        const int mine = r0 + ((static_cast<int>(threadIdx.x) - (r0 - lo)) % THREADS + THREADS) % THREADS;
+        const bool has_row = mine < r0 + n;
+        const int extra = has_row ? pre(mine) : 0;
+        float* sums = red + (consumed & 1) * RED;
+        const unsigned char* tile = pipe_wait(consumed);
+        if (group < GROUPS) {
+            for (int r = group; r < (PAIRS ? 2 * PER : n); r += GROUPS) {
+                if (PAIRS && r % PER >= n) continue;
+                const float d = row_dot<K, F8>(tile + r * RB, v);
+                if ((threadIdx.x & 31) == 0) sums[r * NSEG + seg] = d;
+            }
+        }
+        __syncthreads();
+        pipe_release(a, consumed);
+        if (has_row) {
+            const int r = mine - r0;
+            float total = 0.f, up = 0.f;
+#pragma unroll
+            for (int s = 0; s < NSEG; ++s) total += sums[r * NSEG + s];
+            if (PAIRS) {
+#pragma unroll
+                for (int s = 0; s < NSEG; ++s) up += sums[(PER + r) * NSEG + s];
+            }
+            emit(mine, total, up, extra);
+        }
+    }
+}
+}  // namespace
