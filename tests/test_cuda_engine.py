@@ -317,7 +317,7 @@ def test_decode_attention_matches_numpy(kernels, position, splits):
 
 
 def run_sampler(kernels, logits, params: dict, seen=None, counts=None, step=0, seed=0):
-    from qwenchat.engine.cuda.engine import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
+    from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
 
     rt, cfg, modules, stream = kernels
     record = np.zeros(1, SAMPLE_PARAMS)
@@ -675,7 +675,8 @@ def wide_shape(request):
 
 @pytest.mark.parametrize("decode", DECODES)
 def test_the_largest_widths_decode_as_the_reference_on_both_paths(wide_shape, decode):
-    from qwenchat.engine.cuda.engine import CudaEngine, megakernel_layout
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.engine.cuda.megakernel import megakernel_layout
 
     config, weights, ref = wide_shape
     notices = []

@@ -16,7 +16,7 @@ from qwenchat.engine.cuda.compiler import (
     compile_source,
     kernel_defines,
 )
-from qwenchat.engine.cuda.engine import megakernel_layout
+from qwenchat.engine.cuda.megakernel import megakernel_layout
 from qwenchat.engine.cuda.sources import cuda_src_dir
 from qwenchat.errors import BackendUnavailable
 from qwenchat.model.config import Qwen3Config

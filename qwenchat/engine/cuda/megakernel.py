@@ -1,0 +1,287 @@
+"""The megakernel decode path: one cooperative launch runs many whole decode steps
+(cuda_src/megakernel.cu), sampling and stop checks on the GPU, streaming token ids to a
+host-mapped ring and reading live sampling parameters and a cancel flag from host-mapped
+memory. Its layout (stages, blocks) is chosen here for the GPU's shared memory."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from qwenchat.engine.base import GenerateRequest
+from qwenchat.engine.cuda import runtime as rt
+from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS
+from qwenchat.errors import QwenchatError
+from qwenchat.model import fp8
+from qwenchat.model.config import Qwen3Config
+from qwenchat.sampling.params import SamplingParams
+
+MEGAKERNEL_THREADS = 512
+MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV stream
+MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: ~16 KB)
+MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's radix bins
+MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
+MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
+MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
+MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
+MEGAKERNEL_TIMEOUT_S = 30.0
+MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth and more
+
+
+class MegaArgs(ctypes.Structure):
+    """The decode megakernel's argument block (struct MegaArgs in cuda_src/megakernel.cu)."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "layers", "embed", "final_norm", "lm_head", "inv_freq", "x", "qkv", "attn", "h", "best",
+        "chosen", "logits", "work", "part_o", "part_ml", "cand", "merge_count", "seen",
+        "counts", "token", "pos", "stopped", "eos", "host", "params", "ring")]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [(name, ctypes.c_int) for name in (
+        "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step",
+        "ring_len", "epoch")]
+
+
+@dataclass(frozen=True)
+class MegakernelLayout:
+    """How the decode megakernel uses a GPU's shared memory for one model shape."""
+
+    stages: int  # the weight/KV stream's ring depth
+    stage_bytes: int
+    fixed: int  # the rest of its dynamic shared memory: the union region, the layer table
+    blocks: int  # one per SM
+    lm_rows: int  # LM-head rows per block
+
+    def defines(self, config: Qwen3Config,
+                weight_format: str = "bf16") -> dict[str, int | float]:
+        return dict(kernel_defines(config, weight_format), QW_MK_STAGES=self.stages,
+                    QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows)
+
+
+def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
+                      weight_format: str = "bf16") -> MegakernelLayout | str:
+    """The megakernel's layout on a GPU with this much opt-in shared memory per block and
+    this many SMs, for linear layers in `weight_format`, or why it cannot run there (then the
+    per-op graph decodes)."""
+    stage = MEGAKERNEL_STAGE_BYTES
+    blocks = min(sm_count, 512)  # one block per SM (its scratch holds 512)
+    # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
+    # input vector, the warps' attention partial sums, the block's LM-head logits and the
+    # sampler's histograms; then the table of layer pointers.
+    lm_rows = math.ceil(cfg.vocab_size / blocks)
+    union = max(MEGAKERNEL_HISTOGRAM_BYTES,
+                4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
+                4 * lm_rows,
+                MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
+    fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
+    room = shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed
+    if room // stage < 3:
+        stage //= 2  # smaller GPUs: more, smaller stages
+    # A stage holds a whole row of every matrix (a gate/up pair together), in the weights'
+    # format; the LM head's rows stay bf16.
+    row = partial(fp8.linear_bytes, weight_format=weight_format)
+    widest_row = max(2 * row((1, cfg.hidden_size)), row((1, cfg.q_size)),
+                     row((1, cfg.intermediate_size)), 2 * cfg.hidden_size,
+                     4 * cfg.head_dim * 32)
+    while stage < widest_row:
+        stage *= 2
+    count = min(16, room // stage)
+    if count < 2:
+        # 32B's SwiGLU vector (100 KB) and two 64 KB bf16 stages do not fit in one block's
+        # 227 KB (its FP8 rows fit 32 KB stages).
+        need = MEGAKERNEL_STATIC_SHARED + fixed + 2 * stage
+        return (f"the decode megakernel needs {need:,} bytes of shared memory "
+                f"per block for this model and the GPU has {shared_per_block:,}")
+    if math.ceil(cfg.hidden_size / blocks) > 512:
+        return "this model is too wide for the decode megakernel on this GPU"
+    return MegakernelLayout(count, stage, fixed, blocks, lm_rows)
+
+
+class MegakernelDecode:
+    """CudaEngine's megakernel decode: compile and allocate (_setup_megakernel), then per
+    reply keep a launch queued behind the running one and read tokens from the ring. Uses the
+    engine's config, device, kernels, stream, weights, KV cache and sampler buffers."""
+
+    def _megakernel_unusable(self) -> str | None:
+        if not self.device.cooperative_launch:
+            return "this GPU cannot launch cooperative kernels"
+        if self.config.head_dim < 64:
+            # A key/value row must fill whole 128-byte lines: within one launch a line read
+            # before part of it is written may be served stale to the bulk copies.
+            return f"head_dim {self.config.head_dim} is below the megakernel's 64"
+        layout = megakernel_layout(self.config, self.device.max_shared_per_block_optin,
+                                   self.device.sm_count, self.weight_format)
+        return layout if isinstance(layout, str) else None
+
+    def _setup_megakernel(self, notice: Callable[[str], None], skip: Sequence[str] = (),
+                          stages: int | None = None) -> None:
+        """Compile the megakernel for this GPU's shared memory and allocate its state.
+
+        The stage ring takes what shared memory the device allows per block, less the static
+        part and the sampler's histograms; `skip` leaves parts out (timing variants only:
+        the tokens are then wrong) and `stages` overrides the ring depth (experiments)."""
+        cfg, device = self.config, self.device
+        unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
+        if unknown:
+            raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
+                                f"known: {', '.join(MEGAKERNEL_PARTS)}")
+        layout = megakernel_layout(cfg, device.max_shared_per_block_optin, device.sm_count,
+                                   self.weight_format)
+        if isinstance(layout, str):
+            raise QwenchatError(f"{layout}; use --decode layered")
+        if stages:
+            layout = dataclasses.replace(layout, stages=stages)
+        count, stage, fixed, blocks = layout.stages, layout.stage_bytes, layout.fixed, layout.blocks
+        defines = dict(layout.defines(cfg, self.weight_format),
+                       QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
+        module = rt.Module(KernelCache().load("megakernel.cu", device.arch, defines,
+                                              progress=notice))
+        self._modules.append(module)
+        kernel = self.k["decode_megakernel"] = module.function("decode_megakernel")
+        self.mk_stages, self.mk_stage_bytes = count, stage
+        self.mk_shared = count * stage + fixed
+        kernel.set_max_dynamic_shared(self.mk_shared)
+        if kernel.max_active_blocks_per_sm(MEGAKERNEL_THREADS, self.mk_shared) < 1:
+            raise QwenchatError("the decode megakernel does not fit on this GPU; "
+                                "use --decode layered")
+        self.mk_blocks = blocks
+        # Chunks per kv head: enough for one item per block at long context.
+        self.mk_splits = max(1, min(64, self.mk_blocks // cfg.num_key_value_heads))
+        heads, hd = cfg.num_attention_heads, cfg.head_dim
+        self.mk_part_o = self._device_buffer(heads * self.mk_splits * hd * 4)
+        self.mk_part_ml = self._device_buffer(heads * self.mk_splits * 2 * 4)
+        self.mk_cand = self._device_buffer(self.mk_blocks * MEGAKERNEL_CANDIDATES * 8)
+        # Tagged values (8 bytes each) and the merge counters, zeroed before every launch.
+        tagged = {"x": cfg.hidden_size, "qkv": cfg.q_size + 2 * cfg.kv_size,
+                  "attn": cfg.q_size, "h": cfg.intermediate_size, "best": 4 * self.mk_blocks,
+                  "chosen": 2}
+        self.mk_tagged = self._device_buffer(8 * sum(tagged.values())
+                                             + 4 * cfg.num_key_value_heads)
+        self._mk_tagged_ptrs, offset = {}, 0
+        for name, count in tagged.items():
+            self._mk_tagged_ptrs[name] = self.mk_tagged.ptr + offset
+            offset += 8 * count
+        self._mk_merge_ptr = self.mk_tagged.ptr + offset
+        self.mk_eos = self._device_buffer(64 * 4)
+        self.mk_params = self._device_buffer(2 * SAMPLE_PARAMS.itemsize)
+        layer_ptrs = np.array([[w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
+                                w.post_norm.ptr, w.gate_up.ptr, w.down.ptr, kc.ptr, vc.ptr]
+                               for w, kc, vc in zip(self.layers, self.k_cache, self.v_cache,
+                                                    strict=True)], dtype=np.uint64)
+        self.mk_layers = self._device_buffer(layer_ptrs.nbytes)
+        self.mk_layers.upload(layer_ptrs)
+        step_seconds = self.weight_bytes / 2e12 + 100e-6
+        self.steps_per_launch = int(max(1, min(256, MEGAKERNEL_LAUNCH_SECONDS // step_seconds)))
+        # Launches queued behind the running one (0: each launch only once the host has read
+        # every token of the one before, so last_logits() is the last read token's; tests).
+        self.launches_ahead = 1
+        # Host-mapped: the parameters and the cancel flag (48 bytes, read by the kernel), then
+        # the ring of (token, sequence number) pairs it writes.
+        header = SAMPLE_PARAMS.itemsize + 8
+        self._mapped = rt.PinnedBuffer(header + 8 * MEGAKERNEL_RING, mapped=True)
+        self._mk_params = self._mapped.array(SAMPLE_PARAMS, 1)
+        words = self._mapped.array(np.int32)
+        self._mk_cancel = words[SAMPLE_PARAMS.itemsize // 4 : SAMPLE_PARAMS.itemsize // 4 + 1]
+        self._mk_ring = words[header // 4 :].reshape(-1, 2)
+        self.mk_stopped = self._device_buffer(4)
+        self._mk_consumed = self._mk_requested = self._mk_epoch = 0
+        self._mk_n_eos = 0
+
+    def _megakernel_begin(self, request: GenerateRequest) -> None:
+        self._mk_cancel[0] = 0
+        self._mk_ring[:] = 0
+        self._mk_consumed = self._mk_requested = 0
+        self.mk_stopped.fill_u8(0, stream=self.stream)
+        eos = np.asarray(sorted(request.eos_ids)[:64], dtype=np.int32)
+        if eos.size:
+            self.mk_eos.upload(eos, stream=self.stream)
+        self._mk_n_eos = int(eos.size)
+        self._mirror_params(request.params.current)
+        self._unsubscribe = request.params.subscribe(self._mirror_params)
+
+    def _megakernel_end(self) -> None:
+        self._unsubscribe()
+        self._mk_cancel[0] = 1  # a launch still running stops after its current step,
+        self.stream.synchronize()  # and the ones queued behind it return at once
+        self._mk_cancel[0] = 0
+        self._mk_consumed = self._mk_requested = 0
+
+    def _megakernel_args(self, steps: int, feed_first: bool, first_step: int,
+                         n_eos: int) -> MegaArgs:
+        cfg, mapped, t = self.config, self._mapped.device_ptr, self._mk_tagged_ptrs
+        return MegaArgs(
+            self.mk_layers.ptr, self.embed.ptr, self.final_norm.ptr, self.lm_head.ptr,
+            self.inv_freq.ptr, t["x"], t["qkv"], t["attn"], t["h"], t["best"], t["chosen"],
+            self.logits.ptr, self.work.ptr, self.mk_part_o.ptr, self.mk_part_ml.ptr,
+            self.mk_cand.ptr, self._mk_merge_ptr, self.seen.ptr, self.counts.ptr,
+            self.token.ptr, self.pos.ptr, self.mk_stopped.ptr,
+            self.mk_eos.ptr, mapped, self.mk_params.ptr, mapped + SAMPLE_PARAMS.itemsize + 8,
+            cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.num_hidden_layers, self.capacity,
+            self.mk_splits, n_eos, steps, int(feed_first), first_step, len(self._mk_ring),
+            self._mk_epoch & 0xFFF)
+
+    def _mirror_params(self, params: SamplingParams) -> None:
+        """Write the parameters to host-mapped memory, which the running kernel reads before
+        every token: a change made while a launch runs applies to the next token it samples."""
+        host = self._mk_params
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "top_k"):
+            host[name] = getattr(params, name)
+        seed = self._request.seed if params.seed is None else params.seed
+        host["seed"] = seed & ((1 << 64) - 1)
+
+    def _megakernel_token(self, fed: int | None, params: SamplingParams, seed: int,
+                          step: int) -> int | None:
+        """The reply's next token from the ring; None when the GPU has ended the reply first
+        (a cancel that reached it before this token)."""
+        if fed is not None:
+            self._tokens.append(fed)  # the kernel has already run it
+        self._queue_launches(params)
+        waited = time.monotonic()
+        wanted = self._mk_consumed + 1
+        slot = self._mk_ring[self._mk_consumed % len(self._mk_ring)]
+        while int(slot[1]) != wanted:
+            if self._request.cancel.is_set():
+                self._mk_cancel[0] = 1
+                if self.stream.idle() and int(slot[1]) != wanted:
+                    return None
+            if time.monotonic() - waited > MEGAKERNEL_TIMEOUT_S:
+                raise QwenchatError("the decode kernel stopped producing tokens; "
+                                    "rerun with --decode layered and report this")
+            time.sleep(0)
+        token = int(slot[0])
+        self._mk_consumed += 1
+        return token
+
+    def megakernel_produced(self) -> int:
+        """Tokens the reply's launches have written so far."""
+        return int(self._mk_ring[:, 1].max())
+
+    def _queue_launches(self, params: SamplingParams) -> None:
+        """Keep a second launch queued behind the running one, so the GPU never waits for this
+        thread between launches: a host that is late by up to a launch's work (a busy UI, the
+        GIL) costs no decode time. The first launch of a reply samples from the prefill's
+        logits; every later one feeds the token the one before it left on the device."""
+        spl = self.steps_per_launch
+        while self._mk_requested - self._mk_consumed <= spl * self.launches_ahead:
+            steps = min(spl, len(self._mk_ring) - (self._mk_requested - self._mk_consumed))
+            if params.max_tokens is not None:
+                steps = min(steps, params.max_tokens - self._mk_requested)
+            if steps <= 0:
+                return
+            self._launch_megakernel(steps, self._mk_requested)
+            self._mk_requested += steps
+
+    def _launch_megakernel(self, steps: int, first_step: int) -> None:
+        self.mk_tagged.fill_u8(0, stream=self.stream)
+        self._mk_epoch += 1  # every launch tags its values afresh
+        args = self._megakernel_args(steps, first_step > 0, first_step, self._mk_n_eos)
+        rt.launch(self.k["decode_megakernel"], self.mk_blocks, MEGAKERNEL_THREADS, [args],
+                  shared=self.mk_shared, stream=self.stream, cooperative=True)
