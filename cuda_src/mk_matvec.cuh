@@ -65,27 +65,35 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     return total;
 }
 
-// The warp's segment of rmsnorm(src) * w, src a float vector or (layer 0) a bf16 row.
-template <int K>
-__device__ __forceinline__ void load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
-                                            unsigned tag, const bf16_t* w, float eps) {
-    const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
+// Each of the warp's 8-value chunks c of the staged vector (vec_buf) as out.v[q] = f(c, e).
+template <int K, typename F>
+__device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
     const float* buf = vec_buf();
     const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
 #pragma unroll
     for (int q = 0; q < cpl(K); ++q) {
         const int c = seg * cpl(K) * 32 + lane + 32 * q;
         if (c < chunks(K)) {
-            const uint4 g = *reinterpret_cast<const uint4*>(w + c * 8);
-            const float gw[8] = {bf16_lo(g.x), bf16_hi(g.x), bf16_lo(g.y), bf16_hi(g.y),
-                                 bf16_lo(g.z), bf16_hi(g.z), bf16_lo(g.w), bf16_hi(g.w)};
             const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
             const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
             const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) out.v[q][j] = e[j] * rstd * gw[j];
+            f(c, e, out.v[q]);
         }
     }
+}
+
+// The warp's segment of rmsnorm(src) * w, src a float vector or (layer 0) a bf16 row.
+template <int K>
+__device__ __forceinline__ void load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
+                                            unsigned tag, const bf16_t* w, float eps) {
+    const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
+    from_staged<K>(out, [&](int c, const float (&e)[8], float (&o)[8]) {
+        const uint4 g = *reinterpret_cast<const uint4*>(w + c * 8);
+        const float gw[8] = {bf16_lo(g.x), bf16_hi(g.x), bf16_lo(g.y), bf16_hi(g.y),
+                             bf16_lo(g.z), bf16_hi(g.z), bf16_lo(g.w), bf16_hi(g.w)};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = e[j] * rstd * gw[j];
+    });
 }
 
 // The warp's segment of a float vector other blocks are writing with `tag`.
@@ -93,18 +101,10 @@ template <int K>
 __device__ __forceinline__ void load_plain(Vec<K>& out, const tagged_t* src, unsigned tag,
                                            bool wait = true) {
     stage_vector<K>(src, nullptr, tag, false, wait);
-    const float* buf = vec_buf();
-    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+    from_staged<K>(out, [](int, const float (&e)[8], float (&o)[8]) {
 #pragma unroll
-    for (int q = 0; q < cpl(K); ++q) {
-        const int c = seg * cpl(K) * 32 + lane + 32 * q;
-        if (c < chunks(K)) {
-            const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
-            const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
-            out.v[q][0] = lo.x; out.v[q][1] = lo.y; out.v[q][2] = lo.z; out.v[q][3] = lo.w;
-            out.v[q][4] = hi.x; out.v[q][5] = hi.y; out.v[q][6] = hi.z; out.v[q][7] = hi.w;
-        }
-    }
+        for (int j = 0; j < 8; ++j) o[j] = e[j];
+    });
 }
 
 // The warp's partial dot product of one weight row in shared memory with its vector segment:
