@@ -48,6 +48,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     __shared__ int chosen_sh;
     if (threadIdx.x == 0) args_sh = args;
     init_ranges();
+    init_stage_sums();
     __syncthreads();
     const MegaArgs& a = args_sh;
     // Written only by earlier launches, so every block reads the same value and all leave.
@@ -60,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     // The block's LM-head logits, kept in shared memory for its sampling candidates.
     const int lm_lo = row_ranges[3].x, lm_n = row_ranges[3].y - lm_lo;
     const bool lm_fits = lm_n <= LM_ROWS;
-    float* lm_vals = vec_buf();
+    float* lm_vals = vec_buf() + qw::hidden;  // (after the LM head's input vector)
     unsigned* scratch = reinterpret_cast<unsigned*>(red);
     const NoPre no_pre;
     const int pos0 = *a.pos;
@@ -97,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                         resid[threadIdx.x] = bf16_to_f32(embed_row[hid_lo + threadIdx.x]);
                     const bf16_t* row = layer == 0 ? embed_row : nullptr;
                     rows_phase<qw::hidden, false>(
-                        a, consumed, QKV_ROWS, red,
+                        a, consumed, QKV_ROWS,
                         [&](Vec<qw::hidden>& v) {
                             load_normed<qw::hidden>(v, a.x, row, t - 1u, L.input_norm, a.eps);
                         },
@@ -108,19 +109,19 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                 // The counters count only chunks that are merged (more than one a head).
                 if (geom.splits > 1) merge_base += geom.splits;
                 rows_phase<qw::q_size, false>(
-                    a, consumed, qw::hidden, red,
+                    a, consumed, qw::hidden,
                     [&](Vec<qw::q_size>& v) {
                         load_plain<qw::q_size>(v, a.attn, t + 1u, !(QW_MK_SKIP & 2));
                     },
                     no_pre, [&](int r, float s, float, int) { put(a.x + r, resid[r - hid_lo] += s, t + 2u); });
                 rows_phase<qw::hidden, true>(
-                    a, consumed, qw::intermediate, red,
+                    a, consumed, qw::intermediate,
                     [&](Vec<qw::hidden>& v) {
                         load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
                     },
                     no_pre, [&](int r, float g, float u, int) { put(a.h + r, silu(g) * u, t + 3u); });
                 rows_phase<qw::intermediate, false>(
-                    a, consumed, qw::hidden, red,
+                    a, consumed, qw::hidden,
                     [&](Vec<qw::intermediate>& v) { load_plain<qw::intermediate>(v, a.h, t + 3u); },
                     no_pre, [&](int r, float s, float, int) { put(a.x + r, resid[r - hid_lo] += s, t + 4u); });
             }
@@ -129,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             // x below depends on.)
             load_params(&step_params, a.params + (i & 1));
             rows_phase<qw::hidden, false, false>(
-                a, consumed, qw::vocab, red,
+                a, consumed, qw::vocab,
                 [&](Vec<qw::hidden>& v) {
                     load_normed<qw::hidden>(v, a.x, nullptr, best_tag - 1u, a.final_norm, a.eps);
                 },
@@ -168,6 +169,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             }
         }
 
+        __syncthreads();  // every warp's logits are in lm_vals (warps leave a phase one by one)
         // Sampling: each block's best logit and (sampling with a small top-k) its candidates,
         // after its logits; then block 0 chooses.
         const int k = step_params.top_k;

@@ -109,10 +109,11 @@ __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned m
 // the last one computed here by the block whose chunk holds it).
 // Its inputs are tagged `tag`, its outputs `tag + 1`.
 //
-// Within a stage of KEYS keys every warp takes its own KPW keys and keeps its own online
-// softmax (max, sum, and the lane's DPL output dimensions of each query head of the group) in
-// registers, so a stage costs the block one __syncthreads (before the stage is refilled). At
-// the end of the chunk the warps' states are merged in a fixed order through shared memory.
+// Within a stage of KEYS keys every consumer warp takes its own KPW keys and keeps its own
+// online softmax (max, sum, and the lane's DPL output dimensions of each query head of the
+// group) in registers, and releases the stage when its own keys are done (no block barrier);
+// the producer warp refills it. At the end of the chunk the warps' states are merged in a
+// fixed order through shared memory (the producer's: empty).
 __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consumed,
                                              const MegaLayer& L, int pos, const AttnGeom& g,
                                              unsigned tag, unsigned merge_base,
@@ -158,16 +159,23 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         }
         for (int k0 = 0; k0 < keys; k0 += KEYS) {
             const int n = min(KEYS, keys - k0);
-            const bf16_t* kt = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
-            const bf16_t* vt = kt + KEYS * HD;
             const int new_row = pos - (k_begin + k0);
-            if (has_new && new_row >= 0 && new_row < n) {  // the copy predates the new key
-                if (threadIdx.x < HD) {
+            const bool patch = has_new && new_row >= 0 && new_row < n;
+            const bf16_t* kt = nullptr;
+            if (warp != PRODUCER) {
+                kt = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
+                if (patch && threadIdx.x < HD) {  // the copy predates the new key
                     const_cast<bf16_t*>(kt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.k_new[threadIdx.x]);
-                    const_cast<bf16_t*>(vt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.v_new[threadIdx.x]);
+                    const_cast<bf16_t*>(kt + KEYS * HD)[new_row * HD + threadIdx.x] =
+                        f32_to_bf16(sh.v_new[threadIdx.x]);
                 }
-                __syncthreads();
             }
+            if (patch) __syncthreads();  // (every warp, the producer too, at this one barrier)
+            if (warp == PRODUCER) {  // refills the stage once the consumers release it
+                pipe_produce(a, consumed);
+                continue;
+            }
+            const bf16_t* vt = kt + KEYS * HD;
 #pragma unroll
             for (int p0 = 0; p0 < KPW; p0 += KPASS) {
                 const int first = warp * KPW + p0;  // the pass's first key in the stage
@@ -238,8 +246,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                     m[h] = m_new;
                 }
             }
-            __syncthreads();
-            pipe_release(a, consumed);
+            pipe_release(consumed);  // (this warp's keys: no block barrier)
         }
         // The new key and value are visible to the next steps' copies (on other SMs) before
         // anything this item publishes (merge_if_last fences too).

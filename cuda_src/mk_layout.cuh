@@ -27,64 +27,91 @@
 namespace mk {
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
+// Warps 0 .. CWARPS-1 consume the stages; the last warp is the producer, which refills each
+// stage as soon as every consumer has released it, so no consumer ever waits on a refill.
+constexpr int CWARPS = WARPS - 1;
+constexpr int PRODUCER = CWARPS;  // the producer's warp number
 constexpr int STAGES = QW_MK_STAGES;
 constexpr int STAGE = QW_MK_STAGE_BYTES;
 constexpr int HD = qw::head_dim;
 constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
 
-// A matrix-vector phase over K columns: each warp holds one segment of the input vector in
-// registers (CPL 16-byte chunks per lane), NSEG segments cover K, and WARPS / NSEG row groups
-// take the rows of a stage in turn; a row's segment sums are added in a fixed order.
+// A matrix-vector phase over K columns: each consumer warp holds one segment of the input
+// vector in registers (CPL 16-byte chunks per lane), NSEG segments cover K, and CWARPS / NSEG
+// row groups take the rows of a stage in turn; a row's segment sums are added in a fixed order.
 __host__ __device__ constexpr int chunks(int k) { return k / 8; }
 __host__ __device__ constexpr int nseg(int k) {
-    return (k + 1023) / 1024 < WARPS ? (k + 1023) / 1024 : WARPS;
+    return (k + 1023) / 1024 < CWARPS ? (k + 1023) / 1024 : CWARPS;
 }
 __host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
+__host__ __device__ constexpr int groups(int k) { return CWARPS / nseg(k); }
+// Of `fit` rows (at most), how many a stage takes: the most rows per round of the row groups
+// (a stage's time is its rounds), the larger count on a tie.
+__host__ __device__ constexpr int stage_rows(int fit, int groups, int step = 1) {
+    int best = 0, best_rate = 0;
+    for (int r = step; r <= fit * step; r += step) {
+        const int rate = r * 1024 / ((r + groups - 1) / groups);
+        if (rate >= best_rate) best = r, best_rate = rate;
+    }
+    return best;
+}
 // Rows of K columns in a stage, for the model's weight format (F8 = qw::fp8) or bf16 (the LM
 // head). An FP8 row carries its block scales after its codes (weights.cuh).
 template <bool F8 = qw::fp8>
 __host__ __device__ constexpr int rows_per_stage(int k) {
-    return static_cast<int>(STAGE / row_bytes<F8>(k));
+    return stage_rows(static_cast<int>(STAGE / row_bytes<F8>(k)), groups(k));
 }
-constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves
-    static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden)));
-constexpr int KEYS = STAGE / (4 * HD);                      // keys (K and V rows) per stage
-constexpr int RED = 1024;                                   // segment sums kept per stage
+constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves (as many gate as up rows)
+    stage_rows(static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden))), groups(qw::hidden),
+               2) / 2;
+// Attention: each consumer warp takes KPW keys of each stage, KPASS at a time with LPK lanes a
+// key (DPK dimensions a lane) for the scores; for P . V each lane holds DPL of the head's
+// dimensions. KEYS (K and V rows) a stage: as many as fit, in whole passes of every warp.
+constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
+constexpr int KPW_FIT = STAGE / (4 * HD) / CWARPS;
+constexpr int KPASS = 32 / LPK < KPW_FIT ? 32 / LPK : KPW_FIT;
+constexpr int KPW = KPASS > 0 ? KPW_FIT / KPASS * KPASS : 0;
+constexpr int KEYS = KPW * CWARPS;
+constexpr int RED = 1024;  // the sampler's scratch floats (two halves)
+
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+// A stage's outputs (rows, or gate/up pairs) at most, and its partial sums at most: a row of
+// K columns is summed from nseg(K) warps' segments (a pair from twice that).
+constexpr int STAGE_OUTS =
+    cmax(cmax(cmax(rows_per_stage(qw::hidden), rows_per_stage(qw::q_size)),
+              cmax(rows_per_stage(qw::intermediate), rows_per_stage<false>(qw::hidden))),
+         PAIRS_PER_STAGE);
+constexpr int STAGE_PARTS =
+    cmax(cmax(cmax(rows_per_stage(qw::hidden) * nseg(qw::hidden),
+                   rows_per_stage(qw::q_size) * nseg(qw::q_size)),
+              cmax(rows_per_stage(qw::intermediate) * nseg(qw::intermediate),
+                   rows_per_stage<false>(qw::hidden) * nseg(qw::hidden))),
+         2 * PAIRS_PER_STAGE * nseg(qw::hidden));
 
 static_assert(STAGE % 128 == 0, "stages are 128-byte aligned");
 static_assert(rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
                   rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
                   rows_per_stage<false>(qw::hidden) >= 1,
               "QW_MK_STAGE_BYTES must hold a whole weight row (and a gate/up pair)");
-static_assert(rows_per_stage(qw::hidden) * nseg(qw::hidden) <= RED &&
-                  rows_per_stage<false>(qw::hidden) * nseg(qw::hidden) <= RED &&
-                  rows_per_stage(qw::q_size) * nseg(qw::q_size) <= RED &&
-                  rows_per_stage(qw::intermediate) * nseg(qw::intermediate) <= RED &&
-                  2 * PAIRS_PER_STAGE * nseg(qw::hidden) <= RED,
-              "a stage holds more rows than the segment-sum buffer");
-static_assert(qw::group + 2 <= WARPS, "a warp per query head of a group, plus two");
+static_assert(STAGE_PARTS * STAGES <= 4096, "the stages' partial sums fit in 16 KB");
+static_assert(qw::group + 2 <= CWARPS, "a consumer warp per query head of a group, plus two");
 
 enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };
 
-// Attention: a warp takes KPW keys of each stage, KPASS at a time with LPK lanes a key (DPK
-// dimensions a lane) for the scores; for P . V each lane holds DPL of the head's dimensions.
-constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
-constexpr int KPW = KEYS / WARPS;
-constexpr int KPASS = 32 / LPK < KPW ? 32 / LPK : KPW;
 static_assert(HD >= 32 && KPW >= 1 && KPW % KPASS == 0, "attention lane geometry");
 
 // Sampling with top-k <= CAND: each block offers its own top-k (ties included) as candidates.
 constexpr int CAND = 64;
 constexpr int LM_ROWS = QW_MK_LM_ROWS;
 
-__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int HIST_BYTES = WARPS * 256 * 8;
 constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
-// or the block's LM-head logits, or (block 0, sampling) the radix histograms.
+// or (after the LM head's input vector, which warps may still be reading while others write
+// logits) the block's LM-head logits, or (block 0, sampling) the radix histograms.
 constexpr int UNION_BYTES =
-    (cmax(cmax(HIST_BYTES, 4 * VEC_FLOATS), cmax(4 * LM_ROWS, WARPS * qw::group * HD * 4)) + 127) /
-    128 * 128;
+    (cmax(cmax(HIST_BYTES, 4 * VEC_FLOATS),
+          cmax(4 * (qw::hidden + LM_ROWS), WARPS * qw::group * HD * 4)) + 127) / 128 * 128;
 constexpr int RESID = 512;       // residual rows a block may own
 constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most
 }  // namespace mk

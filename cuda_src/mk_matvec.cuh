@@ -32,6 +32,9 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
                                               bool squares, bool wait = true) {
     float* buf = vec_buf();
     float ss = 0.f;
+    // Warps leave a phase one by one (no barrier between its stages): the slowest may still be
+    // reading the last phase's vector here, or its squares.
+    __syncthreads();
     for (int j = threadIdx.x * 4; j < K; j += THREADS * 4) {
         float4 e;
         if (row) {
@@ -65,7 +68,7 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     return total;
 }
 
-// Each of the warp's 8-value chunks c of the staged vector (vec_buf) as out.v[q] = f(c, e).
+// Each of the warp's 8-value chunks c of the staged vector (vec_buf) as out.v[q] = f(q, c, e).
 template <int K, typename F>
 __device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
     const float* buf = vec_buf();
@@ -77,20 +80,28 @@ __device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
             const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
             const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
             const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-            f(c, e, out.v[q]);
+            f(q, c, e, out.v[q]);
         }
     }
 }
 
-// The warp's segment of rmsnorm(src) * w, src a float vector or (layer 0) a bf16 row.
+// The warp's segment of rmsnorm(src) * w, src a float vector or (layer 0) a bf16 row. The norm
+// weights are loaded before the wait for src: they do not depend on it, so their round trip to
+// L2 overlaps the wait instead of following it.
 template <int K>
 __device__ __forceinline__ void load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
                                             unsigned tag, const bf16_t* w, float eps) {
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+    uint4 g[cpl(K)];
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        g[q] = c < chunks(K) ? __ldg(reinterpret_cast<const uint4*>(w) + c) : make_uint4(0, 0, 0, 0);
+    }
     const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
-    from_staged<K>(out, [&](int c, const float (&e)[8], float (&o)[8]) {
-        const uint4 g = *reinterpret_cast<const uint4*>(w + c * 8);
-        const float gw[8] = {bf16_lo(g.x), bf16_hi(g.x), bf16_lo(g.y), bf16_hi(g.y),
-                             bf16_lo(g.z), bf16_hi(g.z), bf16_lo(g.w), bf16_hi(g.w)};
+    from_staged<K>(out, [&](int q, int, const float (&e)[8], float (&o)[8]) {
+        const float gw[8] = {bf16_lo(g[q].x), bf16_hi(g[q].x), bf16_lo(g[q].y), bf16_hi(g[q].y),
+                             bf16_lo(g[q].z), bf16_hi(g[q].z), bf16_lo(g[q].w), bf16_hi(g[q].w)};
 #pragma unroll
         for (int j = 0; j < 8; ++j) o[j] = e[j] * rstd * gw[j];
     });
@@ -101,7 +112,7 @@ template <int K>
 __device__ __forceinline__ void load_plain(Vec<K>& out, const tagged_t* src, unsigned tag,
                                            bool wait = true) {
     stage_vector<K>(src, nullptr, tag, false, wait);
-    from_staged<K>(out, [](int, const float (&e)[8], float (&o)[8]) {
+    from_staged<K>(out, [](int, int, const float (&e)[8], float (&o)[8]) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) o[j] = e[j];
     });
@@ -128,51 +139,78 @@ __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>&
     return warp_sum(acc);
 }
 
+// The stages' partial sums (a row's segments from several warps) and, per output of a stage,
+// how many of them have arrived. Slot = the stage's place in the ring, so a slot is reused
+// only after every warp has released the stage.
+__shared__ float stage_parts[STAGES][STAGE_PARTS];
+__shared__ unsigned stage_arrivals[STAGES][STAGE_OUTS];
+
+__device__ void init_stage_sums() {
+    for (int i = threadIdx.x; i < STAGES * STAGE_OUTS; i += THREADS)
+        (&stage_arrivals[0][0])[i] = 0u;
+}
+
 // Rows [lo, hi) of this block's slice, stage by stage. `load(v)` first fills the warp's vector
-// segment. Row lo + i belongs to thread i % THREADS, which calls `pre(row)` when the row's
-// stage is waited for (to start loads the emit will need) and `emit(row, sum, up, pre)` after
-// the stage is released. With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE rows)
-// the matching up rows, and `up` is the up row's sum. F8: the rows are in the model's weight
-// format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
+// segment. Each consumer warp then goes through the stages on its own (no block barrier), while
+// the producer warp refills them: a stage's rows are split among the consumer warps (NSEG warps
+// a row, one segment each), and the warp whose
+// segment completes a row adds the segments in order 0, 1, ... and calls `emit(row, sum, up,
+// pre)` from its lane 0, where `pre` is what `pre(row)` returned when that lane started the row
+// (loads the emit will need). With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE
+// rows) the matching up rows, and `up` is the up row's sum. F8: the rows are in the model's
+// weight format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
 template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
 __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
-                                        float* red, Load load, Pre pre, Emit emit) {
-    constexpr int NSEG = nseg(K), GROUPS = WARPS / NSEG;
+                                        Load load, Pre pre, Emit emit) {
+    constexpr int NSEG = nseg(K), GROUPS = CWARPS / NSEG;
     constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+    constexpr int ARRIVALS = NSEG * (PAIRS ? 2 : 1);  // the pieces of one output
     constexpr long long RB = row_bytes<F8>(K);
-    static_assert(PER <= THREADS, "a stage holds more rows than the block has threads");
+    static_assert(PER <= STAGE_OUTS && (PAIRS ? 2 : 1) * PER * NSEG <= STAGE_PARTS,
+                  "a stage holds more rows than its partial sums");
     Vec<K> v;
     load(v);
-    const int warp = threadIdx.x >> 5, seg = warp % NSEG, group = warp / NSEG;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int seg = warp % NSEG, group = warp / NSEG;
     int lo, hi;
     block_range(n_rows, lo, hi);
+    if (warp == PRODUCER) {  // refills the phase's stages as the consumers release them
+        for (int r0 = lo; r0 < hi; r0 += PER) pipe_produce(a, consumed);
+        return;
+    }
     for (int r0 = lo; r0 < hi; r0 += PER) {
         const int n = min(PER, hi - r0);
-        const int mine = r0 + ((static_cast<int>(threadIdx.x) - (r0 - lo)) % THREADS + THREADS) % THREADS;
-        const bool has_row = mine < r0 + n;
-        const int extra = has_row ? pre(mine) : 0;
-        float* sums = red + (consumed & 1) * RED;
+        const int slot = consumed % STAGES;
         const unsigned char* tile = pipe_wait(consumed);
         if (group < GROUPS) {
             for (int r = group; r < (PAIRS ? 2 * PER : n); r += GROUPS) {
                 if (PAIRS && r % PER >= n) continue;
+                const int out = PAIRS ? r % PER : r;
+                const int extra = lane == 0 ? pre(r0 + out) : 0;
                 const float d = row_dot<K, F8>(tile + r * RB, v);
-                if ((threadIdx.x & 31) == 0) sums[r * NSEG + seg] = d;
+                if (lane != 0) {
+                } else if constexpr (ARRIVALS == 1) {
+                    emit(r0 + out, d, 0.f, extra);
+                } else {
+                    volatile float* parts = stage_parts[slot];
+                    parts[r * NSEG + seg] = d;
+                    __threadfence_block();  // the piece before its count
+                    if (atomicAdd(&stage_arrivals[slot][out], 1u) + 1u == ARRIVALS) {
+                        stage_arrivals[slot][out] = 0u;
+                        __threadfence_block();  // the other pieces after their counts
+                        float total = 0.f, up = 0.f;
+#pragma unroll
+                        for (int s = 0; s < NSEG; ++s) total += parts[out * NSEG + s];
+                        if (PAIRS) {
+#pragma unroll
+                            for (int s = 0; s < NSEG; ++s) up += parts[(PER + out) * NSEG + s];
+                        }
+                        emit(r0 + out, total, up, extra);
+                    }
+                }
             }
         }
-        __syncthreads();
-        pipe_release(a, consumed);
-        if (has_row) {
-            const int r = mine - r0;
-            float total = 0.f, up = 0.f;
-#pragma unroll
-            for (int s = 0; s < NSEG; ++s) total += sums[r * NSEG + s];
-            if (PAIRS) {
-#pragma unroll
-                for (int s = 0; s < NSEG; ++s) up += sums[(PER + r) * NSEG + s];
-            }
-            emit(mine, total, up, extra);
-        }
+        pipe_release(consumed);
     }
 }
 }  // namespace

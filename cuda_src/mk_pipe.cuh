@@ -66,16 +66,26 @@ struct Cursor {
     int f, layer, phase, t, count;
 };
 
-struct Producer {
+// The bytes of the cursor's tile: one or two contiguous ranges (the second at `offset1`).
+struct TileSource {
+    const void* src0;
+    const void* src1;
+    unsigned bytes0, bytes1, offset1;
+    bool weights;
+};
+
+struct Producer {  // (the producer warp's alone)
     Cursor c;
-    unsigned issued;
+    unsigned issued;  // stages issued (one per stage released, copying or not), in stream order
+    unsigned filled;  // stages actually copied into
     int more, forwards, pos0;
 };
 
 // Dynamic shared memory: the stages, then the input vector of a phase (or, while sampling,
 // the radix histograms), then the table of layer pointers.
 extern __shared__ __align__(128) unsigned char stage_mem[];
-__shared__ __align__(8) unsigned long long stage_bars[STAGES];
+__shared__ __align__(8) unsigned long long stage_bars[STAGES];  // "full": the copy landed
+__shared__ __align__(8) unsigned long long free_bars[STAGES];   // "empty": every consumer is done
 __shared__ Producer producer;
 
 __device__ __forceinline__ float* vec_buf() {
@@ -119,14 +129,6 @@ __device__ bool advance(const MegaArgs& a) {
     producer.c = c;
     return true;
 }
-
-// The bytes of the cursor's tile: one or two contiguous ranges (the second at `offset1`).
-struct TileSource {
-    const void* src0;
-    const void* src1;
-    unsigned bytes0, bytes1, offset1;
-    bool weights;
-};
 
 __device__ TileSource tile_source(const MegaArgs& a) {
     const Cursor c = producer.c;
@@ -187,74 +189,72 @@ __device__ TileSource tile_source(const MegaArgs& a) {
     return s;
 }
 
-// Issues the cursor's tile into the next free stage. Called by every thread at the same point
-// (right after the __syncthreads that ended the stage's previous use). With TMA one thread
-// does it all; without, every thread copies 16-byte pieces and the block syncs around the
-// cursor's move.
-__device__ void issue(const MegaArgs& a) {
-#if QW_MK_TMA
-    // Only thread 0 may even read the producer's state (thread 0 writes it, unsynchronised).
-    if (threadIdx.x != 0) return;
-    if (!*static_cast<volatile int*>(&producer.more)) return;
+// Issues the cursor's tile into the next stage; called by the producer warp. With TMA its lane 0
+// does it all; without, every lane copies 16-byte pieces and arrives on the stage's barrier.
+__device__ __noinline__ void issue(const MegaArgs& a) {
+    const int lane = threadIdx.x & 31;
     const int stage = producer.issued % STAGES;
     unsigned char* dst = stage_mem + stage * STAGE;
     const unsigned bar = smem_u32(stage_bars + stage);
-    const TileSource s = tile_source(a);
-    if (!((QW_MK_SKIP & 1) && s.weights)) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                     "r"(s.bytes0 + s.bytes1)
-                     : "memory");
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-            "[%3];" ::"r"(smem_u32(dst)),
-            "l"(s.src0), "r"(s.bytes0), "r"(bar)
-            : "memory");
-        if (s.bytes1)
+    const bool more = producer.more;
+#if QW_MK_TMA
+    if (lane == 0 && more) {
+        const TileSource s = tile_source(a);
+        if (!((QW_MK_SKIP & 1) && s.weights)) {
+            // (the consumers' generic reads and writes of this stage before the copy's writes)
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                         "r"(s.bytes0 + s.bytes1)
+                         : "memory");
             asm volatile(
                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                "%2, [%3];" ::"r"(smem_u32(dst + s.offset1)),
-                "l"(s.src1), "r"(s.bytes1), "r"(bar)
+                "%2, [%3];" ::"r"(smem_u32(dst)),
+                "l"(s.src0), "r"(s.bytes0), "r"(bar)
                 : "memory");
-    } else {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+            if (s.bytes1)
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+                    "[%1], %2, [%3];" ::"r"(smem_u32(dst + s.offset1)),
+                    "l"(s.src1), "r"(s.bytes1), "r"(bar)
+                    : "memory");
+        } else {
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+        }
     }
-    ++producer.issued;
-    producer.more = advance(a);
 #else
-    if (!producer.more) return;  // every thread sees the same value
-    const int stage = producer.issued % STAGES;
-    unsigned char* dst = stage_mem + stage * STAGE;
-    const TileSource s = tile_source(a);
-    if (!((QW_MK_SKIP & 1) && s.weights)) {
-        for (unsigned off = threadIdx.x * 16; off < s.bytes0; off += THREADS * 16)
-            cp_async_16(dst + off, static_cast<const unsigned char*>(s.src0) + off, 16);
-        for (unsigned off = threadIdx.x * 16; off < s.bytes1; off += THREADS * 16)
-            cp_async_16(dst + s.offset1 + off, static_cast<const unsigned char*>(s.src1) + off, 16);
+    if (more) {
+        const TileSource s = tile_source(a);
+        if (!((QW_MK_SKIP & 1) && s.weights)) {
+            for (unsigned off = lane * 16; off < s.bytes0; off += 32 * 16)
+                cp_async_16(dst + off, static_cast<const unsigned char*>(s.src0) + off, 16);
+            for (unsigned off = lane * 16; off < s.bytes1; off += 32 * 16)
+                cp_async_16(dst + s.offset1 + off, static_cast<const unsigned char*>(s.src1) + off, 16);
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
     }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem_u32(stage_bars + stage))
-                 : "memory");
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        ++producer.issued;
-        producer.more = advance(a);
-    }
-    __syncthreads();
 #endif
+    __syncwarp();
+    if (lane == 0) {
+        if (more) {
+            ++producer.filled;
+            producer.more = advance(a);
+        }
+        ++producer.issued;
+    }
+    __syncwarp();
 }
 
-// Sets up the stream of `forwards` steps from position pos0 and fills every stage.
+// Sets up the stream of `forwards` steps from position pos0; the producer fills every stage.
 __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-#if QW_MK_TMA
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(stage_bars + s)));
-#else
-            asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(stage_bars + s)),
-                         "r"(THREADS));
-#endif
+            // TMA: one arrival (with the bytes expected); cp.async: one from each lane.
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(stage_bars + s)),
+                         "r"(QW_MK_TMA ? 1 : 32));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(free_bars + s)),
+                         "r"(CWARPS * 32));
         }
-        producer.issued = 0;
+        producer.issued = producer.filled = 0;
         producer.pos0 = pos0;
         producer.forwards = forwards;
         producer.c = {0, 0, QKV, -1, 0};
@@ -262,7 +262,8 @@ __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
         producer.more = forwards > 0 && advance(a);
     }
     __syncthreads();
-    for (int s = 0; s < STAGES; ++s) issue(a);
+    if (threadIdx.x / 32 == PRODUCER)
+        for (int s = 0; s < STAGES; ++s) issue(a);
 }
 
 // Waits for stage `consumed` of the stream and returns it.
@@ -290,15 +291,44 @@ __device__ __forceinline__ const unsigned char* pipe_wait(unsigned consumed) {
     return stage_mem + stage * STAGE;
 }
 
-// The stage just used is free (every thread is past a __syncthreads): refill it.
-__device__ __forceinline__ void pipe_release(const MegaArgs& a, unsigned& consumed) {
+// A consumer thread is done with stage `consumed`: its arrival on the stage's "empty" barrier
+// (a release: its reads and writes of the stage come first). Every consumer thread arrives, so
+// that each one's accesses are ordered before the refill's copy by the barrier itself.
+__device__ __forceinline__ void pipe_release(unsigned& consumed) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];"
+                 ::"r"(smem_u32(free_bars + consumed % STAGES)) : "memory");
     ++consumed;
+}
+
+// The producer warp's turn at stage `consumed`: once every consumer has released it, refill it
+// with the stream's next tile (the one STAGES ahead).
+__device__ __forceinline__ void pipe_produce(const MegaArgs& a, unsigned& consumed) {
+    if ((threadIdx.x & 31) == 0) {
+        const unsigned b = smem_u32(free_bars + consumed % STAGES);
+        const unsigned parity = (consumed / STAGES) & 1;
+        unsigned done = 0;
+        while (!done) {
+#if QW_MK_TMA
+            asm volatile(
+                "{ .reg .pred ok; mbarrier.try_wait.parity.shared::cta.b64 ok, [%1], %2; "
+                "selp.u32 %0, 1, 0, ok; }"
+                : "=r"(done) : "r"(b), "r"(parity) : "memory");
+#else
+            asm volatile(
+                "{ .reg .pred ok; mbarrier.test_wait.parity.shared.b64 ok, [%1], %2; "
+                "selp.u32 %0, 1, 0, ok; }"
+                : "=r"(done) : "r"(b), "r"(parity) : "memory");
+#endif
+        }
+    }
+    __syncwarp();
     issue(a);
+    ++consumed;
 }
 
 // Before the kernel ends (after a __syncthreads): wait for the copies still in flight.
 __device__ void pipe_drain(unsigned consumed) {
-    const unsigned issued = producer.issued;
-    for (; consumed < issued; ++consumed) pipe_wait(consumed);
+    const unsigned filled = producer.filled;
+    for (; consumed < filled; ++consumed) pipe_wait(consumed);
 }
 }  // namespace

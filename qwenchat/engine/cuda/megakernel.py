@@ -78,7 +78,7 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     lm_rows = math.ceil(cfg.vocab_size / blocks)
     union = max(MEGAKERNEL_HISTOGRAM_BYTES,
                 4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
-                4 * lm_rows,
+                4 * (cfg.hidden_size + lm_rows),  # (the logits go after the LM head's input)
                 MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
     fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
     room = shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed
