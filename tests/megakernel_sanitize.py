@@ -1,0 +1,53 @@
+"""A small decode-megakernel workload for compute-sanitizer: hand-run, not a test (CUDA only).
+
+A 2-layer model 256 wide (4 query heads on 2 key/value heads of 128, vocabulary 4,096) on random
+weights: prefill 300 tokens, then 32 greedy steps, 32 sampled with Qwen's non-thinking sampler
+and penalties, 32 with top-p alone, 24 steps a launch, so that launches end and restart mid-reply.
+Small enough for racecheck to finish in about two minutes on an H100:
+
+    compute-sanitizer --tool memcheck python tests/megakernel_sanitize.py
+    compute-sanitizer --tool synccheck python tests/megakernel_sanitize.py
+    compute-sanitizer --tool racecheck python tests/megakernel_sanitize.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from qwenchat.engine.base import GenerateRequest
+from qwenchat.engine.cuda.engine import CudaEngine
+from qwenchat.model.presets import PRESETS
+from qwenchat.model.random_weights import RandomWeights
+from qwenchat.sampling.params import LiveParams, SamplingParams
+
+
+def reply(engine: CudaEngine, prompt: list[int], steps: int, seed: int = 0,
+          **params: float) -> list[int]:
+    engine.truncate(0)
+    engine.prefill(prompt)
+    sampling = SamplingParams(max_tokens=steps, **params) if params else \
+        SamplingParams(temperature=0.0, max_tokens=steps)
+    return list(engine.generate(GenerateRequest(LiveParams(sampling), frozenset(), seed=seed)))
+
+
+def main() -> None:
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
+                                 intermediate_size=768, vocab_size=4096,
+                                 num_attention_heads=4, num_key_value_heads=2)
+    engine = CudaEngine(config, RandomWeights(config, seed=0), ctx=512, decode="megakernel")
+    try:
+        if engine.decode != "megakernel":
+            raise SystemExit("the megakernel cannot run on this GPU: nothing to check")
+        engine.steps_per_launch = 24
+        prompt = list(range(5, 305))
+        greedy = reply(engine, prompt, 32)
+        sampled = reply(engine, prompt, 32, seed=1, temperature=0.7, top_p=0.8, top_k=20,
+                        presence_penalty=0.5, frequency_penalty=0.2)
+        top_p = reply(engine, prompt, 32, seed=1, temperature=1.0, top_p=0.95, top_k=0)
+        print(f"greedy {greedy[:8]} sampled {sampled[:8]} top-p {top_p[:8]}")
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
