@@ -68,14 +68,21 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     return total;
 }
 
+// The input vector's 8-value chunk that this lane holds as its q-th: its warp's segment, the
+// lanes interleaved (past chunks(K) for the last segment's spare lanes).
+template <int K>
+__device__ __forceinline__ int lane_chunk(int q) {
+    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
+    return seg * cpl(K) * 32 + lane + 32 * q;
+}
+
 // Each of the warp's 8-value chunks c of the staged vector (vec_buf) as out.v[q] = f(q, c, e).
 template <int K, typename F>
 __device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
     const float* buf = vec_buf();
-    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
 #pragma unroll
     for (int q = 0; q < cpl(K); ++q) {
-        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        const int c = lane_chunk<K>(q);
         if (c < chunks(K)) {
             const float4 lo = *reinterpret_cast<const float4*>(buf + c * 8);
             const float4 hi = *reinterpret_cast<const float4*>(buf + c * 8 + 4);
@@ -91,11 +98,10 @@ __device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
 template <int K>
 __device__ __forceinline__ void load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
                                             unsigned tag, const bf16_t* w, float eps) {
-    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
     uint4 g[cpl(K)];
 #pragma unroll
     for (int q = 0; q < cpl(K); ++q) {
-        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        const int c = lane_chunk<K>(q);
         g[q] = c < chunks(K) ? __ldg(reinterpret_cast<const uint4*>(w) + c) : make_uint4(0, 0, 0, 0);
     }
     const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
@@ -122,11 +128,10 @@ __device__ __forceinline__ void load_plain(Vec<K>& out, const tagged_t* src, uns
 // 8 values a chunk, 16 bytes of bf16 or 8 FP8 codes times their block's scale.
 template <int K, bool F8>
 __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>& v) {
-    const int lane = threadIdx.x & 31, seg = (threadIdx.x >> 5) % nseg(K);
     float acc = 0.f;
 #pragma unroll
     for (int q = 0; q < cpl(K); ++q) {
-        const int c = seg * cpl(K) * 32 + lane + 32 * q;
+        const int c = lane_chunk<K>(q);
         if (c < chunks(K)) {
             if constexpr (F8) {
                 const float scale = reinterpret_cast<const float*>(row + K)[c * 8 / qw::FP8_BLOCK];
@@ -188,26 +193,25 @@ __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, i
                 const int out = PAIRS ? r % PER : r;
                 const int extra = lane == 0 ? pre(r0 + out) : 0;
                 const float d = row_dot<K, F8>(tile + r * RB, v);
-                if (lane != 0) {
-                } else if constexpr (ARRIVALS == 1) {
+                if (lane != 0) continue;
+                if constexpr (ARRIVALS == 1) {
                     emit(r0 + out, d, 0.f, extra);
-                } else {
-                    volatile float* parts = stage_parts[slot];
-                    parts[r * NSEG + seg] = d;
-                    __threadfence_block();  // the piece before its count
-                    if (atomicAdd(&stage_arrivals[slot][out], 1u) + 1u == ARRIVALS) {
-                        stage_arrivals[slot][out] = 0u;
-                        __threadfence_block();  // the other pieces after their counts
-                        float total = 0.f, up = 0.f;
-#pragma unroll
-                        for (int s = 0; s < NSEG; ++s) total += parts[out * NSEG + s];
-                        if (PAIRS) {
-#pragma unroll
-                            for (int s = 0; s < NSEG; ++s) up += parts[(PER + out) * NSEG + s];
-                        }
-                        emit(r0 + out, total, up, extra);
-                    }
+                    continue;
                 }
+                volatile float* parts = stage_parts[slot];
+                parts[r * NSEG + seg] = d;
+                __threadfence_block();  // the piece before its count
+                if (atomicAdd(&stage_arrivals[slot][out], 1u) + 1u != ARRIVALS) continue;
+                stage_arrivals[slot][out] = 0u;
+                __threadfence_block();  // the other pieces after their counts
+                float total = 0.f, up = 0.f;
+#pragma unroll
+                for (int s = 0; s < NSEG; ++s) total += parts[out * NSEG + s];
+                if (PAIRS) {
+#pragma unroll
+                    for (int s = 0; s < NSEG; ++s) up += parts[(PER + out) * NSEG + s];
+                }
+                emit(r0 + out, total, up, extra);
             }
         }
         pipe_release(consumed);

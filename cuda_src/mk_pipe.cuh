@@ -266,10 +266,8 @@ __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
         for (int s = 0; s < STAGES; ++s) issue(a);
 }
 
-// Waits for stage `consumed` of the stream and returns it.
-__device__ __forceinline__ const unsigned char* pipe_wait(unsigned consumed) {
-    const int stage = consumed % STAGES;
-    const unsigned b = smem_u32(stage_bars + stage), parity = (consumed / STAGES) & 1;
+// Spins until the mbarrier at shared address `bar` completes the phase of parity `parity`.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     unsigned done = 0;
     while (!done) {
 #if QW_MK_TMA
@@ -277,17 +275,23 @@ __device__ __forceinline__ const unsigned char* pipe_wait(unsigned consumed) {
             "{ .reg .pred ok; mbarrier.try_wait.parity.shared::cta.b64 ok, [%1], %2; "
             "selp.u32 %0, 1, 0, ok; }"
             : "=r"(done)
-            : "r"(b), "r"(parity)
+            : "r"(bar), "r"(parity)
             : "memory");
 #else
         asm volatile(
             "{ .reg .pred ok; mbarrier.test_wait.parity.shared.b64 ok, [%1], %2; "
             "selp.u32 %0, 1, 0, ok; }"
             : "=r"(done)
-            : "r"(b), "r"(parity)
+            : "r"(bar), "r"(parity)
             : "memory");
 #endif
     }
+}
+
+// Waits for stage `consumed` of the stream (its "full" barrier) and returns it.
+__device__ __forceinline__ const unsigned char* pipe_wait(unsigned consumed) {
+    const int stage = consumed % STAGES;
+    mbar_wait(smem_u32(stage_bars + stage), (consumed / STAGES) & 1);
     return stage_mem + stage * STAGE;
 }
 
@@ -303,24 +307,8 @@ __device__ __forceinline__ void pipe_release(unsigned& consumed) {
 // The producer warp's turn at stage `consumed`: once every consumer has released it, refill it
 // with the stream's next tile (the one STAGES ahead).
 __device__ __forceinline__ void pipe_produce(const MegaArgs& a, unsigned& consumed) {
-    if ((threadIdx.x & 31) == 0) {
-        const unsigned b = smem_u32(free_bars + consumed % STAGES);
-        const unsigned parity = (consumed / STAGES) & 1;
-        unsigned done = 0;
-        while (!done) {
-#if QW_MK_TMA
-            asm volatile(
-                "{ .reg .pred ok; mbarrier.try_wait.parity.shared::cta.b64 ok, [%1], %2; "
-                "selp.u32 %0, 1, 0, ok; }"
-                : "=r"(done) : "r"(b), "r"(parity) : "memory");
-#else
-            asm volatile(
-                "{ .reg .pred ok; mbarrier.test_wait.parity.shared.b64 ok, [%1], %2; "
-                "selp.u32 %0, 1, 0, ok; }"
-                : "=r"(done) : "r"(b), "r"(parity) : "memory");
-#endif
-        }
-    }
+    if ((threadIdx.x & 31) == 0)
+        mbar_wait(smem_u32(free_bars + consumed % STAGES), (consumed / STAGES) & 1);
     __syncwarp();
     issue(a);
     ++consumed;

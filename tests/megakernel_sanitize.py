@@ -14,20 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from qwenchat.engine.base import GenerateRequest
+from test_megakernel import reply
+
 from qwenchat.engine.cuda.engine import CudaEngine
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
-from qwenchat.sampling.params import LiveParams, SamplingParams
-
-
-def reply(engine: CudaEngine, prompt: list[int], steps: int, seed: int = 0,
-          **params: float) -> list[int]:
-    engine.truncate(0)
-    engine.prefill(prompt)
-    sampling = SamplingParams(max_tokens=steps, **params) if params else \
-        SamplingParams(temperature=0.0, max_tokens=steps)
-    return list(engine.generate(GenerateRequest(LiveParams(sampling), frozenset(), seed=seed)))
 
 
 def main() -> None:
