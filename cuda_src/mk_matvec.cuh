@@ -35,25 +35,25 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     // Warps leave a phase one by one (no barrier between its stages): the slowest may still be
     // reading the last phase's vector here, or its squares.
     __syncthreads();
-    for (int j = threadIdx.x * 4; j < K; j += THREADS * 4) {
-        float4 e;
+    // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
+    // 128-byte lines), and a thread polls one pair at a time. (Polling more pairs of a thread
+    // at once was slower: docs/perf.md, 2026-11-25.)
+    for (int i = threadIdx.x; i < K / 2; i += THREADS) {
+        float2 e;
         if (row) {
-            const uint2 r = *reinterpret_cast<const uint2*>(row + j);
-            e = make_float4(bf16_lo(r.x), bf16_hi(r.x), bf16_lo(r.y), bf16_hi(r.y));
+            const unsigned r = *reinterpret_cast<const unsigned*>(row + 2 * i);
+            e = make_float2(bf16_lo(r), bf16_hi(r));
         } else {
-            tagged_t w0, w1, w2, w3;
+            tagged_t w0, w1;
             for (bool strong = false;; strong = true) {
                 if (strong) back_off();
-                ld_tagged2(src + j, w0, w1, strong);
-                ld_tagged2(src + j + 2, w2, w3, strong);
-                if ((QW_MK_SKIP & 4) || !wait ||
-                    (tag_of(w0) == tag && tag_of(w1) == tag && tag_of(w2) == tag && tag_of(w3) == tag))
-                    break;
+                ld_tagged2(src + 2 * i, w0, w1, strong);
+                if ((QW_MK_SKIP & 4) || !wait || (tag_of(w0) == tag && tag_of(w1) == tag)) break;
             }
-            e = make_float4(value_of(w0), value_of(w1), value_of(w2), value_of(w3));
+            e = make_float2(value_of(w0), value_of(w1));
         }
-        *reinterpret_cast<float4*>(buf + j) = e;
-        ss += e.x * e.x + e.y * e.y + e.z * e.z + e.w * e.w;
+        *reinterpret_cast<float2*>(buf + 2 * i) = e;
+        ss += e.x * e.x + e.y * e.y;
     }
     if (squares) {
         ss = warp_sum(ss);
