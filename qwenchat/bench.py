@@ -85,7 +85,7 @@ class BenchSettings:
         """How many times the measuring functions call their Tick (for a progress bar)."""
         items = 1 + len(self.prompts) + len(self.positions)
         if compare_hf:
-            items += 1 + len(HF_VARIANTS) * (1 + len(self.positions))
+            items += 1 + len(HF_VARIANTS) * (1 + len(self.positions)) + len(self.prompts)
         return items
 
 
@@ -151,6 +151,9 @@ class TransformersResult:
     copy_bandwidth_bytes_s: float | None = None
     peak_memory_bytes: int | None = None
     decode: list[DecodeResult] = field(default_factory=list)
+    # one forward over each prompt into a fresh cache (eager only: the compiled variant's
+    # prefill is the same eager forward)
+    prefill: list[PrefillResult] = field(default_factory=list)
     unavailable: str | None = None
 
 
@@ -319,7 +322,9 @@ def _optional_call(engine: Engine, method: str) -> Any:
 def measure_transformers(config: Qwen3Config, weights: WeightSource, settings: BenchSettings,
                          ctx: int, device_index: int = 0,
                          tick: Tick = _silent) -> list[TransformersResult]:
-    """Decode rates of transformers' Qwen3ForCausalLM on the same weights, per HF_VARIANTS.
+    """Decode rates of transformers' Qwen3ForCausalLM on the same weights, per HF_VARIANTS,
+    and (eager) its prefill rate at every prompt size: one forward over the prompt with SDPA
+    attention, the median of `repeats` after one untimed run.
 
     bf16 on the GPU when torch sees one, else float32 on the CPU. A variant that cannot run
     here is reported as unavailable, with the reason, instead of failing the bench.
@@ -355,6 +360,17 @@ def measure_transformers(config: Qwen3Config, weights: WeightSource, settings: B
             result.unavailable = "needs a CUDA GPU: mode=reduce-overhead replays CUDA graphs"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
+        if variant == "eager":
+            for tokens in settings.prompts:
+                tick(f"transformers {variant}: prefill {tokens} tokens")
+                if result.unavailable is not None:
+                    continue
+                try:
+                    with torch.no_grad():
+                        result.prefill.append(_hf_prefill(runner, config, tokens, settings,
+                                                          ctx, rng))
+                except Exception as exc:
+                    result.unavailable = f"prefill of {tokens} tokens: {_describe(exc)}"
         for position in settings.positions:
             tick(f"transformers {variant}: decode at position {position}")
             if runner is None or result.unavailable is not None:
@@ -391,11 +407,36 @@ def _hf_decode(runner: _HfRunner, config: Qwen3Config, position: int,
     return _decode_result(config, position, tok_s, copy_bandwidth)
 
 
+def _hf_prefill(runner: _HfRunner, config: Qwen3Config, tokens: int, settings: BenchSettings,
+                ctx: int, rng: np.random.Generator) -> PrefillResult:
+    skipped = None
+    if tokens > ctx:
+        skipped = f"does not fit the {ctx}-token context (raise --ctx)"
+    elif runner.on_cpu and tokens > HF_CPU_MAX_POSITION:
+        skipped = (f"beyond {HF_CPU_MAX_POSITION} tokens, transformers on the CPU takes "
+                   "minutes per prefill")
+    if skipped:
+        return PrefillResult(tokens, skipped=skipped)
+    ids = _random_ids(rng, config, tokens)
+    durations = []
+    for timed in (False, *[True] * settings.repeats):  # the first run warms up, untimed
+        runner.sync()
+        start = time.perf_counter()
+        runner.start(ids, 1)  # the forward over the prompt and its next token's argmax
+        runner.sync()
+        if timed:
+            durations.append(time.perf_counter() - start)
+    seconds = statistics.median(durations)
+    return PrefillResult(tokens, tokens / seconds, seconds)
+
+
 def _unavailable(reason: str, settings: BenchSettings, tick: Tick) -> list[TransformersResult]:
     for variant in HF_VARIANTS:
         for position in (None, *settings.positions):  # keep the progress count honest
             tick(f"transformers {variant}: " + ("unavailable" if position is None
                                                  else f"position {position}"))
+    for tokens in settings.prompts:
+        tick(f"transformers eager: prefill {tokens} tokens")
     return [TransformersResult(variant, unavailable=reason) for variant in HF_VARIANTS]
 
 
@@ -651,13 +692,29 @@ def render(result: BenchResult, out: TextIO) -> None:
 
     notes = []
     prefill = Table(title="prefill", title_justify="left")
-    for column in ("tokens", "tok/s", "time", "TTFT"):
-        prefill.add_column(column, justify="right")
+    hf_prefill = {p.tokens: p for t in result.transformers for p in t.prefill if p.tok_s}
+    columns = ["system", "tokens", "tok/s", "time", "TTFT"]
+    if hf_prefill:
+        columns.append("× hf")  # our rate over transformers' at the same prompt size
+    for column in columns:
+        prefill.add_column(column, justify="left" if column == "system" else "right")
     for p in result.prefill:
         if p.skipped:
             notes.append(f"prefill of {p.tokens} tokens skipped: {p.skipped}")
-        prefill.add_row(str(p.tokens), _num(p.tok_s, ",.0f", "skipped"), _ms(p.seconds),
-                        _ms(p.ttft_s))
+        cells = ["qwenchat", str(p.tokens), _num(p.tok_s, ",.0f", "skipped"), _ms(p.seconds),
+                 _ms(p.ttft_s)]
+        if hf_prefill:
+            theirs = hf_prefill.get(p.tokens)
+            ratio = p.tok_s / theirs.tok_s if p.tok_s and theirs else None
+            cells.append(_num(ratio, ".2f"))
+        prefill.add_row(*cells)
+    for t in result.transformers:
+        for p in t.prefill:
+            if p.skipped:
+                notes.append(f"hf {t.variant} prefill of {p.tokens} tokens skipped: {p.skipped}")
+            cells = [f"hf {t.variant}", str(p.tokens), _num(p.tok_s, ",.0f", "skipped"),
+                     _ms(p.seconds), "–"]
+            prefill.add_row(*cells, *(["–"] if hf_prefill else []))
     console.print(prefill)
 
     decode = Table(title="decode", title_justify="left")

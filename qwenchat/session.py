@@ -22,6 +22,9 @@ from qwenchat.sampling.params import LiveParams
 
 DEFAULT_REPLY_RESERVE = 256  # tokens kept free for the reply when deciding to drop old turns
 PROGRESS_INTERVAL_S = 0.1
+# A prompt's prefill that has run this long reports how far it is (then every
+# PROGRESS_INTERVAL_S); it runs in the engine's own passes and stops between two on cancel.
+PREFILL_REPORT_AFTER_S = 0.5
 # The background prefill of the history runs in steps of about this long: a message sent
 # meanwhile waits for the step under way, no more.
 PREPARE_STEP_S = 0.05
@@ -39,6 +42,7 @@ class ReplyStats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens already in the KV cache from earlier turns
     prefill_tokens: int = 0
+    prefill_done: int = 0  # of prefill_tokens, so far
     prefill_s: float = 0.0
     generated_tokens: int = 0
     ttft_s: float | None = None  # from send to the first reply token
@@ -231,17 +235,18 @@ class ChatSession:
         stats = ReplyStats(prompt_tokens=len(ids), reused_tokens=common,
                            prefill_tokens=len(ids) - common, capacity=self.engine.capacity)
         self.engine.truncate(common)
-        self.engine.prefill(ids[common:])
-        stats.prefill_s = now() - began
+        yield from self._prefill(ids[common:], stats, began, cancel)
         current = self.params.current
         stats.seed = current.seed if current.seed is not None else _fresh_seed()
         request = GenerateRequest(self.params, self.eos_ids, stats.seed, cancel)
         reply = Reply(stats=stats)
         splitter = ThinkSplitter(self.tokenizer, self.thinking)
-        generation = self.engine.generate(request)
         first_at = last_report = 0.0
         finished = False
         try:
+            # (a prefill cancelled part way generates nothing: the reply is an empty, stopped one)
+            complete = stats.prefill_done == stats.prefill_tokens
+            generation = self.engine.generate(request) if complete else iter(())
             for token in generation:
                 at = now()
                 if stats.generated_tokens == 0:
@@ -257,7 +262,8 @@ class ChatSession:
                 if at - last_report >= PROGRESS_INTERVAL_S:
                     last_report = at
                     yield Progress(stats)
-            stats.stop_reason = (generation.stop_reason or StopReason.CANCELLED).value
+            stop = getattr(generation, "stop_reason", None)
+            stats.stop_reason = (stop or StopReason.CANCELLED).value
             for piece in splitter.finish():
                 _append(reply, piece)
                 yield piece
@@ -272,6 +278,24 @@ class ChatSession:
             self.messages.append(Message("assistant", reply.answer))
             self.last_reply = reply
         yield Progress(stats, final=True)
+
+    def _prefill(self, ids: list[int], stats: ReplyStats, began: float,
+                 cancel: threading.Event) -> Iterator[Event]:
+        """Run the prompt's new tokens in the engine's own passes (the same cache and logits as
+        one call), reporting progress once it has taken PREFILL_REPORT_AFTER_S, and stopping
+        between two passes once `cancel` is set (what ran stays in the cache)."""
+        step = max(1, self.engine.prefill_chunk)
+        report_at = began + PREFILL_REPORT_AFTER_S
+        for at in range(0, len(ids), step):
+            if cancel.is_set():
+                break
+            self.engine.prefill(ids[at : at + step])
+            stats.prefill_done = min(len(ids), at + step)
+            stats.prefill_s = now() - began
+            stats.position = self.engine.position
+            if began + stats.prefill_s >= report_at and stats.prefill_done < len(ids):
+                report_at = began + stats.prefill_s + PROGRESS_INTERVAL_S
+                yield Progress(stats)
 
     def _fit_prompt(self) -> tuple[list[int], int]:
         """Render the conversation, dropping the oldest turns while it does not fit."""

@@ -25,6 +25,8 @@ class FakeEngine(CacheBookkeeping):
     name = "fake engine"
     weight_format = "bf16"
     device_name = "Fake GPU 9000"
+    prefill_chunk = 64
+    prefill_s_per_token = 0.0  # how long prefill "takes"
 
     def __init__(self, config: Qwen3Config, script: Sequence[int], capacity: int = 4096,
                  rate: float | None = None, hold_at: int | None = None,
@@ -54,6 +56,8 @@ class FakeEngine(CacheBookkeeping):
 
     def prefill(self, token_ids: Sequence[int]) -> None:
         self._check_prefill(token_ids, self.config.vocab_size)
+        if self.prefill_s_per_token:
+            time.sleep(self.prefill_s_per_token * len(token_ids))
         self._tokens.extend(token_ids)
         self._logits = True
 

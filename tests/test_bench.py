@@ -6,6 +6,7 @@ the byte arithmetic is right, and that what cannot be measured says why.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import pytest
 from hf_compare import relative_error, require_transformers
 from tiny_model import tiny_config
 
+from qwenchat import bench as bench_module
 from qwenchat.bench import (
     BenchSettings,
     bytes_per_step,
@@ -286,6 +288,8 @@ def test_compare_hf_on_the_cpu_reports_transformers_eager(tiny_config_file):
     assert eager["unavailable"] is None
     assert [d["position"] for d in eager["decode"]] == [1, 8]
     assert all(d["tok_s"] > 0 and d["gb_s"] > 0 for d in eager["decode"])
+    assert [(p["tokens"], p["tok_s"] > 0) for p in eager["prefill"]] == [(8, True)]
+    assert variants["static+compile"]["prefill"] == []
     if not torch.cuda.is_available():
         assert eager["device"] == "CPU" and eager["dtype"] == "float32"
         assert "CUDA" in variants["static+compile"]["unavailable"]
@@ -362,3 +366,28 @@ def test_bench_quantize_fp8_on_a_config_draws_fp8_weights(tiny_config_file):
     record = json.loads(result.stdout)
     assert record["weights"] == "random FP8 (seed 0)"
     assert record["weight_format"] == "fp8"
+
+
+def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():
+    config = TIED
+    ours = [bench_module.PrefillResult(512, 60_000.0, 512 / 60_000, 0.009),
+            bench_module.PrefillResult(4096, 80_000.0, 4096 / 80_000, 0.052)]
+    theirs = bench_module.TransformersResult("eager", "GPU", "bfloat16", prefill=[
+        bench_module.PrefillResult(512, 15_000.0, 512 / 15_000),
+        bench_module.PrefillResult(4096, None, skipped="does not fit the 1024-token context")])
+    result = bench_module.BenchResult(
+        model="m", weights="random", engine="e", device="d", config=config, parameters=1,
+        ctx=1024, steps=4, repeats=3, sampler="greedy", weight_format="bf16",
+        weight_bytes_per_step=1, kv_bytes_per_position=1, copy_bandwidth_bytes_s=None,
+        peak_memory_bytes=None, prefill=ours, decode=[], transformers=[theirs])
+    out = io.StringIO()
+    bench_module.render(result, out)
+    rows = {tuple(line.split("│")[1:3]): line for line in out.getvalue().splitlines()
+            if line.startswith("│")}
+    ours_512 = next(v for k, v in rows.items() if "qwenchat" in k[0] and "512" in k[1])
+    assert "60,000" in ours_512 and "4.00" in ours_512  # 60,000 / 15,000
+    ours_4k = next(v for k, v in rows.items() if "qwenchat" in k[0] and "4096" in k[1])
+    assert ours_4k.rstrip("│ ").endswith("–")  # no transformers figure to compare with
+    hf_512 = next(v for k, v in rows.items() if "hf eager" in k[0] and "512" in k[1])
+    assert "15,000" in hf_512
+    assert "hf eager prefill of 4096 tokens skipped: does not fit" in out.getvalue()

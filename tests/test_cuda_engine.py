@@ -114,6 +114,25 @@ def test_cache_reuse_truncate_and_prefill_in_chunks(model_dir):
     assert rel_err(gpu_engine.last_logits(), ref.last_logits()) <= 2e-2
 
 
+def test_a_prefill_in_parts_of_the_engines_passes_is_the_same_as_one_call(model_dir):
+    """The chat prefills a long prompt in parts of prefill_chunk tokens (to show progress and
+    stop between two): the cache and logits must be those of one call, bit for bit."""
+    one, _ = engines(model_dir)
+    parts, _ = engines(model_dir)
+    one.chunk = parts.chunk = 64  # passes smaller than the scratch allows: several in 300
+    step = parts.prefill_chunk
+    assert step == 64
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, 400, 4 * step + 44)]
+    one.prefill(ids)
+    for at in range(0, len(ids), step):
+        parts.prefill(ids[at : at + step])
+    assert parts.tokens == one.tokens == ids
+    assert np.array_equal(parts.last_logits(), one.last_logits())
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=32)),
+                              frozenset(), seed=0)
+    assert list(parts.generate(request)) == list(one.generate(request))
+
+
 @pytest.mark.parametrize("decode", DECODES)
 def test_sampling_is_reproducible_and_params_apply_mid_reply(model_dir, decode):
     gpu_engine, _ = engines(model_dir, decode=decode, steps_per_launch=1)

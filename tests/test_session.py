@@ -270,3 +270,76 @@ def test_the_shared_prefix_of_two_token_lists_is_found_exactly():
         a = rng.integers(0, 3, rng.integers(0, 40)).tolist()
         b = a[: rng.integers(0, len(a) + 1)] + rng.integers(0, 3, rng.integers(0, 6)).tolist()
         assert shared_prefix_length(a, b) == shared_prefix_length(b, a) == by_hand(a, b)
+
+
+# ------------------------------------------------------------ a long prompt's prefill
+def scripted_session(tiny_model_dir, **engine_options) -> ChatSession:
+    from fake_engine import fake_model
+
+    model = fake_model(tiny_model_dir, "Fine.", **engine_options)
+    params = LiveParams(SamplingParams(temperature=0.0, max_tokens=8))
+    return ChatSession(model.engine, model.tokenizer, model.eos_ids, params)
+
+
+def test_a_long_prefill_reports_its_progress_in_the_engines_passes(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("qwenchat.session.PREFILL_REPORT_AFTER_S", 0.02)
+    monkeypatch.setattr("qwenchat.session.PROGRESS_INTERVAL_S", 0.0)
+    session = scripted_session(tiny_model_dir, capacity=8192)
+    engine = session.engine
+    engine.prefill_chunk, engine.prefill_s_per_token = 50, 2e-4  # 10 ms a pass
+    calls = []
+    real_prefill = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda ids: (calls.append(len(ids)), real_prefill(ids)))
+    progress = []  # snapshots: the session keeps updating its one ReplyStats
+    for event in session.send("word " * 300):
+        if isinstance(event, Progress):
+            progress.append(dataclasses.replace(event.stats))
+    stats = progress[-1]
+    during = [(s.prefill_done, s.generated_tokens) for s in progress[:-1]
+              if s.generated_tokens == 0]
+    total = stats.prefill_tokens
+    # the prompt ran in the engine's passes, the last one shorter
+    assert calls[:-1] == [50] * (len(calls) - 1) and sum(calls) == total > 300
+    # reports began after the threshold, named tokens done so far, and rose pass by pass
+    done = [d for d, _ in during]
+    assert done and all(0 < d < total for d in done)
+    assert done == sorted(set(done)) and all(d % 50 == 0 for d in done)
+    first = next(s for s in progress if s.generated_tokens == 0)
+    assert first.prefill_s >= 0.02  # not before the threshold
+    assert stats.prefill_done == total and stats.generated_tokens > 0
+
+
+def test_a_short_prefill_reports_nothing_before_the_reply(tiny_model_dir):
+    session = scripted_session(tiny_model_dir)
+    before_reply = []
+    for event in session.send("Hello"):
+        if isinstance(event, Progress) and event.stats.generated_tokens == 0:
+            before_reply.append(event)
+    assert before_reply == []
+    assert session.last_reply.stats.prefill_done == session.last_reply.stats.prefill_tokens > 0
+
+
+def test_cancel_stops_a_long_prefill_between_passes_and_keeps_the_chat_consistent(
+        tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("qwenchat.session.PREFILL_REPORT_AFTER_S", 0.0)
+    session = scripted_session(tiny_model_dir, capacity=8192)
+    engine = session.engine
+    engine.prefill_chunk, engine.prefill_s_per_token = 40, 1e-4
+    cancel = threading.Event()
+    events = []
+    for event in session.send("word " * 400, cancel):
+        events.append(event)
+        if isinstance(event, Progress) and not event.final and event.stats.prefill_done >= 120:
+            cancel.set()
+    final = events[-1]
+    assert isinstance(final, Progress) and final.final
+    stats = final.stats
+    # stopped after the pass under way: nothing generated, the prefix that ran stays cached
+    assert stats.stop_reason == "cancelled" and stats.generated_tokens == 0
+    assert 120 <= stats.prefill_done < stats.prefill_tokens
+    assert engine.position == stats.prefill_done == stats.position
+    assert not [e for e in events if isinstance(e, TextPiece)]
+    assert session.messages[-1] == Message("assistant", "") and session.last_reply.stopped
+    # the next turn reuses what ran and answers as a fresh session would
+    answer, again, _ = run_turn(session, "Hello")
+    assert again.reused_tokens >= stats.prefill_done - 1 and answer == "Fine."

@@ -309,6 +309,42 @@ def test_escape_stops_the_reply_keeping_the_partial_text_marked_stopped(tmp_path
     assert not messages[3].stopped
 
 
+def test_a_long_prompt_shows_its_prefill_progress_and_escape_stops_it(tmp_path, tiny_model_dir,
+                                                                      monkeypatch):
+    monkeypatch.setattr("qwenchat.session.PREFILL_REPORT_AFTER_S", 0.05)
+    model = fake_model(tiny_model_dir, REPLY)
+    model.engine.prefill_chunk, model.engine.prefill_s_per_token = 50, 1e-3  # 50 ms a pass
+    app = make_app(tmp_path, model)
+    seen = {}
+
+    async def scenario(pilot, screen):
+        screen.prompt.load_text("word " * 1200)
+        await pilot.press("enter")
+        activity = screen.query_one("#activity")
+        await until(pilot, lambda: "reading the prompt " in str(activity.render()))
+        seen["activity"] = str(activity.render())
+        seen["numbers"] = str(screen.query_one("#numbers").render())
+        await pilot.press("escape")
+        await until(pilot, lambda: not screen.generating)
+        reply = replies(screen)[-1]
+        stats = screen.chat.session.last_reply.stats
+        assert reply.answer == "" and reply.has_class("-stopped")
+        assert stats.stop_reason == "cancelled" and stats.generated_tokens == 0
+        assert 0 < stats.prefill_done < stats.prefill_tokens
+        # the next turn runs as usual, reusing what the stopped prefill left in the cache
+        await send(pilot, screen, "Hello")
+        assert replies(screen)[-1].answer == REPLY
+        assert screen.chat.session.last_reply.stats.reused_tokens > 0
+
+    drive(app, scenario)
+    done, total = seen["activity"].split("reading the prompt ")[1].split(" ")[0].split("/")
+    assert 0 < int(done.replace(",", "")) < int(total.replace(",", ""))
+    assert "Esc stops" in seen["activity"]
+    assert seen["numbers"].startswith("prefill ") and "tok/s" in seen["numbers"]
+    [(_, messages)] = stored(tmp_path)
+    assert (messages[1].content, messages[1].stopped) == ("", True)
+
+
 def test_quitting_mid_reply_saves_it_as_stopped(tmp_path, tiny_model_dir):
     model = fake_model(tiny_model_dir, REPLY, hold_at=4)
     app = make_app(tmp_path, model)

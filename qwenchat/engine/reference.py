@@ -80,6 +80,9 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 class ReferenceEngine(CacheBookkeeping):
     name = "reference (NumPy, CPU)"
+    # (it runs any prefill in one pass; the chat prefills in parts of this many tokens, to show
+    # its progress and stop between two)
+    prefill_chunk = 256
 
     def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None):
         super().__init__(ctx or config.max_position_embeddings)

@@ -139,6 +139,11 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
                 self.k[name] = module.function(name)
         self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
 
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens a prefill pass takes (bounded by its scratch memory)."""
+        return self.chunk
+
     def _device_buffer(self, nbytes: int) -> rt.DeviceBuffer:
         buffer = rt.DeviceBuffer(max(nbytes, 16))
         self._buffers.append(buffer)

@@ -60,14 +60,20 @@ class StatusBar(Horizontal):
 
     def live(self, stats: ReplyStats, rate_now: float | None, stopping: bool) -> None:
         """While a reply streams: speed now and on average, TTFT, prompt reuse."""
+        numbers = (f"{rate_text(rate_now)} tok/s (avg {rate_text(stats.decode_tok_s)})"
+                   f" · {self._common(stats)}")
         if stopping:
             activity = "■ stopping"
         elif stats.generated_tokens:
             activity = "● generating"
+        elif 0 < stats.prefill_done < stats.prefill_tokens:  # a long prompt, part way
+            activity = (f"● reading the prompt {stats.prefill_done:,}/{stats.prefill_tokens:,}"
+                        " · Esc stops")
+            prefill_rate = stats.prefill_done / stats.prefill_s if stats.prefill_s > 0 else None
+            numbers = f"prefill {rate_text(prefill_rate)} tok/s · {self._common(stats)}"
         else:
             activity = "● reading the prompt"
-        self._show(activity, f"{rate_text(rate_now)} tok/s (avg {rate_text(stats.decode_tok_s)})"
-                             f" · {self._common(stats)}")
+        self._show(activity, numbers)
         self.gauge(stats.position or stats.prompt_tokens, stats.capacity)
 
     def idle(self, stats: ReplyStats | None, position: int, capacity: int) -> None:
