@@ -1,6 +1,6 @@
 // Causal grouped-query attention over the KV cache ([kv_head][capacity][head_dim], bf16).
 // Prefill: flash-attention on the tensor cores, one block per (64 queries, head), keys streamed
-//   through shared memory 64 at a time with an online softmax; nothing O(N^2) is stored. A few
+//   through two shared-memory stages (cp.async) with an online softmax; nothing O(N^2) is stored. A few
 //   new tokens after a long cached prefix (a chat's next message) would leave most of the chip
 //   idle while each block walks every key, so the keys can be split across blocks too (grid z),
 //   each writing an unnormalised partial that attn_prefill_merge combines, as decode does.
@@ -20,12 +20,46 @@ constexpr float LOG2E = 1.4426950408889634f;
 // and values are already in the cache. out: [n][heads][HD] bf16. With gridDim.z > 1 (splits of
 // the keys, for n <= PF_Q), the block writes part_o [n][heads][splits][HD] (unnormalised) and
 // part_ml [n][heads][splits][2] (running max in base 2, sum) instead of out.
+//
+// FlashAttention-2's shape: each warp keeps 16 query rows' Q fragments, output and softmax state
+// in registers; key and value tiles stream through two shared-memory stages with cp.async (the
+// next tile loads while this one is used); ldmatrix loads K as the B operand of Q.K^T and,
+// transposed, V as the B operand of P.V, so V is stored as it is in the cache. Only the tile
+// on the diagonal is masked; tiles past a block's last query are never loaded. Dynamic shared
+// memory: attn_prefill_shared_bytes() (the host mirrors it).
 namespace {
-constexpr int PF_Q = 64;       // queries per block (4 warps x 16 rows)
-constexpr int PF_KV = 64;      // keys per shared-memory tile
+constexpr int PF_Q = 64;                     // queries per block (4 warps x 16 rows)
+constexpr int PF_KV = HD <= 128 ? 64 : 32;   // keys per shared-memory tile
 constexpr int PF_THREADS = 128;
-constexpr int LDK = HD + 8;    // padded rows keep the fragment loads free of bank conflicts
-constexpr int LDV = PF_KV + 8;
+constexpr int LDS = HD + 8;  // padded rows: ldmatrix's eight row addresses hit distinct banks
+constexpr int PF_TILE = PF_KV * LDS;  // bf16 values of one K (or V) tile
+static_assert(PF_KV % 16 == 0 && HD % 16 == 0, "whole mma tiles");
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// Keys [j0, j0 + PF_KV) of K and V into stage `dst` (K tile, then V tile), zeros past k_end.
+__device__ __forceinline__ void load_kv_tile(bf16_t* dst, const bf16_t* kc, const bf16_t* vc,
+                                             int j0, int k_end) {
+    constexpr int CHUNKS = PF_KV * HD / 8;  // 16-byte pieces of one tile
+    for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += PF_THREADS) {
+        const int r = chunk / (HD / 8), c = (chunk % (HD / 8)) * 8;
+        const int key = j0 + r;
+        const bool in = key < k_end;
+        const long long at = static_cast<long long>(in ? key : 0) * HD + c;
+        cp_async_16(dst + r * LDS + c, kc + at, in ? 16 : 0);
+        cp_async_16(dst + PF_TILE + r * LDS + c, vc + at, in ? 16 : 0);
+    }
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS)
@@ -33,14 +67,24 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
                  const bf16_t* __restrict__ v_cache, int start, int n, int capacity, float scale,
                  bf16_t* __restrict__ out, float* __restrict__ part_o,
                  float* __restrict__ part_ml) {
-    __shared__ __align__(16) bf16_t Ks[PF_KV][LDK];
-    __shared__ __align__(16) bf16_t Vt[HD][LDV];  // V transposed: B operand rows are head dims
+    extern __shared__ __align__(16) bf16_t kv_stages[];  // [2][K tile, V tile]
     const int head = blockIdx.y, kvh = head / qw::group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int q_row0 = blockIdx.x * PF_Q + warp * 16;  // this warp's first query (0-based in n)
+    // The last query tiles have the most keys: they go first, so none is left alone at the end.
+    const int q_tile = gridDim.x - 1 - blockIdx.x;
+    const int q_row0 = q_tile * PF_Q + warp * 16;  // this warp's first query (0-based in n)
     const bf16_t* kc = k_cache + static_cast<long long>(kvh) * capacity * HD;
     const bf16_t* vc = v_cache + static_cast<long long>(kvh) * capacity * HD;
+
+    const int block_last_query = min(n, (q_tile + 1) * PF_Q) - 1;
+    const int kv_len = start + block_last_query + 1;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int tiles_per_split = ((kv_len + PF_KV - 1) / PF_KV + splits - 1) / splits;
+    const int k_begin = split * tiles_per_split * PF_KV;
+    const int k_end = min(kv_len, k_begin + tiles_per_split * PF_KV);
+    if (k_begin < k_end) load_kv_tile(kv_stages, kc, vc, k_begin, k_end);
+    cp_async_commit();
 
     // Q fragments stay in registers for the whole key loop.
     unsigned qa[HD / 16][4];
@@ -63,49 +107,37 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
     float m_row[2] = {QW_NEG_INF, QW_NEG_INF}, l_row[2] = {0.f, 0.f};
     const float qk_scale = scale * LOG2E;  // softmax in base 2
     const int pos_row[2] = {start + q_row0 + g, start + q_row0 + g + 8};
+    // ldmatrix row addresses: lane l gives row l % 8 of matrix l / 8.
+    const int mrow = lane & 7, mat = lane >> 3;
 
-    const int block_last_query = min(n, (blockIdx.x + 1) * PF_Q) - 1;
-    const int kv_len = start + block_last_query + 1;
-    const int splits = gridDim.z, split = blockIdx.z;
-    const int tiles_per_split = ((kv_len + PF_KV - 1) / PF_KV + splits - 1) / splits;
-    const int k_begin = split * tiles_per_split * PF_KV;
-    const int k_end = min(kv_len, k_begin + tiles_per_split * PF_KV);
-    for (int j0 = k_begin; j0 < k_end; j0 += PF_KV) {
-        __syncthreads();
-        // K tile as rows; V tile transposed. 64 keys x HD dims, 16-byte chunks.
-        for (int chunk = threadIdx.x; chunk < PF_KV * HD / 8; chunk += PF_THREADS) {
-            const int r = chunk / (HD / 8), c = (chunk % (HD / 8)) * 8;
-            const int key = j0 + r;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (key < k_end) {
-                kv = *reinterpret_cast<const uint4*>(kc + static_cast<long long>(key) * HD + c);
-                vv = *reinterpret_cast<const uint4*>(vc + static_cast<long long>(key) * HD + c);
-            }
-            *reinterpret_cast<uint4*>(&Ks[r][c]) = kv;
-            const unsigned words[4] = {vv.x, vv.y, vv.z, vv.w};
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                Vt[c + 2 * w][r] = static_cast<bf16_t>(words[w] & 0xffffu);
-                Vt[c + 2 * w + 1][r] = static_cast<bf16_t>(words[w] >> 16);
-            }
-        }
-        __syncthreads();
+    for (int j0 = k_begin, stage = 0; j0 < k_end; j0 += PF_KV, stage ^= 1) {
+        const bf16_t* Ks = kv_stages + stage * 2 * PF_TILE;
+        const bf16_t* Vs = Ks + PF_TILE;
+        if (j0 + PF_KV < k_end)  // the next tile into the other stage (free since the last
+            load_kv_tile(kv_stages + (stage ^ 1) * 2 * PF_TILE, kc, vc, j0 + PF_KV, k_end);
+        cp_async_commit();  // (an empty group at the end keeps the count right)
+        cp_async_wait<1>();  // this tile's copies have landed (each thread its own)
+        __syncthreads();     // ... and every thread's
 
+        // S = Q K^T: matrices (keys 8j..8j+7) x (dims 16ks + 0..7 | 8..15 | 16.. | 24..).
         float s[PF_KV / 8][4];
 #pragma unroll
         for (int j = 0; j < PF_KV / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
 #pragma unroll
-            for (int ks = 0; ks < HD / 16; ++ks) {
-                unsigned b[2];
-                b[0] = ld_u32(&Ks[j * 8 + g][ks * 16 + t * 2]);
-                b[1] = ld_u32(&Ks[j * 8 + g][ks * 16 + 8 + t * 2]);
+            for (int ks = 0; ks < HD / 16; ks += 2) {
+                unsigned b[4];
+                // (head_dim 16: one k-step; the x4 load's last two matrices are not used)
+                ldmatrix_x4(b, Ks + (j * 8 + mrow) * LDS + (ks * 16 + mat * 8) % HD);
                 mma_bf16_16816(s[j], qa[ks], b);
+                if (ks + 1 < HD / 16) mma_bf16_16816(s[j], qa[ks + 1], b + 2);
             }
         }
 
-        // Mask (causal), then the online softmax update of each of this thread's two rows.
+        // Mask (causal; only a tile that reaches past this warp's first query), then the online
+        // softmax update of each of this thread's two rows.
+        const bool diagonal = j0 + PF_KV - 1 > start + q_row0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float mx = QW_NEG_INF;
@@ -115,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
                 for (int e = 0; e < 2; ++e) {
                     const int key = j0 + j * 8 + t * 2 + e;
                     float v = s[j][half * 2 + e] * qk_scale;
-                    if (key > pos_row[half]) v = QW_NEG_INF;
+                    if (diagonal && key > pos_row[half]) v = QW_NEG_INF;
                     s[j][half * 2 + e] = v;
                     mx = fmaxf(mx, v);
                 }
@@ -145,7 +177,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
             }
         }
 
-        // O += P . V, reusing the score accumulators as A fragments (C layout == A layout).
+        // O += P V, reusing the score accumulators as A fragments (C layout == A layout); V's
+        // fragments by transposed ldmatrix: matrices (keys 16kk + 0..7 | 8..15) x (dims 8d..,
+        // 8d + 8..), so b[0..1] serve dims 8d and b[2..3] dims 8d + 8.
 #pragma unroll
         for (int kk = 0; kk < PF_KV / 16; ++kk) {
             unsigned pa[4];
@@ -154,14 +188,16 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
             pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
             pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
-            for (int d = 0; d < HD / 8; ++d) {
-                unsigned b[2];
-                b[0] = ld_u32(&Vt[d * 8 + g][kk * 16 + t * 2]);
-                b[1] = ld_u32(&Vt[d * 8 + g][kk * 16 + 8 + t * 2]);
+            for (int d = 0; d < HD / 8; d += 2) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, Vs + (kk * 16 + (mat & 1) * 8 + mrow) * LDS + (d + (mat >> 1)) * 8);
                 mma_bf16_16816(o[d], pa, b);
+                mma_bf16_16816(o[d + 1], pa, b + 2);
             }
         }
+        __syncthreads();  // every warp is done with this stage before it is loaded again
     }
+    cp_async_wait<0>();
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

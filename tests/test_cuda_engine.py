@@ -271,6 +271,8 @@ def reference_attention(q, k, v, start, group):
     (0, 64, 16),  # more splits than tiles of keys: the empty ones must weigh nothing
 ])
 def test_prefill_attention_matches_numpy(kernels, start, n, splits):
+    from qwenchat.engine.cuda.prefill import prefill_attention_shared
+
     rt, cfg, modules, stream = kernels
     rng = np.random.default_rng(start + n)
     cap, d, kvh, heads = 512, cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
@@ -283,8 +285,10 @@ def test_prefill_attention_matches_numpy(kernels, start, n, splits):
     args = [upload(rt, q), upload(rt, kc), upload(rt, vc), ctypes.c_int(start), ctypes.c_int(n),
             ctypes.c_int(cap), ctypes.c_float(d**-0.5), out, part_o, part_ml]
     attention = modules["attention.cu"]
-    rt.launch(attention.function("attn_prefill"), ((n + 63) // 64, heads, splits), 128, args,
-              stream=stream)
+    prefill = attention.function("attn_prefill")
+    prefill.set_max_dynamic_shared(prefill_attention_shared(d))
+    rt.launch(prefill, ((n + 63) // 64, heads, splits), 128, args,
+              shared=prefill_attention_shared(d), stream=stream)
     if splits > 1:
         rt.launch(attention.function("attn_prefill_merge"), (n, heads), d,
                   [part_o, part_ml, ctypes.c_int(splits), out], stream=stream)

@@ -29,6 +29,7 @@ from qwenchat.engine.cuda.prefill import (
     PREFILL_QUERIES_PER_BLOCK,
     PREFILL_SCRATCH_BUDGET,
     Prefill,
+    prefill_attention_shared,
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
 from qwenchat.engine.cuda.weights import WeightUpload
@@ -138,6 +139,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
             for name in names:
                 self.k[name] = module.function(name)
         self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
+        self.k["attn_prefill"].set_max_dynamic_shared(
+            prefill_attention_shared(self.config.head_dim))
 
     @property
     def prefill_chunk(self) -> int:

@@ -15,6 +15,13 @@ PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a me
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
 
 
+def prefill_attention_shared(head_dim: int) -> int:
+    """attn_prefill's dynamic shared memory: two stages of a K and a V tile (PF_KV keys of
+    head_dim + 8 bf16 values each) in attention.cu."""
+    keys = 64 if head_dim <= 128 else 32
+    return 2 * 2 * keys * (head_dim + 8) * 2
+
+
 class Prefill:
     """CudaEngine's prefill launches. Uses the engine's kernels (k), stream, buffers and
     capacity; prefill() in the engine drives it chunk by chunk."""
@@ -66,7 +73,7 @@ class Prefill:
         self._launch("attn_prefill", (math.ceil(n / PREFILL_QUERIES_PER_BLOCK), heads, splits),
                      128, self.q, self.k_cache[layer], self.v_cache[layer], c_int(start),
                      c_int(n), c_int(self.capacity), scale, self.attn, self.prefill_part_o,
-                     self.prefill_part_ml)
+                     self.prefill_part_ml, shared=prefill_attention_shared(self.config.head_dim))
         if splits > 1:
             self._launch("attn_prefill_merge", (n, heads), self.config.head_dim,
                          self.prefill_part_o, self.prefill_part_ml, c_int(splits), self.attn)
