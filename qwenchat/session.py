@@ -246,8 +246,8 @@ class ChatSession:
         try:
             # (a prefill cancelled part way generates nothing: the reply is an empty, stopped one)
             complete = stats.prefill_done == stats.prefill_tokens
-            generation = self.engine.generate(request) if complete else iter(())
-            for token in generation:
+            generation = self.engine.generate(request) if complete else None
+            for token in generation or ():
                 at = now()
                 if stats.generated_tokens == 0:
                     first_at = at
@@ -262,7 +262,7 @@ class ChatSession:
                 if at - last_report >= PROGRESS_INTERVAL_S:
                     last_report = at
                     yield Progress(stats)
-            stop = getattr(generation, "stop_reason", None)
+            stop = generation.stop_reason if generation is not None else None
             stats.stop_reason = (stop or StopReason.CANCELLED).value
             for piece in splitter.finish():
                 _append(reply, piece)

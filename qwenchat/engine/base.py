@@ -61,8 +61,9 @@ class Engine(Protocol):
     config: Qwen3Config
     name: str
     weight_format: str  # of the linear layers, as the engine runs them: "bf16", "fp8", ...
-    # Tokens one prefill pass takes: a longer prefill runs in passes of this many, so calling
-    # prefill with parts of this size gives the same cache and logits as one call.
+    # Tokens one prefill pass takes: a longer prefill runs in passes of this many (the CUDA
+    # engine's scratch memory bounds them), so prefill in parts of this size gives the cache
+    # and logits of one call.
     prefill_chunk: int
 
     @property

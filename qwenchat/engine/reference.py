@@ -80,8 +80,9 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 class ReferenceEngine(CacheBookkeeping):
     name = "reference (NumPy, CPU)"
-    # (it runs any prefill in one pass; the chat prefills in parts of this many tokens, to show
-    # its progress and stop between two)
+    # (it runs a prefill in one pass of NumPy products; the chat prefills in parts of this many
+    # tokens to show progress and stop between two, which changes the cache only by float
+    # rounding, if at all)
     prefill_chunk = 256
 
     def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None):
