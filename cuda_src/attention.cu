@@ -1,9 +1,10 @@
 // Causal grouped-query attention over the KV cache ([kv_head][capacity][head_dim], bf16).
 // Prefill: flash-attention on the tensor cores, one block per (64 queries, head), keys streamed
-//   through two shared-memory stages (cp.async) with an online softmax; nothing O(N^2) is stored. A few
-//   new tokens after a long cached prefix (a chat's next message) would leave most of the chip
-//   idle while each block walks every key, so the keys can be split across blocks too (grid z),
-//   each writing an unnormalised partial that attn_prefill_merge combines, as decode does.
+//   through two shared-memory stages (cp.async) with an online softmax; nothing O(N^2) is
+//   stored. A few new tokens after a long cached prefix (a chat's next message) would leave most
+//   of the chip idle while each block walks every key, so the keys can be split across blocks
+//   too (grid z), each writing an unnormalised partial that attn_prefill_merge combines, as
+//   decode does.
 // Decode: flash-decoding. The cache is split into chunks across blocks (so long contexts keep
 //   the whole chip busy); each block writes an unnormalised partial output with its running max
 //   and sum, and a merge kernel combines the chunks.
@@ -26,7 +27,8 @@ constexpr float LOG2E = 1.4426950408889634f;
 // next tile loads while this one is used); ldmatrix loads K as the B operand of Q.K^T and,
 // transposed, V as the B operand of P.V, so V is stored as it is in the cache. Only the tile
 // on the diagonal is masked; tiles past a block's last query are never loaded. Dynamic shared
-// memory: attn_prefill_shared_bytes() (the host mirrors it).
+// memory: two stages of a K and a V tile (prefill_attention_shared() in
+// qwenchat/engine/cuda/prefill.py mirrors it).
 namespace {
 constexpr int PF_Q = 64;                     // queries per block (4 warps x 16 rows)
 constexpr int PF_KV = HD <= 128 ? 64 : 32;   // keys per shared-memory tile
@@ -34,18 +36,6 @@ constexpr int PF_THREADS = 128;
 constexpr int LDS = HD + 8;  // padded rows: ldmatrix's eight row addresses hit distinct banks
 constexpr int PF_TILE = PF_KV * LDS;  // bf16 values of one K (or V) tile
 static_assert(PF_KV % 16 == 0 && HD % 16 == 0, "whole mma tiles");
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
 
 // Keys [j0, j0 + PF_KV) of K and V into stage `dst` (K tile, then V tile), zeros past k_end.
 __device__ __forceinline__ void load_kv_tile(bf16_t* dst, const bf16_t* kc, const bf16_t* vc,
@@ -190,7 +180,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
 #pragma unroll
             for (int d = 0; d < HD / 8; d += 2) {
                 unsigned b[4];
-                ldmatrix_x4_trans(b, Vs + (kk * 16 + (mat & 1) * 8 + mrow) * LDS + (d + (mat >> 1)) * 8);
+                const int key = kk * 16 + (mat & 1) * 8 + mrow;
+                ldmatrix_x4_trans(b, Vs + key * LDS + (d + (mat >> 1)) * 8);
                 mma_bf16_16816(o[d], pa, b);
                 mma_bf16_16816(o[d + 1], pa, b + 2);
             }

@@ -108,6 +108,21 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Four 8x8 bf16 matrices from shared memory into mma fragments: lane l gives the address of
+// row l % 8 of matrix l / 8, and receives (row l / 4, columns 2 (l % 4) and + 1) of each.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// The same, each matrix transposed (lane l receives rows 2 (l % 4) and + 1 of column l / 4).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
 // 16-byte global->shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
