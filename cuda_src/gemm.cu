@@ -15,6 +15,12 @@ constexpr int THREADS = 256;
 
 enum Epilogue { STORE_F32 = 0, ADD_F32 = 1 };
 
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
 __device__ __forceinline__ void load_tile(bf16_t (*dst)[LDS], const bf16_t* __restrict__ src,
                                           int rows, int K, int row0, int k0) {
     // 128 rows x 32 columns = 512 chunks of 16 bytes, two per thread.
@@ -106,20 +112,21 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
         const int sb = F8 ? 0 : s;
 #pragma unroll
         for (int k16 = 0; k16 < BK; k16 += 16) {
+            // Fragments by ldmatrix: lane l gives row l % 8 of 8x8 matrix l / 8. A: matrices
+            // (rows +0 | +8) x (k +0 | +8) = a0..a3; B: (n +0 | +8 of a pair of tiles) x (k +0 | +8).
             unsigned a[2][4], b[8][2];
+            const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = wm + i * 16 + g;
-                a[i][0] = ld_u32(&As[s][r][k16 + t * 2]);
-                a[i][1] = ld_u32(&As[s][r + 8][k16 + t * 2]);
-                a[i][2] = ld_u32(&As[s][r][k16 + 8 + t * 2]);
-                a[i][3] = ld_u32(&As[s][r + 8][k16 + 8 + t * 2]);
-            }
+            for (int i = 0; i < 2; ++i)
+                ldmatrix_x4(a[i], &As[s][wm + i * 16 + lr + (lm & 1) * 8][k16 + (lm >> 1) * 8]);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int n = wn + j * 8 + g;
-                b[j][0] = ld_u32(&Bs[sb][n][k16 + t * 2]);
-                b[j][1] = ld_u32(&Bs[sb][n][k16 + 8 + t * 2]);
+            for (int j = 0; j < 8; j += 2) {
+                unsigned r[4];
+                ldmatrix_x4(r, &Bs[sb][wn + j * 8 + lr + (lm >> 1) * 8][k16 + (lm & 1) * 8]);
+                b[j][0] = r[0];
+                b[j][1] = r[1];
+                b[j + 1][0] = r[2];
+                b[j + 1][1] = r[3];
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i)
@@ -139,10 +146,21 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
                 const int row = m0 + wm + i * 16 + g + half * 8;
                 if (row >= M) continue;
                 float* out = C + static_cast<long long>(row) * N + col;
+                const float v0 = acc[i][j][half * 2], v1 = acc[i][j][half * 2 + 1];
+                if (col + 1 < N && (N & 1) == 0) {  // one 8-byte access (col is even)
+                    float2* o2 = reinterpret_cast<float2*>(out);
+                    if (EPI == ADD_F32) {
+                        const float2 old = *o2;
+                        *o2 = make_float2(old.x + v0, old.y + v1);
+                    } else {
+                        *o2 = make_float2(v0, v1);
+                    }
+                    continue;
+                }
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     if (col + e >= N) continue;
-                    const float v = acc[i][j][half * 2 + e];
+                    const float v = e ? v1 : v0;
                     if (EPI == ADD_F32) out[e] += v;
                     else out[e] = v;
                 }
