@@ -1,8 +1,10 @@
 // Prefill matrix products on the tensor cores: C[M, N] = A[M, K] . B[N, K]^T, where A holds
 // bf16 activations (one row per token) and B a bf16 weight matrix in its checkpoint layout
 // (one row per output feature), so both operands are K-contiguous. 128x128 tiles, 8 warps of
-// 32x64, K steps of 32 staged through shared memory with cp.async double buffering, mma.sync
-// m16n8k16 with fp32 accumulators. K must be a multiple of 8 (16-byte rows); M and N are free.
+// 32x64, K steps of 32 staged through STAGES shared-memory stages with cp.async (STAGES - 1
+// steps in flight while one is used), fragments by ldmatrix, mma.sync m16n8k16 with fp32
+// accumulators. K must be a multiple of 8 (16-byte rows); M and N are free. Dynamic shared
+// memory: SHARED_BYTES (mirrored by gemm_shared_bytes in qwenchat/engine/cuda/prefill.py).
 // FP8 weights (weights.cuh) are copied as codes and turned into bf16 tiles (code x block scale,
 // rounded) in shared memory before the same tensor-core loop; K is then a multiple of 16.
 #include "common.cuh"
@@ -10,8 +12,14 @@
 
 namespace {
 constexpr int BM = 128, BN = 128, BK = 32;
-constexpr int LDS = BK + 8;  // padded row: fragment loads of the 8 row groups hit distinct banks
+constexpr int LDS = BK + 8;  // padded row: ldmatrix's eight row addresses hit distinct banks
 constexpr int THREADS = 256;
+constexpr int STAGES = 4;
+// bf16 B: STAGES stages of A and B tiles. FP8 B: STAGES stages of A tiles and of B's codes,
+// and one bf16 B tile that each step's codes are converted into.
+constexpr int A_STAGE = BM * LDS, B_STAGE = BN * LDS, CODES_STAGE = BN * BK;
+constexpr int SHARED_BYTES = qw::fp8 ? STAGES * A_STAGE * 2 + B_STAGE * 2 + STAGES * CODES_STAGE
+                                     : STAGES * (A_STAGE + B_STAGE) * 2;
 
 enum Epilogue { STORE_F32 = 0, ADD_F32 = 1 };
 
@@ -71,9 +79,13 @@ __device__ __forceinline__ void convert_tile_fp8(bf16_t (*dst)[LDS],
 template <int EPI, bool F8>
 __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__ Bv,
                           float* __restrict__ C, int M, int N, int K) {
-    __shared__ __align__(16) bf16_t As[2][BM][LDS];
-    __shared__ __align__(16) bf16_t Bs[F8 ? 1 : 2][BN][LDS];
-    __shared__ __align__(16) unsigned char B8[F8 ? 2 : 1][F8 ? BN : 1][BK];
+    extern __shared__ __align__(16) unsigned char gemm_shared[];
+    typedef bf16_t Tile[LDS];
+    typedef unsigned char CodeTile[BK];
+    // As[stage][row][col]; Bs[stage or 0][row][col]; B8[stage][row][code]
+    Tile* As = reinterpret_cast<Tile*>(gemm_shared);
+    Tile* Bs = As + STAGES * BM;
+    CodeTile* B8 = reinterpret_cast<CodeTile*>(Bs + (F8 ? 1 : STAGES) * BN);
     const bf16_t* B = static_cast<const bf16_t*>(Bv);
     const unsigned char* B_codes = static_cast<const unsigned char*>(Bv);
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -90,26 +102,31 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
             for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
 
     const int tiles = (K + BK - 1) / BK;
-    float scale = 0.f, next_scale = 0.f;  // F8: the block scale of this step's tile, the next's
-    load_tile(As[0], A, M, K, m0, 0);
-    if constexpr (F8) scale = load_tile_fp8(B8[0], B_codes, N, K, n0, 0);
-    else load_tile(Bs[0], B, N, K, n0, 0);
-    cp_async_commit();
-    for (int kt = 0; kt < tiles; ++kt) {
-        const int s = kt & 1;
-        if (kt + 1 < tiles) {
-            load_tile(As[s ^ 1], A, M, K, m0, (kt + 1) * BK);
-            if constexpr (F8) next_scale = load_tile_fp8(B8[s ^ 1], B_codes, N, K, n0, (kt + 1) * BK);
-            else load_tile(Bs[s ^ 1], B, N, K, n0, (kt + 1) * BK);
-        }
+    // F8: the block scale of each stage's tile (a thread's own rows: it converts its own codes)
+    float scales[STAGES];
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) scales[i] = 0.f;
+    auto issue = [&](int kt) {  // step kt's tiles into stage kt % STAGES
+        const int st = kt % STAGES;
+        load_tile(As + st * BM, A, M, K, m0, kt * BK);
+        if constexpr (F8) scales[st] = load_tile_fp8(B8 + st * BN, B_codes, N, K, n0, kt * BK);
+        else load_tile(Bs + st * BN, B, N, K, n0, kt * BK);
+    };
+#pragma unroll
+    for (int kt = 0; kt < STAGES - 1; ++kt) {
+        if (kt < tiles) issue(kt);
         cp_async_commit();
-        cp_async_wait<1>();
-        if constexpr (F8) {
-            convert_tile_fp8(Bs[0], B8[s], scale);
-            scale = next_scale;
-        }
-        __syncthreads();
-        const int sb = F8 ? 0 : s;
+    }
+    for (int kt = 0; kt < tiles; ++kt) {
+        const int s = kt % STAGES;
+        cp_async_wait<STAGES - 2>();  // this thread's copies of step kt have landed
+        if constexpr (F8) convert_tile_fp8(Bs, B8 + s * BN, scales[s]);
+        __syncthreads();  // ... and every thread's; every warp is done with step kt - 1
+        // The step STAGES - 1 ahead goes into the stage step kt - 1 used.
+        if (kt + STAGES - 1 < tiles) issue(kt + STAGES - 1);
+        cp_async_commit();
+        const Tile* Ast = As + s * BM;
+        const Tile* Bst = Bs + (F8 ? 0 : s * BN);
 #pragma unroll
         for (int k16 = 0; k16 < BK; k16 += 16) {
             // Fragments by ldmatrix: lane l gives row l % 8 of 8x8 matrix l / 8. A: matrices
@@ -118,11 +135,11 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
             const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
             for (int i = 0; i < 2; ++i)
-                ldmatrix_x4(a[i], &As[s][wm + i * 16 + lr + (lm & 1) * 8][k16 + (lm >> 1) * 8]);
+                ldmatrix_x4(a[i], &Ast[wm + i * 16 + lr + (lm & 1) * 8][k16 + (lm >> 1) * 8]);
 #pragma unroll
             for (int j = 0; j < 8; j += 2) {
                 unsigned r[4];
-                ldmatrix_x4(r, &Bs[sb][wn + j * 8 + lr + (lm >> 1) * 8][k16 + (lm & 1) * 8]);
+                ldmatrix_x4(r, &Bst[wn + j * 8 + lr + (lm >> 1) * 8][k16 + (lm & 1) * 8]);
                 b[j][0] = r[0];
                 b[j][1] = r[1];
                 b[j + 1][0] = r[2];
@@ -133,8 +150,9 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
 #pragma unroll
                 for (int j = 0; j < 8; ++j) mma_bf16_16816(acc[i][j], a[i], b[j]);
         }
-        __syncthreads();
+        if constexpr (F8) __syncthreads();  // the one bf16 B tile is converted again next step
     }
+    cp_async_wait<0>();
 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

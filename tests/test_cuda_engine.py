@@ -232,6 +232,8 @@ def download(buffer, dtype, shape) -> np.ndarray:
 
 @pytest.mark.parametrize(("m", "n", "k"), [(77, 200, 72), (1, 48, 48), (130, 129, 264)])
 def test_gemm_matches_numpy_on_sizes_off_the_tile_grid(kernels, m, n, k):
+    from qwenchat.engine.cuda.prefill import gemm_shared_bytes
+
     rt, _, modules, stream = kernels
     rng = np.random.default_rng(m * n)
     a_bits = f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
@@ -240,13 +242,18 @@ def test_gemm_matches_numpy_on_sizes_off_the_tile_grid(kernels, m, n, k):
     a, b, c = upload(rt, a_bits), upload(rt, b_bits), poisoned(rt, m * n * 4)
     grid = ((n + 127) // 128, (m + 127) // 128)
     args = [a, b, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
-    rt.launch(modules["gemm.cu"].function("gemm_store"), grid, 256, args, stream=stream)
+    shared = gemm_shared_bytes("bf16")
+    for name in ("gemm_store", "gemm_add"):
+        modules["gemm.cu"].function(name).set_max_dynamic_shared(shared)
+    rt.launch(modules["gemm.cu"].function("gemm_store"), grid, 256, args, shared=shared,
+              stream=stream)
     stream.synchronize()
     out = download(c, np.float32, (m, n))
     assert np.isfinite(out).all() and rel_err(out, expected) <= 1e-4
     base = rng.standard_normal((m, n)).astype(np.float32)
     c.upload(base)
-    rt.launch(modules["gemm.cu"].function("gemm_add"), grid, 256, args, stream=stream)
+    rt.launch(modules["gemm.cu"].function("gemm_add"), grid, 256, args, shared=shared,
+              stream=stream)
     stream.synchronize()
     assert rel_err(download(c, np.float32, (m, n)), base + expected) <= 1e-4
 

@@ -29,6 +29,7 @@ from qwenchat.engine.cuda.prefill import (
     PREFILL_QUERIES_PER_BLOCK,
     PREFILL_SCRATCH_BUDGET,
     Prefill,
+    gemm_shared_bytes,
     prefill_attention_shared,
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
@@ -141,6 +142,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
         self.k["attn_prefill"].set_max_dynamic_shared(
             prefill_attention_shared(self.config.head_dim))
+        for name in ("gemm_store", "gemm_add"):
+            self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
 
     @property
     def prefill_chunk(self) -> int:

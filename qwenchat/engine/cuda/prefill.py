@@ -15,6 +15,15 @@ PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a me
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
 
 
+def gemm_shared_bytes(weight_format: str) -> int:
+    """gemm.cu's dynamic shared memory (SHARED_BYTES): 4 stages of 128 x 40 bf16 A and B
+    tiles; for FP8 weights, 4 stages of A and of B's 128 x 32 codes plus one bf16 B tile."""
+    stages, tile = 4, 128 * 40 * 2
+    if weight_format == "fp8":
+        return stages * tile + tile + stages * 128 * 32
+    return stages * 2 * tile
+
+
 def prefill_attention_shared(head_dim: int) -> int:
     """attn_prefill's dynamic shared memory: two stages of a K and a V tile (PF_KV keys of
     head_dim + 8 bf16 values each) in attention.cu."""
@@ -81,4 +90,4 @@ class Prefill:
     def _gemm(self, kernel: str, a, b, c, m: int, n: int, k: int) -> None:
         grid = (math.ceil(n / GEMM_TILE), math.ceil(m / GEMM_TILE))
         self._launch(kernel, grid, 256, a, b, c, ctypes.c_int(m), ctypes.c_int(n),
-                     ctypes.c_int(k))
+                     ctypes.c_int(k), shared=gemm_shared_bytes(self.weight_format))
