@@ -23,12 +23,6 @@ constexpr int SHARED_BYTES = qw::fp8 ? STAGES * A_STAGE * 2 + B_STAGE * 2 + STAG
 
 enum Epilogue { STORE_F32 = 0, ADD_F32 = 1 };
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
 __device__ __forceinline__ void load_tile(bf16_t (*dst)[LDS], const bf16_t* __restrict__ src,
                                           int rows, int K, int row0, int k0) {
     // 128 rows x 32 columns = 512 chunks of 16 bytes, two per thread.
