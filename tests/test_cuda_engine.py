@@ -28,11 +28,12 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 def engines(model_dir: Path, ctx: int | None = None, decode: str = "layered",
-            steps_per_launch: int | None = None):
+            steps_per_launch: int | None = None, prefill_gemm: str = "auto"):
     from qwenchat.engine.cuda.engine import CudaEngine
 
     model = open_model_dir(model_dir)
-    gpu_engine = CudaEngine(model.config, model.checkpoint, ctx, decode=decode)
+    gpu_engine = CudaEngine(model.config, model.checkpoint, ctx, decode=decode,
+                            prefill_gemm=prefill_gemm)
     if decode == "megakernel":  # the tiny shapes used with it have whole-line KV rows
         assert gpu_engine.decode == "megakernel", "the megakernel was not used"
     if steps_per_launch is not None and decode == "megakernel":
@@ -72,8 +73,10 @@ def model_dir(request, tmp_path_factory, tiny_tokenizer):
 
 
 # ------------------------------------------------------------------------------ end to end
-def test_prefill_logits_match_the_reference_at_every_position(model_dir):
-    gpu_engine, ref = engines(model_dir)
+@pytest.mark.parametrize("prefill_gemm", ["auto", "mma"])
+def test_prefill_logits_match_the_reference_at_every_position(model_dir, prefill_gemm):
+    """"auto" is wgmma on an H100; "mma" is gemm.cu, the products of every other GPU."""
+    gpu_engine, ref = engines(model_dir, prefill_gemm=prefill_gemm)
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
     assert rel_err(gpu_engine.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
 
@@ -256,6 +259,83 @@ def test_gemm_matches_numpy_on_sizes_off_the_tile_grid(kernels, m, n, k):
               stream=stream)
     stream.synchronize()
     assert rel_err(download(c, np.float32, (m, n)), base + expected) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def hopper_gemm():
+    """gemm_sm90.cu built for sm_90a; skips on other GPUs (the engine uses gemm.cu there)."""
+    from qwenchat.engine.cuda import runtime as rt
+    from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+    from qwenchat.engine.cuda.prefill import GEMM90_SHARED
+
+    device = rt.Device(0)
+    if device.arch != "sm_90":
+        pytest.skip(f"gemm_sm90.cu needs an sm_90 GPU; this is {device.arch}")
+    config = Qwen3Config(vocab_size=1000, hidden_size=48, intermediate_size=80,
+                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=64)
+    module = rt.Module(KernelCache().load("gemm_sm90.cu", "sm_90a", kernel_defines(config)))
+    functions = {}
+    for name in ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128", "gemm90_add_256",
+                 "gemm90_swiglu"):
+        functions[name] = module.function(name)
+        functions[name].set_max_dynamic_shared(GEMM90_SHARED)
+    return rt, functions, rt.Stream()
+
+
+# Rows, columns and depths off every tile: one row, a partial K step, odd N, several K steps.
+GEMM90_SIZES = [(77, 200, 72), (1, 48, 48), (130, 129, 264), (300, 520, 1032)]
+
+
+@pytest.mark.parametrize("width", [128, 256])
+@pytest.mark.parametrize(("m", "n", "k"), GEMM90_SIZES)
+def test_hopper_gemm_matches_numpy_on_sizes_off_the_tile_grid(hopper_gemm, m, n, k, width):
+    from qwenchat.engine.cuda.prefill import GEMM90_SHARED, GEMM90_THREADS
+
+    rt, functions, stream = hopper_gemm
+    rng = np.random.default_rng(m * n + width)
+    a_bits = f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+    b_bits = f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
+    expected = bf16_bits_to_f32(a_bits) @ bf16_bits_to_f32(b_bits).T
+    a, b, c = upload(rt, a_bits), upload(rt, b_bits), poisoned(rt, m * n * 4)
+    maps = [rt.bf16_tile_map(a.ptr, m, k, 128, 64), rt.bf16_tile_map(b.ptr, n, k, 128, 64)]
+    grid = ((m + 127) // 128, (n + width - 1) // width)
+    args = [*maps, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0)]
+    rt.launch(functions[f"gemm90_store_{width}"], grid, GEMM90_THREADS, args,
+              shared=GEMM90_SHARED, stream=stream)
+    stream.synchronize()
+    out = download(c, np.float32, (m, n))
+    assert np.isfinite(out).all() and rel_err(out, expected) <= 1e-4
+    base = rng.standard_normal((m, n)).astype(np.float32)
+    c.upload(base)
+    rt.launch(functions[f"gemm90_add_{width}"], grid, GEMM90_THREADS, args,
+              shared=GEMM90_SHARED, stream=stream)
+    stream.synchronize()
+    assert rel_err(download(c, np.float32, (m, n)), base + expected) <= 1e-4
+
+
+@pytest.mark.parametrize(("m", "inter", "k"), [(77, 200, 72), (1, 48, 48), (260, 384, 520)])
+def test_hopper_gate_up_product_applies_swiglu(hopper_gemm, m, inter, k):
+    """B is [gate; up] (2 x inter rows); the output is bf16(silu(gate) * up), inter wide."""
+    from qwenchat.engine.cuda.prefill import GEMM90_SHARED, GEMM90_THREADS
+
+    rt, functions, stream = hopper_gemm
+    rng = np.random.default_rng(m + inter)
+    a_bits = f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+    b_bits = f32_to_bf16_bits(rng.standard_normal((2 * inter, k)).astype(np.float32) * 0.2)
+    gu = bf16_bits_to_f32(a_bits) @ bf16_bits_to_f32(b_bits).T
+    gate, up = gu[:, :inter], gu[:, inter:]
+    expected = gate / (1 + np.exp(-gate)) * up
+    a, b = upload(rt, a_bits), upload(rt, b_bits)
+    out_buffer = poisoned(rt, m * inter * 2)
+    maps = [rt.bf16_tile_map(a.ptr, m, k, 128, 64), rt.bf16_tile_map(b.ptr, 2 * inter, k, 128, 64)]
+    args = [*maps, out_buffer, ctypes.c_int(m), ctypes.c_int(inter), ctypes.c_int(k),
+            ctypes.c_int(inter)]
+    rt.launch(functions["gemm90_swiglu"], ((m + 127) // 128, (inter + 127) // 128),
+              GEMM90_THREADS, args, shared=GEMM90_SHARED, stream=stream)
+    stream.synchronize()
+    out = bf16_bits_to_f32(download(out_buffer, np.uint16, (m, inter)))
+    assert np.isfinite(out).all() and rel_err(out, expected) <= 1e-2
 
 
 def reference_attention(q, k, v, start, group):

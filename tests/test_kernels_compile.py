@@ -16,6 +16,7 @@ from qwenchat.engine.cuda.compiler import (
     compile_source,
     kernel_defines,
 )
+from qwenchat.engine.cuda.engine import SM90_KERNELS
 from qwenchat.engine.cuda.megakernel import megakernel_layout
 from qwenchat.engine.cuda.sources import cuda_src_dir
 from qwenchat.errors import BackendUnavailable
@@ -115,13 +116,19 @@ def test_every_define_becomes_one_sorted_option():
 
 # The kernels that read the linear layers' weights are also built for FP8 ones (weights.cuh).
 FP8_KERNEL_FILES = ("gemm.cu", "layers.cu", "megakernel.cu")
-BUILDS = [(k, "bf16") for k in KERNEL_FILES] + [(k, "fp8") for k in FP8_KERNEL_FILES]
+# Hopper-only sources (wgmma, TMA) are built for sm_90a alone, as the engine builds them.
+BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in SM90_KERNELS for arch in ARCHS]
+          + [(k, "fp8", arch) for k in FP8_KERNEL_FILES for arch in ARCHS]
+          + [(k, "bf16", "sm_90a") for k in SM90_KERNELS])
+
+
+def test_hopper_sources_are_among_the_kernel_files():
+    assert set(SM90_KERNELS) < set(KERNEL_FILES)
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize(("kernel", "weights"), BUILDS)
+@pytest.mark.parametrize(("kernel", "weights", "arch"), BUILDS)
 def test_every_kernel_compiles(kernel, weights, arch, shape):
     config = SHAPES[shape]
     defines = kernel_defines(config, weights)

@@ -25,6 +25,8 @@ from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK, LayeredDecode
 from qwenchat.engine.cuda.megakernel import MegakernelDecode
 from qwenchat.engine.cuda.prefill import (
+    GEMM90_SHARED,
+    PREFILL_GEMMS,
     PREFILL_MAX_KEY_SPLITS,
     PREFILL_QUERIES_PER_BLOCK,
     PREFILL_SCRATCH_BUDGET,
@@ -49,6 +51,10 @@ KERNELS = {
                      "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
 }
+# Hopper's prefill products (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs
+# for bf16 weights (FP8 ones keep gemm.cu, which turns their codes into bf16 tiles).
+SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128",
+                                 "gemm90_add_256", "gemm90_swiglu")}
 # Parts the megakernel can leave out, for timing only (QW_MK_SKIP bits in megakernel.cu).
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
@@ -83,10 +89,14 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         decode: str = "auto",
         megakernel_skip: Sequence[str] = (),
         megakernel_stages: int | None = None,
+        prefill_gemm: str = "auto",
     ):
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
+        if prefill_gemm not in PREFILL_GEMMS:
+            choices = ", ".join(PREFILL_GEMMS)
+            raise QwenchatError(f"prefill_gemm must be one of {choices}; got {prefill_gemm!r}")
         # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8 (with
         # any layer the file left in bf16 quantized, so every linear layer has one format).
         weights = fp8.with_quantization(weights, "none")
@@ -102,6 +112,11 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._buffers: list[rt.DeviceBuffer] = []
         self._modules: list[rt.Module] = []
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
+        # "auto": wgmma wherever it can run (sm_90, bf16 weights); "mma" forces gemm.cu.
+        hopper = self.device.arch == "sm_90" and self.weight_format == "bf16"
+        if prefill_gemm == "wgmma" and not hopper:
+            raise BackendUnavailable("the wgmma prefill needs an sm_90 GPU and bf16 weights")
+        self.gemm90 = hopper and prefill_gemm != "mma"
         self._load_kernels(notice)
         try:
             self._upload_weights(weights)
@@ -144,6 +159,13 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
             prefill_attention_shared(self.config.head_dim))
         for name in ("gemm_store", "gemm_add"):
             self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
+        if self.gemm90:
+            for source, names in SM90_KERNELS.items():
+                module = rt.Module(cache.load(source, "sm_90a", defines, progress=notice))
+                self._modules.append(module)
+                for name in names:
+                    self.k[name] = module.function(name)
+                    self.k[name].set_max_dynamic_shared(GEMM90_SHARED)
 
     @property
     def prefill_chunk(self) -> int:
@@ -191,7 +213,9 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self.qkv = self._device_buffer(c * qkv_cols * 4)
         self.q = self._device_buffer(c * cfg.q_size * 2)
         self.attn = self._device_buffer(c * cfg.q_size * 2)
-        self.gu = self._device_buffer(c * 2 * cfg.intermediate_size * 4)
+        # fp32 gate/up rows: the layered decode's one row, and the prefill's unless
+        # gemm_sm90.cu applies SwiGLU in gate/up's product.
+        self.gu = self._device_buffer((1 if self.gemm90 else c) * 2 * cfg.intermediate_size * 4)
         self.act = self._device_buffer(c * cfg.intermediate_size * 2)
         self.ids = self._device_buffer(c * 4)
         sms = self.device.sm_count
@@ -223,6 +247,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._host_token = self._host.array(np.int32, 1)
         self._host_pos = self._host.array(np.int32, 2)[1:]
         self._host_params = rt.PinnedBuffer(SAMPLE_PARAMS.itemsize).array(SAMPLE_PARAMS, 1)
+        if self.gemm90:
+            self._build_gemm90_maps()
 
     # ----------------------------------------------------------------------------- launches
     def _launch(self, name: str, grid, block, *args, shared: int = 0) -> None:

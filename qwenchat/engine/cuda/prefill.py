@@ -13,6 +13,25 @@ PREFILL_QUERIES_PER_BLOCK = 64
 PREFILL_MAX_KEY_SPLITS = 16  # a few new tokens' attention split over the cached keys
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a merge
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
+GEMM90_SHARED = 193 * 1024  # gemm_sm90.cu's SHARED_BYTES: a 192 KiB ring aligned to 1 KiB
+GEMM90_THREADS = 384  # a producer warpgroup and two consumers
+GEMM90_BOX = 128  # rows of one TMA box, of A and of B (its K side is 64 bf16: 128 bytes)
+# What a 128-wide tile of columns costs against a 256-wide one of the same rows (a guess
+# from its lower ratio of products to shared-memory reads; it only picks between the two).
+GEMM90_NARROW_COST = 0.6
+PREFILL_GEMMS = ("auto", "wgmma", "mma")
+
+
+def gemm90_width(m: int, n: int, sms: int) -> int:
+    """Columns per tile of gemm_sm90.cu for an m x n product: 256, unless 128-wide tiles
+    would end in fewer waves over the SMs than what they cost more."""
+    tiles_m = math.ceil(m / 128)
+
+    def cost(width: int) -> float:
+        waves = math.ceil(tiles_m * math.ceil(n / width) / sms)
+        return waves * (1.0 if width == 256 else GEMM90_NARROW_COST)
+
+    return min((256, 128), key=cost)
 
 
 def gemm_shared_bytes(weight_format: str) -> int:
@@ -37,8 +56,9 @@ class Prefill:
 
     def _prefill_chunk_tokens(self) -> int:
         cfg = self.config
+        gate_up = 0 if self.gemm90 else 2 * 4  # fp32 gate/up rows, unless fused into SwiGLU
         per_token = (cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
-                     + cfg.q_size * 2 * 2 + cfg.intermediate_size * (2 * 4 + 2) + 4)
+                     + cfg.q_size * 2 * 2 + cfg.intermediate_size * (gate_up + 2) + 4)
         chunk = PREFILL_SCRATCH_BUDGET // per_token
         return int(max(64, min(2048, chunk // 64 * 64)))
 
@@ -51,6 +71,9 @@ class Prefill:
         rope_block = max(32, cfg.head_dim // 2)
         heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
+        if self.gemm90:
+            self._forward_prefill_layers_sm90(start, n)
+            return
         for i, w in enumerate(self.layers):
             self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
             self._gemm("gemm_store", self.xn, w.qkv, self.qkv, n, qkv_cols, h)
@@ -64,6 +87,58 @@ class Prefill:
             blocks = min(4096, math.ceil(n * inter / 256))
             self._launch("swiglu_rows", blocks, 256, self.gu, c_int(n), self.act)
             self._gemm("gemm_add", self.act, w.down, self.x, n, h, inter)
+
+    def _forward_prefill_layers_sm90(self, start: int, n: int) -> None:
+        """_forward_prefill's layers with gemm_sm90.cu's products (SwiGLU in gate/up's)."""
+        cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
+        eps = c_float(cfg.rms_norm_eps)
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        qkv_cols = cfg.q_size + 2 * cfg.kv_size
+        scale = c_float(cfg.head_dim**-0.5)
+        rope_block = max(32, cfg.head_dim // 2)
+        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
+        maps_a = self.gemm90_maps_a
+        for i, (w, maps) in enumerate(zip(self.layers, self.gemm90_maps, strict=True)):
+            self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
+            self._gemm90("store", maps_a["xn"], maps["qkv"], self.qkv, n, qkv_cols, h)
+            self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
+                         rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
+                         c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
+            self._attention_prefill(i, start, n, scale)
+            self._gemm90("add", maps_a["attn"], maps["o"], self.x, n, h, cfg.q_size)
+            self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
+            self._gemm90("swiglu", maps_a["xn"], maps["gate_up"], self.act, n, inter, h,
+                         up_row=inter)
+            self._gemm90("add", maps_a["act"], maps["down"], self.x, n, h, inter)
+
+    def _build_gemm90_maps(self) -> None:
+        """Tensor maps of every prefill product's operands: the activation buffers (a chunk's
+        rows; rows past a pass's tokens are read but never stored) and each layer's weights."""
+        cfg, c = self.config, self.chunk
+        qkv_cols = cfg.q_size + 2 * cfg.kv_size
+
+        def tiles(buffer, rows: int, cols: int) -> rt.TensorMap:
+            return rt.bf16_tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
+
+        self.gemm90_maps_a = {"xn": tiles(self.xn, c, cfg.hidden_size),
+                              "attn": tiles(self.attn, c, cfg.q_size),
+                              "act": tiles(self.act, c, cfg.intermediate_size)}
+        self.gemm90_maps = [{"qkv": tiles(w.qkv, qkv_cols, cfg.hidden_size),
+                             "o": tiles(w.o, cfg.hidden_size, cfg.q_size),
+                             "gate_up": tiles(w.gate_up, 2 * cfg.intermediate_size,
+                                              cfg.hidden_size),
+                             "down": tiles(w.down, cfg.hidden_size, cfg.intermediate_size)}
+                            for w in self.layers]
+
+    def _gemm90(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, c, m: int, n: int,
+                k: int, up_row: int = 0) -> None:
+        """c = or += A . B^T (kind "store", "add"), or c = silu(gate) * up ("swiglu")."""
+        width = 256 if kind == "swiglu" else gemm90_width(m, n, self.device.sm_count)
+        name = "gemm90_swiglu" if kind == "swiglu" else f"gemm90_{kind}_{width}"
+        tiles_n = math.ceil(n / (128 if kind == "swiglu" else width))
+        self._launch(name, (math.ceil(m / 128), tiles_n), GEMM90_THREADS, map_a, map_b, c,
+                     ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(up_row),
+                     shared=GEMM90_SHARED)
 
     def prefill_key_splits(self, start: int, n: int) -> int:
         """Blocks along the keys for the prefill attention of n tokens after `start` cached

@@ -399,6 +399,32 @@ _SCALAR_TYPES = (ctypes.c_bool, ctypes.c_int8, ctypes.c_uint8, ctypes.c_int16, c
 KernelArg = DeviceBuffer | PinnedBuffer | Ptr | ctypes._SimpleCData | ctypes.Structure
 
 
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap: the tensor-memory accelerator's description of a matrix in device memory
+    and of the tiles it copies out of it. Opaque; passed to a kernel by value."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def bf16_tile_map(address: int, rows: int, cols: int, box_rows: int, box_cols: int) -> TensorMap:
+    """The tensor map of a row-major bf16 matrix (rows x cols) read in box_rows x box_cols
+    tiles, each row of a tile written with the 128-byte swizzle (so box_cols * 2 must be 128);
+    elements past the matrix's bounds read as zero. The address must be 16-byte aligned and
+    each row a multiple of 16 bytes (cols % 8 == 0). sm_90+ only."""
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    encoded = check(driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, address,
+        [u64(cols), u64(rows)], [u64(cols * 2)], [u32(box_cols), u32(box_rows)],
+        [u32(1), u32(1)], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        "cuTensorMapEncodeTiled")
+    out = TensorMap()
+    out.opaque[:] = [int(v) for v in encoded.opaque]
+    return out
+
+
 class KernelArgs:
     """Arguments laid out as the driver's `kernelParams`: an array of pointers, one per
     argument, each to a private copy of its value. cuda-python accepts that array's address
