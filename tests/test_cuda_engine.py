@@ -28,12 +28,12 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 def engines(model_dir: Path, ctx: int | None = None, decode: str = "layered",
-            steps_per_launch: int | None = None, prefill_gemm: str = "auto"):
+            steps_per_launch: int | None = None, prefill_kernels: str = "auto"):
     from qwenchat.engine.cuda.engine import CudaEngine
 
     model = open_model_dir(model_dir)
     gpu_engine = CudaEngine(model.config, model.checkpoint, ctx, decode=decode,
-                            prefill_gemm=prefill_gemm)
+                            prefill_kernels=prefill_kernels)
     if decode == "megakernel":  # the tiny shapes used with it have whole-line KV rows
         assert gpu_engine.decode == "megakernel", "the megakernel was not used"
     if steps_per_launch is not None and decode == "megakernel":
@@ -73,10 +73,10 @@ def model_dir(request, tmp_path_factory, tiny_tokenizer):
 
 
 # ------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("prefill_gemm", ["auto", "mma"])
-def test_prefill_logits_match_the_reference_at_every_position(model_dir, prefill_gemm):
-    """"auto" is wgmma on an H100; "mma" is gemm.cu, the products of every other GPU."""
-    gpu_engine, ref = engines(model_dir, prefill_gemm=prefill_gemm)
+@pytest.mark.parametrize("prefill_kernels", ["auto", "portable"])
+def test_prefill_logits_match_the_reference_at_every_position(model_dir, prefill_kernels):
+    """"auto" is the Hopper kernels on an H100; "portable" those of every other GPU."""
+    gpu_engine, ref = engines(model_dir, prefill_kernels=prefill_kernels)
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
     assert rel_err(gpu_engine.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
 
@@ -385,6 +385,59 @@ def test_prefill_attention_matches_numpy(kernels, start, n, splits):
                                    bf16_bits_to_f32(vc)[:, :length], start, heads // kvh)
     got = bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
     assert rel_err(got, expected) <= 2e-2
+
+
+@pytest.fixture(scope="module", params=[64, 128])
+def hopper_attention(request):
+    """attention_sm90.cu built for sm_90a at head_dim 64 or 128 (3 query heads per KV head)."""
+    from qwenchat.engine.cuda import runtime as rt
+    from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+    from qwenchat.engine.cuda.prefill import attention90_shared
+
+    device = rt.Device(0)
+    if device.arch != "sm_90":
+        pytest.skip(f"attention_sm90.cu needs an sm_90 GPU; this is {device.arch}")
+    d = request.param
+    config = Qwen3Config(vocab_size=1000, hidden_size=48, intermediate_size=80,
+                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=d)
+    module = rt.Module(KernelCache().load("attention_sm90.cu", "sm_90a", kernel_defines(config)))
+    function = module.function("attn_prefill90")
+    function.set_max_dynamic_shared(attention90_shared(d))
+    return rt, config, function, rt.Stream()
+
+
+@pytest.mark.parametrize(("start", "n"), [(0, 83), (37, 130), (200, 1), (0, 300), (90, 257)])
+def test_hopper_prefill_attention_matches_numpy(hopper_attention, start, n):
+    """Random values in the cache rows past the prompt too (and a capacity no tile divides,
+    so the last tile of one KV head runs into the next head's rows): masking must hide them."""
+    from qwenchat.engine.cuda.prefill import (
+        ATTENTION90_QUERIES,
+        ATTENTION90_THREADS,
+        attention90_shared,
+    )
+
+    rt, cfg, function, stream = hopper_attention
+    rng = np.random.default_rng(start + n + cfg.head_dim)
+    cap, d, kvh, heads = 400, cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
+    q = f32_to_bf16_bits(rng.standard_normal((n, heads, d)).astype(np.float32))
+    kc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
+    vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
+    q_buffer, k_buffer, v_buffer = upload(rt, q), upload(rt, kc), upload(rt, vc)
+    out = poisoned(rt, n * heads * d * 2)
+    maps = [rt.bf16_tile_map(q_buffer.ptr, n, heads * d, 128, 64),
+            rt.bf16_tile_map(k_buffer.ptr, kvh * cap, d, 128, 64),
+            rt.bf16_tile_map(v_buffer.ptr, kvh * cap, d, 128, 64)]
+    args = [*maps, ctypes.c_int(start), ctypes.c_int(n), ctypes.c_int(cap),
+            ctypes.c_float(d**-0.5), out]
+    rt.launch(function, (heads, (n + ATTENTION90_QUERIES - 1) // ATTENTION90_QUERIES),
+              ATTENTION90_THREADS, args, shared=attention90_shared(d), stream=stream)
+    stream.synchronize()
+    length = start + n
+    expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],
+                                   bf16_bits_to_f32(vc)[:, :length], start, heads // kvh)
+    got = bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
+    assert np.isfinite(got).all() and rel_err(got, expected) <= 2e-2
 
 
 def test_a_few_tokens_after_a_long_prefix_split_their_keys_and_match_one_block_per_head(

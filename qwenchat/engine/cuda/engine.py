@@ -26,11 +26,12 @@ from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK, LayeredDecode
 from qwenchat.engine.cuda.megakernel import MegakernelDecode
 from qwenchat.engine.cuda.prefill import (
     GEMM90_SHARED,
-    PREFILL_GEMMS,
+    PREFILL_KERNELS,
     PREFILL_MAX_KEY_SPLITS,
     PREFILL_QUERIES_PER_BLOCK,
     PREFILL_SCRATCH_BUDGET,
     Prefill,
+    attention90_shared,
     gemm_shared_bytes,
     prefill_attention_shared,
 )
@@ -51,10 +52,12 @@ KERNELS = {
                      "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
 }
-# Hopper's prefill products (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs
-# for bf16 weights (FP8 ones keep gemm.cu, which turns their codes into bf16 tiles).
+# Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs for
+# bf16 weights (FP8 ones keep gemm.cu, which turns their codes into bf16 tiles; attention_sm90
+# takes head_dim 64 and 128, attention.cu the rest).
 SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128",
-                                 "gemm90_add_256", "gemm90_swiglu")}
+                                 "gemm90_add_256", "gemm90_swiglu"),
+                "attention_sm90.cu": ("attn_prefill90",)}
 # Parts the megakernel can leave out, for timing only (QW_MK_SKIP bits in megakernel.cu).
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
@@ -89,14 +92,15 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         decode: str = "auto",
         megakernel_skip: Sequence[str] = (),
         megakernel_stages: int | None = None,
-        prefill_gemm: str = "auto",
+        prefill_kernels: str = "auto",
     ):
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
-        if prefill_gemm not in PREFILL_GEMMS:
-            choices = ", ".join(PREFILL_GEMMS)
-            raise QwenchatError(f"prefill_gemm must be one of {choices}; got {prefill_gemm!r}")
+        if prefill_kernels not in PREFILL_KERNELS:
+            choices = ", ".join(PREFILL_KERNELS)
+            raise QwenchatError(f"prefill_kernels must be one of {choices}; "
+                                f"got {prefill_kernels!r}")
         # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8 (with
         # any layer the file left in bf16 quantized, so every linear layer has one format).
         weights = fp8.with_quantization(weights, "none")
@@ -112,11 +116,13 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._buffers: list[rt.DeviceBuffer] = []
         self._modules: list[rt.Module] = []
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
-        # "auto": wgmma wherever it can run (sm_90, bf16 weights); "mma" forces gemm.cu.
-        hopper = self.device.arch == "sm_90" and self.weight_format == "bf16"
-        if prefill_gemm == "wgmma" and not hopper:
-            raise BackendUnavailable("the wgmma prefill needs an sm_90 GPU and bf16 weights")
-        self.gemm90 = hopper and prefill_gemm != "mma"
+        hopper = self.device.arch == "sm_90"
+        if prefill_kernels == "hopper" and not hopper:
+            raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is "
+                                     f"{self.device.arch}")
+        hopper = hopper and prefill_kernels != "portable"
+        self.gemm90 = hopper and self.weight_format == "bf16"
+        self.attention90 = hopper and config.head_dim in (64, 128)
         self._load_kernels(notice)
         try:
             self._upload_weights(weights)
@@ -159,13 +165,15 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
             prefill_attention_shared(self.config.head_dim))
         for name in ("gemm_store", "gemm_add"):
             self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
-        if self.gemm90:
-            for source, names in SM90_KERNELS.items():
-                module = rt.Module(cache.load(source, "sm_90a", defines, progress=notice))
-                self._modules.append(module)
-                for name in names:
-                    self.k[name] = module.function(name)
-                    self.k[name].set_max_dynamic_shared(GEMM90_SHARED)
+        for source, names in SM90_KERNELS.items():
+            if not (self.gemm90 if source == "gemm_sm90.cu" else self.attention90):
+                continue
+            module = rt.Module(cache.load(source, "sm_90a", defines, progress=notice))
+            self._modules.append(module)
+            for name in names:
+                self.k[name] = module.function(name)
+                self.k[name].set_max_dynamic_shared(GEMM90_SHARED if source == "gemm_sm90.cu"
+                                                    else attention90_shared(self.config.head_dim))
 
     @property
     def prefill_chunk(self) -> int:
@@ -205,6 +213,9 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         layer_cache = cfg.num_key_value_heads * cap * cfg.head_dim * 2
         self.k_cache = [self._device_buffer(layer_cache) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [self._device_buffer(layer_cache) for _ in range(cfg.num_hidden_layers)]
+        if self.attention90:  # rows it reads past the prompt must be finite (attention_sm90.cu)
+            for buffer in (*self.k_cache, *self.v_cache):
+                buffer.fill_u8(0)
         self.kv_bytes = 2 * cfg.num_hidden_layers * layer_cache
         c = self.chunk = min(self._prefill_chunk_tokens(), cap)
         qkv_cols = cfg.q_size + 2 * cfg.kv_size
@@ -247,8 +258,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._host_token = self._host.array(np.int32, 1)
         self._host_pos = self._host.array(np.int32, 2)[1:]
         self._host_params = rt.PinnedBuffer(SAMPLE_PARAMS.itemsize).array(SAMPLE_PARAMS, 1)
-        if self.gemm90:
-            self._build_gemm90_maps()
+        self._build_tensor_maps()
 
     # ----------------------------------------------------------------------------- launches
     def _launch(self, name: str, grid, block, *args, shared: int = 0) -> None:

@@ -19,7 +19,17 @@ GEMM90_BOX = 128  # rows of one TMA box, of A and of B (its K side is 64 bf16: 1
 # What a 128-wide tile of columns costs against a 256-wide one of the same rows (a guess
 # from its lower ratio of products to shared-memory reads; it only picks between the two).
 GEMM90_NARROW_COST = 0.6
-PREFILL_GEMMS = ("auto", "wgmma", "mma")
+# "hopper": gemm_sm90.cu and attention_sm90.cu (sm_90, bf16 weights); "portable": gemm.cu and
+# attention.cu, the kernels of every other GPU; "auto": hopper wherever it can run.
+PREFILL_KERNELS = ("auto", "hopper", "portable")
+ATTENTION90_THREADS = 288  # two consumer warpgroups and a producer warp
+ATTENTION90_QUERIES = 128  # queries per block
+
+
+def attention90_shared(head_dim: int) -> int:
+    """attention_sm90.cu's dynamic shared memory (SHARED_BYTES): Q and three stages of a K and
+    a V tile, each 128 rows of head_dim bf16 values, plus 1 KiB to align them."""
+    return (head_dim // 64) * 128 * 128 * (1 + 3 * 2) + 1024
 
 
 def gemm90_width(m: int, n: int, sms: int) -> int:
@@ -111,15 +121,24 @@ class Prefill:
                          up_row=inter)
             self._gemm90("add", maps_a["act"], maps["down"], self.x, n, h, inter)
 
-    def _build_gemm90_maps(self) -> None:
-        """Tensor maps of every prefill product's operands: the activation buffers (a chunk's
-        rows; rows past a pass's tokens are read but never stored) and each layer's weights."""
+    def _build_tensor_maps(self) -> None:
+        """Tensor maps of the Hopper kernels' operands, encoded once: the activation buffers
+        (a chunk's rows; rows past a pass's tokens are read but never stored), the KV caches
+        for attention_sm90 and each layer's weights for gemm_sm90."""
         cfg, c = self.config, self.chunk
         qkv_cols = cfg.q_size + 2 * cfg.kv_size
 
         def tiles(buffer, rows: int, cols: int) -> rt.TensorMap:
             return rt.bf16_tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
 
+        if self.attention90:
+            cache_rows = cfg.num_key_value_heads * self.capacity
+            self.attention90_maps = [(tiles(k, cache_rows, cfg.head_dim),
+                                      tiles(v, cache_rows, cfg.head_dim))
+                                     for k, v in zip(self.k_cache, self.v_cache, strict=True)]
+            self.q_map = tiles(self.q, c, cfg.q_size)
+        if not self.gemm90:
+            return
         self.gemm90_maps_a = {"xn": tiles(self.xn, c, cfg.hidden_size),
                               "attn": tiles(self.attn, c, cfg.q_size),
                               "act": tiles(self.act, c, cfg.intermediate_size)}
@@ -154,6 +173,13 @@ class Prefill:
     def _attention_prefill(self, layer: int, start: int, n: int, scale: ctypes.c_float) -> None:
         c_int, heads = ctypes.c_int, self.config.num_attention_heads
         splits = self.prefill_key_splits(start, n)
+        if self.attention90 and splits == 1:
+            map_k, map_v = self.attention90_maps[layer]
+            self._launch("attn_prefill90", (heads, math.ceil(n / ATTENTION90_QUERIES)),
+                         ATTENTION90_THREADS, self.q_map, map_k, map_v,
+                         c_int(start), c_int(n), c_int(self.capacity), scale, self.attn,
+                         shared=attention90_shared(self.config.head_dim))
+            return
         self._launch("attn_prefill", (math.ceil(n / PREFILL_QUERIES_PER_BLOCK), heads, splits),
                      128, self.q, self.k_cache[layer], self.v_cache[layer], c_int(start),
                      c_int(n), c_int(self.capacity), scale, self.attn, self.prefill_part_o,

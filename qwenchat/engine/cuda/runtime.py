@@ -273,7 +273,7 @@ class DeviceBuffer:
         _finish(stream)
 
     def fill_u8(self, value: int, stream: Stream | None = None) -> None:
-        """Set every byte to `value`: tests poison buffers so stale reads show up as NaN."""
+        """Set every byte to `value` (tests poison buffers so stale reads show up as NaN)."""
         check(driver.cuMemsetD8Async(self.ptr, value, self.nbytes, _stream_handle(stream)),
               "cuMemsetD8Async")
         _finish(stream)
@@ -443,6 +443,13 @@ class KernelArgs:
 
 
 def _as_ctype(arg: Any, position: int) -> ctypes._SimpleCData:
+    kind = type(arg)  # the common exact types first: a prefill pass makes ~10 launches a layer
+    if kind is Ptr:
+        return ctypes.c_uint64(arg.address)
+    if kind is ctypes.c_int:
+        return ctypes.c_int(arg.value)
+    if kind is TensorMap:
+        return TensorMap.from_buffer_copy(arg)
     if isinstance(arg, DeviceBuffer):
         return ctypes.c_uint64(arg.ptr)
     if isinstance(arg, PinnedBuffer):
@@ -462,6 +469,8 @@ def _as_ctype(arg: Any, position: int) -> ctypes._SimpleCData:
 
 
 def _dim3(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    if type(value) is int and value >= 1:
+        return value, 1, 1
     dims = (value,) if isinstance(value, int) else tuple(value)
     if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d >= 1 for d in dims):
         raise ValueError(f"{what} must be a positive int or 1 to 3 of them, not {value!r}")

@@ -1,0 +1,201 @@
+// Causal prefill attention on Hopper (sm_90a): attn_prefill's job (attention.cu) with wgmma
+// and TMA. One block takes 128 queries of one head: two consumer warpgroups of 64 queries and
+// one producer warp. The producer copies the block's Q once and then each 128-key tile of K and
+// V through three shared-memory stages (TMA, 128-byte swizzle, full/empty mbarriers). Per tile a
+// consumer warpgroup computes S = Q K^T with Q and K from shared memory, runs the online
+// softmax on S in registers, and adds P V with P as register fragments and V read as an
+// MN-major operand, straight from the cache's layout. Only tiles that reach past a warp's
+// first query are masked; keys past the block's last query are never loaded.
+//
+// q: [n][heads][HD] bf16 for the n new tokens at positions start..start+n-1; their keys and
+// values are already in the cache ([kv_head][capacity][HD] bf16). out: [n][heads][HD] bf16.
+// The tensor maps (qwenchat/engine/cuda/prefill.py) cover q as rows of heads * HD values and
+// each cache as kv_heads * capacity rows of HD; boxes are 64 values x 128 rows. Cache rows the
+// prefill has not written must hold finite values (the engine zeroes the cache once): masked
+// keys get a weight of zero, and 0 times NaN would not be zero. head_dim 64 or 128.
+// Dynamic shared memory: SHARED_BYTES (attention90_shared() mirrors it).
+#include "common.cuh"
+#include "qwen3.cuh"
+#include "sm90.cuh"
+
+namespace {
+constexpr int HD = qw::head_dim;
+constexpr bool SUPPORTED = HD == 64 || HD == 128;
+constexpr int PANELS = SUPPORTED ? HD / 64 : 1;  // 64-wide slices of head_dim, 128 bytes a row
+constexpr int BQ = 128, BKV = 128, STAGES = 3;
+constexpr int PANEL_BYTES = 128 * 128;  // 128 rows (queries or keys) of one slice
+constexpr int Q_BYTES = PANELS * PANEL_BYTES, KV_BYTES = PANELS * PANEL_BYTES;
+constexpr int STAGE_BYTES = 2 * KV_BYTES;  // a K tile, then a V tile
+constexpr int SHARED_BYTES = Q_BYTES + STAGES * STAGE_BYTES + 1024;  // + slack for alignment
+static_assert(SHARED_BYTES <= 227 * 1024, "one block's shared memory on an H100");
+constexpr int THREADS = 2 * 128 + 32;
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <int D>
+__device__ __forceinline__ void attention_tile(const TensorMap& map_q, const TensorMap& map_k,
+                                               const TensorMap& map_v, int start, int n,
+                                               int capacity, float scale,
+                                               bf16_t* __restrict__ out) {
+    extern __shared__ unsigned char attn_shared[];
+    __shared__ __align__(8) unsigned long long q_full, full[STAGES], empty[STAGES];
+    const unsigned q_smem = (smem_addr(attn_shared) + 1023) & ~1023u;
+    const unsigned ring = q_smem + Q_BYTES;
+    const int head = blockIdx.x, kvh = head / qw::group;
+    // The last query tiles have the most keys: they go first (every head's, as blocks start in
+    // the order of x, then y), so none is left alone at the end.
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BQ;
+    const int kv_len = start + min(n, q0 + BQ);
+    const int tiles = (kv_len + BKV - 1) / BKV;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    if (threadIdx.x == 0) {
+        mbar_init(smem_addr(&q_full), 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_addr(&full[s]), 1);
+            mbar_init(smem_addr(&empty[s]), 8);  // every consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 8) {  // the producer
+        if (lane == 0) {
+            const unsigned qbar = smem_addr(&q_full);
+            mbar_expect_tx(qbar, Q_BYTES);
+            for (int p = 0; p < PANELS; ++p)
+                tma_load(q_smem + p * PANEL_BYTES, map_q, head * D + p * 64, q0, qbar);
+            for (int j = 0; j < tiles; ++j) {
+                const int s = j % STAGES;
+                if (j >= STAGES) mbar_wait(smem_addr(&empty[s]), (j / STAGES - 1) & 1);
+                const unsigned bar = smem_addr(&full[s]), k_dst = ring + s * STAGE_BYTES;
+                mbar_expect_tx(bar, STAGE_BYTES);
+                const int row = kvh * capacity + j * BKV;
+                for (int p = 0; p < PANELS; ++p) {
+                    tma_load(k_dst + p * PANEL_BYTES, map_k, p * 64, row, bar);
+                    tma_load(k_dst + KV_BYTES + p * PANEL_BYTES, map_v, p * 64, row, bar);
+                }
+            }
+        }
+        return;
+    }
+
+    // Consumer warpgroup wg: queries q0 + wg * 64 ..; this warp's 16 of them from row0.
+    const int wg = warp >> 2, g = lane >> 2, t = lane & 3;
+    const int row0 = q0 + wg * 64 + (warp & 3) * 16;
+    const int pos_row[2] = {start + row0 + g, start + row0 + g + 8};
+    const float qk_scale = scale * LOG2E;  // softmax in base 2
+    float o[D / 2], s[BKV / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) asm volatile("" : "=f"(o[i]));
+    float m_row[2] = {QW_NEG_INF, QW_NEG_INF}, l_row[2] = {0.f, 0.f};
+    mbar_wait(smem_addr(&q_full), 0);
+
+    for (int j = 0; j < tiles; ++j) {
+        const int st = j % STAGES;
+        mbar_wait(smem_addr(&full[st]), (j / STAGES) & 1);
+        const unsigned k_tile = ring + st * STAGE_BYTES, v_tile = k_tile + KV_BYTES;
+
+        // S = Q K^T: 16 dims a step, 4 steps per 64-wide slice (32 bytes apart in a row).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned slice = (kk / 4) * PANEL_BYTES + (kk % 4) * 32;
+            Wgmma<BKV>::mma(s, smem_desc(q_smem + slice + wg * 64 * 128),
+                            smem_desc(k_tile + slice), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(s);
+
+        // s[c * 4 + e]: row g (+ 8 for e >= 2), key j * BKV + c * 8 + 2t (+ 1 for odd e).
+        const bool diagonal = j * BKV + BKV - 1 > start + row0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float mx = QW_NEG_INF;
+#pragma unroll
+            for (int c = 0; c < BKV / 8; ++c) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = j * BKV + c * 8 + t * 2 + e;
+                    float v = s[c * 4 + half * 2 + e] * qk_scale;
+                    if (diagonal && key > pos_row[half]) v = QW_NEG_INF;
+                    s[c * 4 + half * 2 + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_row[half], mx);
+            // A row whose keys are all masked so far keeps m = -inf; use 0 to avoid inf - inf.
+            const float m_use = m_new == QW_NEG_INF ? 0.f : m_new;
+            const float alpha = exp2f(m_row[half] - m_use);
+            float sum = 0.f;
+#pragma unroll
+            for (int c = 0; c < BKV / 8; ++c) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[c * 4 + half * 2 + e] - m_use);
+                    s[c * 4 + half * 2 + e] = p;
+                    sum += p;
+                }
+            }
+            l_row[half] = l_row[half] * alpha + sum;
+            m_row[half] = m_new;
+            if (j > 0) {  // (the first tile's products overwrite o)
+#pragma unroll
+                for (int d = 0; d < D / 8; ++d) {
+                    o[d * 4 + half * 2] *= alpha;
+                    o[d * 4 + half * 2 + 1] *= alpha;
+                }
+            }
+        }
+
+        // O += P V: P's fragments from the score accumulators (their layout is the A
+        // fragments'); V's 16 keys a step are 16 rows of 128 bytes further on, its 64-wide
+        // slices PANEL_BYTES apart.
+        fence_operands(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk) {
+            const unsigned a[4] = {pack_bf16x2(s[8 * kk], s[8 * kk + 1]),
+                                   pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]),
+                                   pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]),
+                                   pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])};
+            WgmmaRegA<D>::mma(o, a, smem_desc(v_tile + kk * 16 * 128, PANEL_BYTES),
+                              j > 0 || kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(o);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[st]));  // this warp is done with the stage
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float l = l_row[half];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int r = row0 + g + half * 8;
+        if (r >= n) continue;
+        const float inv = 1.f / l;
+        bf16_t* dst = out + (static_cast<long long>(r) * qw::heads + head) * D;
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d)
+            *reinterpret_cast<unsigned*>(dst + d * 8 + t * 2) =
+                pack_bf16x2(o[d * 4 + half * 2] * inv, o[d * 4 + half * 2 + 1] * inv);
+    }
+}
+}  // namespace
+
+// Grid: (heads, ceil(n / 128)); THREADS threads; SHARED_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    attn_prefill90(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+                   const __grid_constant__ TensorMap map_v, int start, int n, int capacity,
+                   float scale, bf16_t* out) {
+    if constexpr (SUPPORTED) {
+        attention_tile<HD>(map_q, map_k, map_v, start, n, capacity, scale, out);
+    } else {
+        __trap();  // the engine uses attention.cu for other head sizes
+    }
+}
