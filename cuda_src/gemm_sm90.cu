@@ -13,11 +13,16 @@
 // make the TMA fill rows past M or N and columns past K with zeros, and the epilogue stores
 // only rows < M and columns < N.
 //
+// FP8 weights (weights.cuh, QW_FP8): the TMA copies B's codes into the stage instead, and the
+// producer warpgroup's other three warps turn them into the bf16 tile (code x block scale,
+// rounded, as gemm.cu does), fence them for the tensor cores and arrive on the full barrier.
+//
 // The host encodes the tensor maps (qwenchat/engine/cuda/prefill.py): A's box is 64 x 128,
 // B's 64 x 128 (a BN = 256 tile takes two). Dynamic shared memory: SHARED_BYTES, mirrored
 // by GEMM90_SHARED there.
 #include "common.cuh"
 #include "sm90.cuh"
+#include "weights.cuh"
 
 namespace {
 constexpr int BM = 128, BK = 64, BOX_ROWS = 128;
@@ -27,13 +32,68 @@ constexpr int RING_BYTES = 192 * 1024;
 constexpr int SHARED_BYTES = RING_BYTES + 1024;  // + the slack to align the ring to 1 KiB
 static_assert(SHARED_BYTES == 193 * 1024, "GEMM90_SHARED in prefill.py mirrors this");
 
+enum Epilogue { STORE_F32 = 0, ADD_F32 = 1, SWIGLU_BF16 = 2 };
+
+// A stage: A's tile, B's bf16 tile, and with FP8 weights the codes B's tile is made from.
 template <int BN>
 struct Tiles {
-    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2;
-    static constexpr int STAGES = RING_BYTES / STAGE_BYTES;  // 4 at BN = 256, 6 at 128
+    static constexpr int CODES_BYTES = qw::fp8 ? BN * BK : 0;
+    static constexpr int STAGE_BYTES = A_BYTES + BN * BK * 2 + CODES_BYTES;
+    // bf16: 4 at BN = 256, 6 at 128; FP8: 3 and 4.
+    static constexpr int STAGES = RING_BYTES / STAGE_BYTES;
 };
+constexpr int CONVERTERS = 96;  // FP8: warps 1-3 of the producer warpgroup
 
-enum Epilogue { STORE_F32 = 0, ADD_F32 = 1, SWIGLU_BF16 = 2 };
+// FP8: B's codes for one step (BN rows x 64, plain rows of 64 bytes at `codes`) into bf16
+// weights (code x the row's block scale, rounded) at `tile`, in the 128-byte-swizzled layout
+// the TMA gives bf16 tiles. A converter takes 16 codes (a quarter row) at a time: a warp's
+// reads are 512 contiguous bytes and its writes fill every bank once per 8 rows.
+template <int BN, int EPI>
+__device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char* codes,
+                                              const unsigned char* __restrict__ b_rows, int N,
+                                              int K, int step, int tile_n, int up_row) {
+    constexpr int ITEMS = (BN * 4 + CONVERTERS - 1) / CONVERTERS;  // per converter
+    const long long row_stride = row_bytes<true>(K);
+    const int rows_b = N + (EPI == SWIGLU_BF16 ? up_row : 0);
+    // Every scale this converter needs first, all loads in flight together: one at a time,
+    // each global load's latency would be paid ITEMS times a step.
+    float scale[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int item = threadIdx.x - 32 + i * CONVERTERS, r = item >> 2;
+        const int box = r / BOX_ROWS;
+        const int row = (EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
+                                            : tile_n * BN + box * BOX_ROWS) + r % BOX_ROWS;
+        scale[i] = item < BN * 4 && row < rows_b
+            ? __ldg(reinterpret_cast<const float*>(b_rows + row * row_stride + K) +
+                    step * BK / qw::FP8_BLOCK)
+            : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int item = threadIdx.x - 32 + i * CONVERTERS;
+        if (item >= BN * 4) break;
+        const int r = item >> 2, quarter = item & 3;
+        const float s = FP8_UNSCALE * scale[i];
+        const uint4 w = *reinterpret_cast<const uint4*>(codes + r * BK + quarter * 16);
+        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+        unsigned packed[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float v[4];
+            e4m3x4(words[k], v);
+            packed[2 * k] = pack_bf16x2(v[0] * s, v[1] * s);
+            packed[2 * k + 1] = pack_bf16x2(v[2] * s, v[3] * s);
+        }
+        // 16-byte chunks 2 * quarter and 2 * quarter + 1 of row r, swizzled by r % 8
+        const unsigned at = tile + r * 128;
+        const int c0 = (2 * quarter) ^ (r & 7), c1 = (2 * quarter + 1) ^ (r & 7);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + c0 * 16),
+                     "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]) : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + c1 * 16),
+                     "r"(packed[4]), "r"(packed[5]), "r"(packed[6]), "r"(packed[7]) : "memory");
+    }
+}
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
@@ -44,11 +104,12 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 // the same features, and writes bf16(silu(gate) * up) into 128 columns of C (bf16, ldc).
 template <int BN, int EPI>
 __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMap& map_b,
+                                          const unsigned char* __restrict__ b_rows,
                                           void* __restrict__ c, int M, int N, int K, int up_row) {
     constexpr int STAGE_BYTES = Tiles<BN>::STAGE_BYTES, STAGES = Tiles<BN>::STAGES;
     static_assert(EPI != SWIGLU_BF16 || BN == 256, "SwiGLU tiles pair 128 gate and 128 up rows");
     extern __shared__ unsigned char gemm_shared[];
-    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES], codes_full[STAGES];
     const unsigned ring = (smem_addr(gemm_shared) + 1023) & ~1023u;
     const int m0 = blockIdx.x * BM, tile_n = blockIdx.y;
     const int steps = (K + BK - 1) / BK;
@@ -56,8 +117,10 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_addr(&full[s]), 1);
+            // FP8: the A copy's arrival and every converter's, once its part of B is written
+            mbar_init(smem_addr(&full[s]), qw::fp8 ? 1 + CONVERTERS : 1);
             mbar_init(smem_addr(&empty[s]), CONSUMERS * 4);
+            mbar_init(smem_addr(&codes_full[s]), 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -74,6 +137,20 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
                 if (step >= STAGES) mbar_wait(smem_addr(&empty[s]), (step / STAGES - 1) & 1);
                 const unsigned bar = smem_addr(&full[s]);
                 const unsigned a_dst = ring + s * STAGE_BYTES, b_dst = a_dst + A_BYTES;
+                if constexpr (qw::fp8) {  // the codes go to the converters, not the consumers
+                    mbar_expect_tx(bar, A_BYTES);
+                    tma_load(a_dst, map_a, step * BK, m0, bar);
+                    const unsigned codes_bar = smem_addr(&codes_full[s]);
+                    mbar_expect_tx(codes_bar, Tiles<BN>::CODES_BYTES);
+#pragma unroll
+                    for (int box = 0; box < BN / BOX_ROWS; ++box) {
+                        const int row = EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
+                                                           : tile_n * BN + box * BOX_ROWS;
+                        tma_load(b_dst + BN * BK * 2 + box * BOX_ROWS * BK, map_b, step * BK,
+                                 row, codes_bar);
+                    }
+                    continue;
+                }
                 mbar_expect_tx(bar, STAGE_BYTES);
                 tma_load(a_dst, map_a, step * BK, m0, bar);
 #pragma unroll
@@ -82,6 +159,17 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
                                                        : tile_n * BN + box * BOX_ROWS;
                     tma_load(b_dst + box * BOX_BYTES, map_b, step * BK, row, bar);
                 }
+            }
+        } else if (qw::fp8 && threadIdx.x >= 32) {  // the converters, in step with the copies
+            for (int step = 0; step < steps; ++step) {
+                const int s = step % STAGES;
+                mbar_wait(smem_addr(&codes_full[s]), (step / STAGES) & 1);
+                const unsigned b_dst = ring + s * STAGE_BYTES + A_BYTES;
+                convert_codes<BN, EPI>(b_dst, gemm_shared + (b_dst + BN * BK * 2 - smem_addr(gemm_shared)),
+                                       b_rows, N, K, step, tile_n, up_row);
+                // The tensor cores read what ordinary stores wrote: order them first.
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                mbar_arrive(smem_addr(&full[s]));
             }
         }
         return;
@@ -166,11 +254,12 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
 }
 }  // namespace
 
+// b_rows: B itself, for FP8 weights' scales (the map covers their codes); unused for bf16.
 #define GEMM90(name, BN, EPI)                                                                   \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                   \
         name(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b, \
-             void* c, int M, int N, int K, int up_row) {                                       \
-        gemm_tile<BN, EPI>(map_a, map_b, c, M, N, K, up_row);                                  \
+             const unsigned char* b_rows, void* c, int M, int N, int K, int up_row) {          \
+        gemm_tile<BN, EPI>(map_a, map_b, b_rows, c, M, N, K, up_row);                          \
     }
 
 GEMM90(gemm90_store_128, 128, STORE_F32)  // Q/K/V (fp32 out)

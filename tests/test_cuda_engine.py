@@ -261,9 +261,7 @@ def test_gemm_matches_numpy_on_sizes_off_the_tile_grid(kernels, m, n, k):
     assert rel_err(download(c, np.float32, (m, n)), base + expected) <= 1e-4
 
 
-@pytest.fixture(scope="module")
-def hopper_gemm():
-    """gemm_sm90.cu built for sm_90a; skips on other GPUs (the engine uses gemm.cu there)."""
+def _hopper_gemm_functions(weight_format: str):
     from qwenchat.engine.cuda import runtime as rt
     from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
     from qwenchat.engine.cuda.prefill import GEMM90_SHARED
@@ -274,13 +272,26 @@ def hopper_gemm():
     config = Qwen3Config(vocab_size=1000, hidden_size=48, intermediate_size=80,
                          num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
                          head_dim=64)
-    module = rt.Module(KernelCache().load("gemm_sm90.cu", "sm_90a", kernel_defines(config)))
+    module = rt.Module(KernelCache().load("gemm_sm90.cu", "sm_90a",
+                                          kernel_defines(config, weight_format)))
     functions = {}
     for name in ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128", "gemm90_add_256",
                  "gemm90_swiglu"):
         functions[name] = module.function(name)
         functions[name].set_max_dynamic_shared(GEMM90_SHARED)
     return rt, functions, rt.Stream()
+
+
+@pytest.fixture(scope="module")
+def hopper_gemm():
+    """gemm_sm90.cu built for sm_90a; skips on other GPUs (the engine uses gemm.cu there)."""
+    return _hopper_gemm_functions("bf16")
+
+
+@pytest.fixture(scope="module")
+def hopper_gemm_fp8():
+    """gemm_sm90.cu for FP8 weights (QW_FP8)."""
+    return _hopper_gemm_functions("fp8")
 
 
 # Rows, columns and depths off every tile: one row, a partial K step, odd N, several K steps.
@@ -298,9 +309,9 @@ def test_hopper_gemm_matches_numpy_on_sizes_off_the_tile_grid(hopper_gemm, m, n,
     b_bits = f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
     expected = bf16_bits_to_f32(a_bits) @ bf16_bits_to_f32(b_bits).T
     a, b, c = upload(rt, a_bits), upload(rt, b_bits), poisoned(rt, m * n * 4)
-    maps = [rt.bf16_tile_map(a.ptr, m, k, 128, 64), rt.bf16_tile_map(b.ptr, n, k, 128, 64)]
+    maps = [rt.tile_map(a.ptr, m, k, 128, 64), rt.tile_map(b.ptr, n, k, 128, 64)]
     grid = ((m + 127) // 128, (n + width - 1) // width)
-    args = [*maps, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0)]
+    args = [*maps, b, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0)]
     rt.launch(functions[f"gemm90_store_{width}"], grid, GEMM90_THREADS, args,
               shared=GEMM90_SHARED, stream=stream)
     stream.synchronize()
@@ -328,14 +339,56 @@ def test_hopper_gate_up_product_applies_swiglu(hopper_gemm, m, inter, k):
     expected = gate / (1 + np.exp(-gate)) * up
     a, b = upload(rt, a_bits), upload(rt, b_bits)
     out_buffer = poisoned(rt, m * inter * 2)
-    maps = [rt.bf16_tile_map(a.ptr, m, k, 128, 64), rt.bf16_tile_map(b.ptr, 2 * inter, k, 128, 64)]
-    args = [*maps, out_buffer, ctypes.c_int(m), ctypes.c_int(inter), ctypes.c_int(k),
+    maps = [rt.tile_map(a.ptr, m, k, 128, 64), rt.tile_map(b.ptr, 2 * inter, k, 128, 64)]
+    args = [*maps, b, out_buffer, ctypes.c_int(m), ctypes.c_int(inter), ctypes.c_int(k),
             ctypes.c_int(inter)]
     rt.launch(functions["gemm90_swiglu"], ((m + 127) // 128, (inter + 127) // 128),
               GEMM90_THREADS, args, shared=GEMM90_SHARED, stream=stream)
     stream.synchronize()
     out = bf16_bits_to_f32(download(out_buffer, np.uint16, (m, inter)))
     assert np.isfinite(out).all() and rel_err(out, expected) <= 1e-2
+
+
+@pytest.mark.parametrize("kind", ["store_128", "add_256", "swiglu"])
+@pytest.mark.parametrize(("m", "n", "k"), [(77, 200, 144), (1, 48, 48), (300, 520, 1040)])
+def test_hopper_gemm_turns_fp8_codes_into_the_bf16_weights_of_gemm_cu(hopper_gemm_fp8, m, n, k,
+                                                                      kind):
+    """B in the packed FP8 rows (codes, then a scale per 128 columns): the product is that of
+    A with bf16(code x scale), the weights gemm.cu makes of the same rows."""
+    from qwenchat.engine.cuda.prefill import GEMM90_SHARED, GEMM90_THREADS
+    from qwenchat.model.fp8 import dequantize, pack_rows, packed_row_bytes, quantize
+
+    rt, functions, stream = hopper_gemm_fp8
+    rng = np.random.default_rng(m + n + k)
+    rows = 2 * n if kind == "swiglu" else n
+    a_bits = f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+    codes, scales = quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.1)
+    weights = bf16_bits_to_f32(f32_to_bf16_bits(dequantize(codes, scales)))
+    product = bf16_bits_to_f32(a_bits) @ weights.T
+    a, b = upload(rt, a_bits), upload(rt, pack_rows(codes, scales))
+    maps = [rt.tile_map(a.ptr, m, k, 128, 64),
+            rt.tile_map(b.ptr, rows, k, 128, 64, codes=True, row_bytes=packed_row_bytes(k))]
+    if kind == "swiglu":
+        gate, up = product[:, :n], product[:, n:]
+        expected = gate / (1 + np.exp(-gate)) * up
+        out = poisoned(rt, m * n * 2)
+        args = [*maps, b, out, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
+                ctypes.c_int(n)]
+        rt.launch(functions["gemm90_swiglu"], ((m + 127) // 128, (n + 127) // 128),
+                  GEMM90_THREADS, args, shared=GEMM90_SHARED, stream=stream)
+        stream.synchronize()
+        got = bf16_bits_to_f32(download(out, np.uint16, (m, n)))
+        assert np.isfinite(got).all() and rel_err(got, expected) <= 1e-2
+        return
+    width = int(kind.split("_")[1])
+    base = rng.standard_normal((m, n)).astype(np.float32) if kind.startswith("add") else 0
+    out = upload(rt, np.zeros((m, n), np.float32) + base)
+    args = [*maps, b, out, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0)]
+    rt.launch(functions[f"gemm90_{kind}"], ((m + 127) // 128, (n + width - 1) // width),
+              GEMM90_THREADS, args, shared=GEMM90_SHARED, stream=stream)
+    stream.synchronize()
+    # (a weight may round to the other bf16 neighbour: code x scale is formed as gemm.cu does)
+    assert rel_err(download(out, np.float32, (m, n)), base + product) <= 1e-3
 
 
 def reference_attention(q, k, v, start, group):
@@ -425,9 +478,9 @@ def test_hopper_prefill_attention_matches_numpy(hopper_attention, start, n):
     vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
     q_buffer, k_buffer, v_buffer = upload(rt, q), upload(rt, kc), upload(rt, vc)
     out = poisoned(rt, n * heads * d * 2)
-    maps = [rt.bf16_tile_map(q_buffer.ptr, n, heads * d, 128, 64),
-            rt.bf16_tile_map(k_buffer.ptr, kvh * cap, d, 128, 64),
-            rt.bf16_tile_map(v_buffer.ptr, kvh * cap, d, 128, 64)]
+    maps = [rt.tile_map(q_buffer.ptr, n, heads * d, 128, 64),
+            rt.tile_map(k_buffer.ptr, kvh * cap, d, 128, 64),
+            rt.tile_map(v_buffer.ptr, kvh * cap, d, 128, 64)]
     args = [*maps, ctypes.c_int(start), ctypes.c_int(n), ctypes.c_int(cap),
             ctypes.c_float(d**-0.5), out]
     rt.launch(function, (heads, (n + ATTENTION90_QUERIES - 1) // ATTENTION90_QUERIES),

@@ -120,7 +120,7 @@ FP8_KERNEL_FILES = ("gemm.cu", "layers.cu", "megakernel.cu")
 BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in SM90_KERNELS for arch in ARCHS]
           + [(k, "fp8", arch) for k in FP8_KERNEL_FILES for arch in ARCHS]
           + [(k, "bf16", "sm_90a") for k in SM90_KERNELS]
-          + [("attention_sm90.cu", "fp8", "sm_90a")])  # FP8 models' prefill attention
+          + [(k, "fp8", "sm_90a") for k in SM90_KERNELS])
 
 
 def test_hopper_sources_are_among_the_kernel_files():

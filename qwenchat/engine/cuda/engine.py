@@ -52,9 +52,8 @@ KERNELS = {
                      "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
 }
-# Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs for
-# bf16 weights (FP8 ones keep gemm.cu, which turns their codes into bf16 tiles; attention_sm90
-# takes head_dim 64 and 128, attention.cu the rest).
+# Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs, for
+# bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
 SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128",
                                  "gemm90_add_256", "gemm90_swiglu"),
                 "attention_sm90.cu": ("attn_prefill90",)}
@@ -120,9 +119,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         if prefill_kernels == "hopper" and not hopper:
             raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is "
                                      f"{self.device.arch}")
-        hopper = hopper and prefill_kernels != "portable"
-        self.gemm90 = hopper and self.weight_format == "bf16"
-        self.attention90 = hopper and config.head_dim in (64, 128)
+        self.gemm90 = hopper and prefill_kernels != "portable"
+        self.attention90 = self.gemm90 and config.head_dim in (64, 128)
         self._load_kernels(notice)
         try:
             self._upload_weights(weights)

@@ -7,6 +7,7 @@ import ctypes
 import math
 
 from qwenchat.engine.cuda import runtime as rt
+from qwenchat.model.fp8 import packed_row_bytes
 
 GEMM_TILE = 128
 PREFILL_QUERIES_PER_BLOCK = 64
@@ -110,16 +111,16 @@ class Prefill:
         maps_a = self.gemm90_maps_a
         for i, (w, maps) in enumerate(zip(self.layers, self.gemm90_maps, strict=True)):
             self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
-            self._gemm90("store", maps_a["xn"], maps["qkv"], self.qkv, n, qkv_cols, h)
+            self._gemm90("store", maps_a["xn"], maps["qkv"], w.qkv, self.qkv, n, qkv_cols, h)
             self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
                          rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
                          c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
             self._attention_prefill(i, start, n, scale)
-            self._gemm90("add", maps_a["attn"], maps["o"], self.x, n, h, cfg.q_size)
+            self._gemm90("add", maps_a["attn"], maps["o"], w.o, self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
-            self._gemm90("swiglu", maps_a["xn"], maps["gate_up"], self.act, n, inter, h,
-                         up_row=inter)
-            self._gemm90("add", maps_a["act"], maps["down"], self.x, n, h, inter)
+            self._gemm90("swiglu", maps_a["xn"], maps["gate_up"], w.gate_up, self.act, n, inter,
+                         h, up_row=inter)
+            self._gemm90("add", maps_a["act"], maps["down"], w.down, self.x, n, h, inter)
 
     def _build_tensor_maps(self) -> None:
         """Tensor maps of the Hopper kernels' operands, encoded once: the activation buffers
@@ -129,7 +130,13 @@ class Prefill:
         qkv_cols = cfg.q_size + 2 * cfg.kv_size
 
         def tiles(buffer, rows: int, cols: int) -> rt.TensorMap:
-            return rt.bf16_tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
+            return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
+
+        def weights(buffer, rows: int, cols: int) -> rt.TensorMap:
+            if self.weight_format == "fp8":  # the codes of each packed row (weights.cuh)
+                return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64, codes=True,
+                                   row_bytes=packed_row_bytes(cols))
+            return tiles(buffer, rows, cols)
 
         if self.attention90:
             cache_rows = cfg.num_key_value_heads * self.capacity
@@ -142,20 +149,21 @@ class Prefill:
         self.gemm90_maps_a = {"xn": tiles(self.xn, c, cfg.hidden_size),
                               "attn": tiles(self.attn, c, cfg.q_size),
                               "act": tiles(self.act, c, cfg.intermediate_size)}
-        self.gemm90_maps = [{"qkv": tiles(w.qkv, qkv_cols, cfg.hidden_size),
-                             "o": tiles(w.o, cfg.hidden_size, cfg.q_size),
-                             "gate_up": tiles(w.gate_up, 2 * cfg.intermediate_size,
-                                              cfg.hidden_size),
-                             "down": tiles(w.down, cfg.hidden_size, cfg.intermediate_size)}
+        self.gemm90_maps = [{"qkv": weights(w.qkv, qkv_cols, cfg.hidden_size),
+                             "o": weights(w.o, cfg.hidden_size, cfg.q_size),
+                             "gate_up": weights(w.gate_up, 2 * cfg.intermediate_size,
+                                                cfg.hidden_size),
+                             "down": weights(w.down, cfg.hidden_size, cfg.intermediate_size)}
                             for w in self.layers]
 
-    def _gemm90(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, c, m: int, n: int,
-                k: int, up_row: int = 0) -> None:
-        """c = or += A . B^T (kind "store", "add"), or c = silu(gate) * up ("swiglu")."""
+    def _gemm90(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, b, c, m: int,
+                n: int, k: int, up_row: int = 0) -> None:
+        """c = or += A . B^T (kind "store", "add"), or c = silu(gate) * up ("swiglu"); b is
+        B's buffer (FP8 rows' scales are read from it)."""
         width = 256 if kind == "swiglu" else gemm90_width(m, n, self.device.sm_count)
         name = "gemm90_swiglu" if kind == "swiglu" else f"gemm90_{kind}_{width}"
         tiles_n = math.ceil(n / (128 if kind == "swiglu" else width))
-        self._launch(name, (math.ceil(m / 128), tiles_n), GEMM90_THREADS, map_a, map_b, c,
+        self._launch(name, (math.ceil(m / 128), tiles_n), GEMM90_THREADS, map_a, map_b, b, c,
                      ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(up_row),
                      shared=GEMM90_SHARED)
 

@@ -406,17 +406,24 @@ class TensorMap(ctypes.Structure):
     _fields_ = [("opaque", ctypes.c_uint64 * 16)]
 
 
-def bf16_tile_map(address: int, rows: int, cols: int, box_rows: int, box_cols: int) -> TensorMap:
-    """The tensor map of a row-major bf16 matrix (rows x cols) read in box_rows x box_cols
-    tiles, each row of a tile written with the 128-byte swizzle (so box_cols * 2 must be 128);
-    elements past the matrix's bounds read as zero. The address must be 16-byte aligned and
-    each row a multiple of 16 bytes (cols % 8 == 0). sm_90+ only."""
+def tile_map(address: int, rows: int, cols: int, box_rows: int, box_cols: int, *,
+             codes: bool = False, row_bytes: int | None = None) -> TensorMap:
+    """The tensor map of a row-major matrix (rows x cols) read in box_rows x box_cols tiles;
+    elements past its bounds read as zero. bf16 values by default, each tile row written with
+    the 128-byte swizzle (so box_cols must be 64); codes=True: bytes (FP8 codes), tile rows
+    plain. row_bytes: the distance between rows when the rows hold more than the matrix (FP8
+    rows end with their scales). The address must be 16-byte aligned and row_bytes a multiple
+    of 16. sm_90+ only."""
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    element = 1 if codes else 2
+    dtype = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8 if codes
+             else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    swizzle = (driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if codes
+               else driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
     encoded = check(driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, address,
-        [u64(cols), u64(rows)], [u64(cols * 2)], [u32(box_cols), u32(box_rows)],
-        [u32(1), u32(1)], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        dtype, 2, address, [u64(cols), u64(rows)], [u64(row_bytes or cols * element)],
+        [u32(box_cols), u32(box_rows)], [u32(1), u32(1)],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
         "cuTensorMapEncodeTiled")
