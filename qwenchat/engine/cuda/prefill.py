@@ -1,5 +1,6 @@
 """Prefill: the new tokens through every layer as batched tensor-core GEMMs and flash
-attention (gemm.cu, attention.cu, layers.cu), in chunks that bound the scratch memory."""
+attention (gemm.cu, attention.cu, layers.cu; on Hopper gemm_sm90.cu and attention_sm90.cu),
+in chunks that bound the scratch memory."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ PREFILL_SCRATCH_BUDGET = 160 * 2**20
 GEMM90_SHARED = 193 * 1024  # gemm_sm90.cu's SHARED_BYTES: a 192 KiB ring aligned to 1 KiB
 GEMM90_THREADS = 384  # a producer warpgroup and two consumers
 GEMM90_BOX = 128  # rows of one TMA box, of A and of B (its K side is 64 bf16: 128 bytes)
-# What a 128-wide tile of columns costs against a 256-wide one of the same rows (a guess
-# from its lower ratio of products to shared-memory reads; it only picks between the two).
-GEMM90_NARROW_COST = 0.6
+# What a 128-wide tile of columns costs against a 256-wide one of the same rows: 0.65 on the
+# 8B shapes on an H100 (half the work at 574-512 against 746-758 TFLOP/s, docs/perf.md).
+GEMM90_NARROW_COST = 0.65
 # "hopper": gemm_sm90.cu and attention_sm90.cu (sm_90, bf16 weights); "portable": gemm.cu and
 # attention.cu, the kernels of every other GPU; "auto": hopper wherever it can run.
 PREFILL_KERNELS = ("auto", "hopper", "portable")
