@@ -67,8 +67,8 @@ class StatusBar(Horizontal):
         elif stats.generated_tokens:
             activity = "● generating"
         elif 0 < stats.prefill_done < stats.prefill_tokens:  # a long prompt, part way
-            activity = (f"● reading the prompt {stats.prefill_done:,}/{stats.prefill_tokens:,}"
-                        " · Esc stops")
+            # (the footer already says Esc stops it: the bar keeps its room for the numbers)
+            activity = f"● reading the prompt {stats.prefill_done:,}/{stats.prefill_tokens:,}"
             prefill_rate = stats.prefill_done / stats.prefill_s if stats.prefill_s > 0 else None
             numbers = f"prefill {rate_text(prefill_rate)} tok/s · {self._common(stats)}"
         else:
