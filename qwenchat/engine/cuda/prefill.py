@@ -83,45 +83,34 @@ class Prefill:
         rope_block = max(32, cfg.head_dim // 2)
         heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
-        if self.gemm90:
-            self._forward_prefill_layers_sm90(start, n)
-            return
         for i, w in enumerate(self.layers):
             self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
-            self._gemm("gemm_store", self.xn, w.qkv, self.qkv, n, qkv_cols, h)
+            self._product("store", "xn", i, "qkv", self.qkv, n, qkv_cols, h)
             self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
                          rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
                          c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
             self._attention_prefill(i, start, n, scale)
-            self._gemm("gemm_add", self.attn, w.o, self.x, n, h, cfg.q_size)
+            self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
-            self._gemm("gemm_store", self.xn, w.gate_up, self.gu, n, 2 * inter, h)
-            blocks = min(4096, math.ceil(n * inter / 256))
-            self._launch("swiglu_rows", blocks, 256, self.gu, c_int(n), self.act)
-            self._gemm("gemm_add", self.act, w.down, self.x, n, h, inter)
+            if self.gemm90:  # SwiGLU applied in gate/up's product
+                self._gemm90("swiglu", self.gemm90_maps_a["xn"], self.gemm90_maps[i]["gate_up"],
+                             w.gate_up, self.act, n, inter, h, up_row=inter)
+            else:
+                self._gemm("gemm_store", self.xn, w.gate_up, self.gu, n, 2 * inter, h)
+                blocks = min(4096, math.ceil(n * inter / 256))
+                self._launch("swiglu_rows", blocks, 256, self.gu, c_int(n), self.act)
+            self._product("add", "act", i, "down", self.x, n, h, inter)
 
-    def _forward_prefill_layers_sm90(self, start: int, n: int) -> None:
-        """_forward_prefill's layers with gemm_sm90.cu's products (SwiGLU in gate/up's)."""
-        cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
-        eps = c_float(cfg.rms_norm_eps)
-        h, inter = cfg.hidden_size, cfg.intermediate_size
-        qkv_cols = cfg.q_size + 2 * cfg.kv_size
-        scale = c_float(cfg.head_dim**-0.5)
-        rope_block = max(32, cfg.head_dim // 2)
-        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
-        maps_a = self.gemm90_maps_a
-        for i, (w, maps) in enumerate(zip(self.layers, self.gemm90_maps, strict=True)):
-            self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
-            self._gemm90("store", maps_a["xn"], maps["qkv"], w.qkv, self.qkv, n, qkv_cols, h)
-            self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
-                         rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
-                         c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
-            self._attention_prefill(i, start, n, scale)
-            self._gemm90("add", maps_a["attn"], maps["o"], w.o, self.x, n, h, cfg.q_size)
-            self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
-            self._gemm90("swiglu", maps_a["xn"], maps["gate_up"], w.gate_up, self.act, n, inter,
-                         h, up_row=inter)
-            self._gemm90("add", maps_a["act"], maps["down"], w.down, self.x, n, h, inter)
+    def _product(self, kind: str, a: str, layer: int, weight: str, c, m: int, n: int,
+                 k: int) -> None:
+        """c = (kind "store") or += ("add") buffer `a` . layer's `weight`^T, on gemm_sm90.cu
+        where the engine uses it, else gemm.cu."""
+        b = getattr(self.layers[layer], weight)
+        if self.gemm90:
+            self._gemm90(kind, self.gemm90_maps_a[a], self.gemm90_maps[layer][weight], b, c, m,
+                         n, k)
+        else:
+            self._gemm(f"gemm_{kind}", getattr(self, a), b, c, m, n, k)
 
     def _build_tensor_maps(self) -> None:
         """Tensor maps of the Hopper kernels' operands, encoded once: the activation buffers
