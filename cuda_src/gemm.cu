@@ -53,17 +53,9 @@ __device__ __forceinline__ float load_tile_fp8(unsigned char (*dst)[BK], const u
 __device__ __forceinline__ void convert_tile_fp8(bf16_t (*dst)[LDS],
                                                  const unsigned char (*src)[BK], float scale) {
     const int r = threadIdx.x >> 1, c = (threadIdx.x & 1) * 16;
-    const uint4 codes = *reinterpret_cast<const uint4*>(&src[r][c]);
-    const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
-    const float s = FP8_UNSCALE * scale;
     unsigned packed[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        float v[4];
-        e4m3x4(words[k], v);
-        packed[2 * k] = pack_bf16x2(v[0] * s, v[1] * s);
-        packed[2 * k + 1] = pack_bf16x2(v[2] * s, v[3] * s);
-    }
+    codes_to_bf16(*reinterpret_cast<const uint4*>(&src[r][c]), FP8_UNSCALE * scale, packed,
+                  [](unsigned w, float* v) { e4m3x4(w, v); });
     *reinterpret_cast<uint4*>(&dst[r][c]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     *reinterpret_cast<uint4*>(&dst[r][c + 8]) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }

@@ -87,17 +87,9 @@ __device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char
         const int item = threadIdx.x - 32 + i * CONVERTERS;
         if (item >= BN * 4) break;
         const int r = item >> 2, quarter = item & 3;
-        const float s = scale[i];
-        const uint4 w = *reinterpret_cast<const uint4*>(codes + r * BK + quarter * 16);
-        const unsigned words[4] = {w.x, w.y, w.z, w.w};
         unsigned packed[8];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float v[4];
-            e4m3x4_values(words[k], v);
-            packed[2 * k] = pack_bf16x2(v[0] * s, v[1] * s);
-            packed[2 * k + 1] = pack_bf16x2(v[2] * s, v[3] * s);
-        }
+        codes_to_bf16(*reinterpret_cast<const uint4*>(codes + r * BK + quarter * 16), scale[i],
+                      packed, [](unsigned w, float* v) { e4m3x4_values(w, v); });
         // 16-byte chunks 2 * quarter and 2 * quarter + 1 of row r, swizzled by r % 8
         const unsigned at = tile + r * 128;
         const int c0 = (2 * quarter) ^ (r & 7), c1 = (2 * quarter + 1) ^ (r & 7);
