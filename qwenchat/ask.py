@@ -79,13 +79,15 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
                        options.quantize)
     say = _stderr_line(err)
     load_started = time.perf_counter()
-    model = open_model(options.model)
+    # The tokenizer loads on its own thread while the engine compiles and uploads.
+    model = open_model(options.model, tokenizer_in_background=True)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
     engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
                            device=options.device, notice=say, decode=options.decode,
                            quantize=options.quantize)
+    tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
-    session = ChatSession(engine, model.tokenizer, model.eos_ids, LiveParams(params),
+    session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think)
     writer = _JsonCollector() if options.as_json else _StreamWriter(out, options.show_thinking)
     stats = ReplyStats()

@@ -5,21 +5,24 @@ No GPU is needed, only NVRTC; without it these tests skip and say why.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from qwenchat.engine.cuda import compiler
 from qwenchat.engine.cuda.compiler import (
+    KernelBuild,
     KernelCache,
     KernelCompileError,
     compile_source,
     kernel_defines,
 )
-from qwenchat.engine.cuda.engine import SM90_KERNELS
+from qwenchat.engine.cuda.engine import COMPILE_ORDER, SM90_KERNELS, plan_kernels
 from qwenchat.engine.cuda.megakernel import megakernel_layout
 from qwenchat.engine.cuda.sources import cuda_src_dir
-from qwenchat.errors import BackendUnavailable
+from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.presets import PRESETS
 
@@ -182,7 +185,8 @@ def test_second_load_comes_from_disk_without_compiling(src, tmp_path, compiles):
     progress: list[str] = []
     first = KernelCache(tmp_path / "cubins", src).load("tiny.cu", "sm_90", TINY_DEFINES,
                                                        progress=progress.append)
-    assert compiles == ["tiny.cu"] and progress == ["compiling tiny.cu for sm_90"]
+    assert compiles == ["tiny.cu"]
+    assert progress == ["compiling tiny.cu for sm_90 (once per model and GPU)"]
     progress.clear()
     second = KernelCache(tmp_path / "cubins", src).load("tiny.cu", "sm_90", TINY_DEFINES,
                                                         progress=progress.append)
@@ -260,3 +264,160 @@ def test_size_and_clear_count_the_entries(src, tmp_path):
     assert cache.size_bytes() > 0
     assert cache.clear() == 2
     assert cache.size_bytes() == 0
+
+
+# ------------------------------------------------------------------ concurrent compiles
+@needs_nvrtc
+def test_builds_compile_concurrently_to_the_cubins_of_one_by_one_compiles(src, tmp_path):
+    builds = [KernelBuild.of("tiny.cu", arch, {"TINY_SCALE": scale})
+              for arch in ("sm_80", "sm_90") for scale in (2, 3)]
+    announced: list[str] = []
+    ended: list[str] = []
+    compilation = KernelCache(tmp_path / "cubins", src).start(
+        builds, announce=announced.append, progress=ended.append, workers=4)
+    cubins = compilation.wait()
+    assert list(cubins) == builds
+    for build in builds:
+        assert cubins[build] == compile_source("tiny.cu", build.arch, dict(build.defines),
+                                               source_dir=src)
+    assert len(set(cubins.values())) == 4
+    (line,) = announced
+    assert line.startswith("compiling 4 kernels for sm_80 and sm_90 on 4 threads")
+    assert len(ended) == 4 and ended[-1].startswith("compiled tiny.cu in ")
+    assert ended[-1].endswith("(4 of 4)") and set(compilation.compiled) == set(builds)
+
+
+@needs_nvrtc
+def test_cached_builds_are_read_and_only_the_missing_ones_compile(src, tmp_path, compiles):
+    cache = KernelCache(tmp_path / "cubins", src)
+    cached = KernelBuild.of("tiny.cu", "sm_90", TINY_DEFINES)
+    cache.load("tiny.cu", "sm_90", TINY_DEFINES)
+    fresh = KernelBuild.of("tiny.cu", "sm_80", TINY_DEFINES)
+    announced: list[str] = []
+    compilation = cache.start([cached, fresh], announce=announced.append)
+    assert compilation.to_compile == [fresh]
+    assert compilation.wait()[fresh].startswith(ELF_MAGIC)
+    assert compiles == ["tiny.cu", "tiny.cu"]
+    assert announced == ["compiling tiny.cu for sm_80 (once per model and GPU)"]
+    announced.clear()
+    assert cache.start([cached, fresh], announce=announced.append).to_compile == []
+    assert announced == [] and len(compiles) == 2
+
+
+@needs_nvrtc
+def test_a_failed_build_raises_where_its_cubin_is_asked_for_and_spares_the_others(src,
+                                                                                  tmp_path):
+    good = KernelBuild.of("tiny.cu", "sm_90", TINY_DEFINES)
+    bad = KernelBuild.of("broken.cu", "sm_90", TINY_DEFINES)
+    compilation = KernelCache(tmp_path / "cubins", src).start([bad, good], workers=2)
+    assert compilation.cubin(good).startswith(ELF_MAGIC)
+    with pytest.raises(KernelCompileError, match=r"broken\.cu"):
+        compilation.cubin(bad)
+    with pytest.raises(KernelCompileError, match=r"broken\.cu"):
+        compilation.wait()
+    with pytest.raises(KeyError, match=r"layers\.cu"):
+        compilation.cubin(KernelBuild.of("layers.cu", "sm_90", {}))
+
+
+# A process that waits for the file `go`, then loads one real kernel through the cache and
+# prints whether it compiled it and the cubin's digest.
+_RACER = """
+import hashlib, sys, time
+from pathlib import Path
+from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+from qwenchat.model.presets import PRESETS
+cache_dir, go = Path(sys.argv[1]), Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.001)
+said = []
+cubin = KernelCache(cache_dir).load("sampling.cu", "sm_90", kernel_defines(PRESETS["qwen3-0.6b"]),
+                                    progress=said.append)
+print(len(said), hashlib.sha256(cubin).hexdigest())
+"""
+
+
+@needs_nvrtc
+def test_two_processes_compiling_the_same_kernel_both_succeed_and_leave_one_entry(tmp_path):
+    import hashlib
+    import subprocess
+    import sys
+
+    cache_dir, go = tmp_path / "cubins", tmp_path / "go"
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(cache_dir), str(go)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    time.sleep(1.0)  # both past their imports, polling for `go`
+    go.touch()
+    results = [racer.communicate(timeout=300) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0], [err for _, err in results]
+    lines = [out.split() for out, _ in results]
+    assert [compiled for compiled, _ in lines] == ["1", "1"]  # each compiled it itself
+    assert lines[0][1] == lines[1][1]
+    entries = list(cache_dir.iterdir())
+    assert len(entries) == 1 and entries[0].suffix == ".cubin"
+    payload = compiler._read_entry(entries[0])
+    assert payload is not None and hashlib.sha256(payload).hexdigest() == lines[0][1]
+
+
+# ------------------------------------------------------------------ what a run compiles
+def _gpu(arch: str, cooperative: bool = True) -> SimpleNamespace:
+    shared, sms = GPUS[arch]
+    return SimpleNamespace(arch=arch, sm_count=sms, max_shared_per_block_optin=shared,
+                           cooperative_launch=cooperative)
+
+
+def _sources(plan) -> list[tuple[str, str]]:
+    return [(build.source, build.arch) for build in plan.builds]
+
+
+def test_a_hopper_run_compiles_the_megakernel_first_and_no_portable_gemm():
+    config = PRESETS["qwen3-0.6b"]
+    plan = plan_kernels(config, "bf16", _gpu("sm_90"))
+    assert plan.decode == "megakernel" and plan.hopper_gemm and plan.hopper_attention
+    assert _sources(plan) == [
+        ("megakernel.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("attention.cu", "sm_90"),
+        ("sampling.cu", "sm_90"), ("attention_sm90.cu", "sm_90a"), ("layers.cu", "sm_90")]
+    assert plan.builds[0] == plan.megakernel
+    assert dict(plan.megakernel.defines) == {
+        **plan.megakernel_layout.defines(config), "QW_MK_SKIP": 0}
+    assert dict(plan.builds[1].defines) == kernel_defines(config)
+
+
+def test_a_layered_run_compiles_no_megakernel():
+    plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", _gpu("sm_90"), decode="layered")
+    assert plan.decode == "layered" and plan.megakernel is None
+    assert "megakernel.cu" not in {source for source, _ in _sources(plan)}
+
+
+def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():
+    plan = plan_kernels(PRESETS["qwen3-4b"], "fp8", _gpu("sm_89"))
+    assert _sources(plan) == [
+        ("megakernel.cu", "sm_89"), ("attention.cu", "sm_89"), ("sampling.cu", "sm_89"),
+        ("gemm.cu", "sm_89"), ("layers.cu", "sm_89")]
+    assert all(dict(build.defines)["QW_FP8"] == 1 for build in plan.builds)
+    hopper = plan_kernels(PRESETS["qwen3-4b"], "bf16", _gpu("sm_90"))
+    forced = plan_kernels(PRESETS["qwen3-4b"], "bf16", _gpu("sm_90"), prefill_kernels="portable")
+    assert not forced.hopper_gemm and not forced.hopper_attention
+    assert set(_sources(hopper)) - set(_sources(forced)) == {
+        ("gemm_sm90.cu", "sm_90a"), ("attention_sm90.cu", "sm_90a")}
+    assert set(_sources(forced)) - set(_sources(hopper)) == {("gemm.cu", "sm_90")}
+    with pytest.raises(BackendUnavailable, match="needs an sm_90 GPU; this is sm_86"):
+        plan_kernels(PRESETS["qwen3-4b"], "bf16", _gpu("sm_86"), prefill_kernels="hopper")
+
+
+def test_where_the_megakernel_cannot_run_the_plan_says_why_and_compiles_the_graph():
+    plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", _gpu("sm_90", cooperative=False))
+    assert plan.decode == "layered" and "cooperative" in plan.why_layered
+    assert plan.megakernel is None
+    small = plan_kernels(ODD_TINY, "bf16", _gpu("sm_90"))
+    assert small.decode == "layered" and "head_dim 32" in small.why_layered
+    assert "attention_sm90.cu" not in {s for s, _ in _sources(small)}  # head_dim 32
+
+
+def test_an_unknown_megakernel_part_is_refused_before_anything_compiles():
+    with pytest.raises(QwenchatError, match="unknown megakernel part 'nope'"):
+        plan_kernels(PRESETS["qwen3-0.6b"], "bf16", _gpu("sm_90"), megakernel_skip=["nope"])
+
+
+def test_every_source_has_a_place_in_the_compile_order():
+    assert set(COMPILE_ORDER) == set(KERNEL_FILES)

@@ -43,14 +43,16 @@ def create_engine(
     notice: Callable[[str], None] = lambda _: None,
     decode: str = "auto",
     quantize: str = "none",
+    progress: Callable[[str], None] | None = None,
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`.
-    `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does)."""
+    `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does).
+    `progress` gets a line as each GPU kernel compile ends (the first run for a model)."""
     check_engine_flags(backend, ctx, device, decode, quantize)
     weights = with_quantization(weights, quantize)
     if backend in ("auto", "cuda"):
         try:
-            return _cuda_engine(config, weights, ctx, device, notice, decode)
+            return _cuda_engine(config, weights, ctx, device, notice, decode, progress)
         except BackendUnavailable as why:
             if backend == "cuda":
                 raise BackendUnavailable(f"--backend cuda: {why}; use --backend cpu") from None
@@ -61,7 +63,8 @@ def create_engine(
 
 
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,
-                 notice: Callable[[str], None], decode: str) -> Engine:
+                 notice: Callable[[str], None], decode: str,
+                 progress: Callable[[str], None] | None) -> Engine:
     try:
         from qwenchat.engine.cuda.probe import probe
     except ImportError as exc:  # cuda-python missing or broken
@@ -71,4 +74,4 @@ def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, de
         raise BackendUnavailable("; ".join(found.problems) or "no usable GPU")
     from qwenchat.engine.cuda.engine import CudaEngine
 
-    return CudaEngine(config, weights, ctx, device, notice, decode)
+    return CudaEngine(config, weights, ctx, device, notice, decode, progress=progress)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,29 +20,54 @@ class Model:
     directory: Path
     config: Qwen3Config
     checkpoint: Checkpoint
-    tokenizer: Tokenizer
-    eos_ids: frozenset[int]
+    _tokenizer: Future[tuple[Tokenizer, frozenset[int]]]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, once loaded (a broken tokenizer.json raises its ModelError here)."""
+        return self._tokenizer.result()[0]
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._tokenizer.result()[1]
 
     def close(self) -> None:
         self.checkpoint.close()
 
 
-def open_model(spec: str, progress: DownloadProgress | None = None) -> Model:
+def open_model(spec: str, progress: DownloadProgress | None = None,
+               tokenizer_in_background: bool = False) -> Model:
     """`progress` gets a line on a hub download's progress (else huggingface_hub's bars)."""
     directory = resolve_model(spec, progress)
-    return open_model_dir(directory, spec)
+    return open_model_dir(directory, spec, tokenizer_in_background)
 
 
-def open_model_dir(directory: Path, spec: str | None = None) -> Model:
+def open_model_dir(directory: Path, spec: str | None = None,
+                   tokenizer_in_background: bool = False) -> Model:
+    """Config and checkpoint now; the tokenizer now too, or, `tokenizer_in_background`, on a
+    thread of its own (half a second for Qwen3's), so that it loads while the caller builds
+    the engine and any problem with it is raised on first use."""
     config = Qwen3Config.from_file(directory / "config.json")
+    if tokenizer_in_background:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="qwenchat-tokenizer")
+        tokenizer = pool.submit(_open_tokenizer, directory, config)
+        pool.shutdown(wait=False)  # its one thread ends with the load
+    else:
+        tokenizer = Future()
+        tokenizer.set_result(_open_tokenizer(directory, config))
+    return Model(spec or str(directory), directory, config, Checkpoint(directory, config),
+                 tokenizer)
+
+
+def _open_tokenizer(directory: Path, config: Qwen3Config) -> tuple[Tokenizer, frozenset[int]]:
+    """The tokenizer and the ids that end a reply, checked against the config."""
     tokenizer = Tokenizer(directory)
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelError(f"{directory}: tokenizer.json has {tokenizer.vocab_size} tokens but "
                          f"config.json's vocab_size is {config.vocab_size}")
-    checkpoint = Checkpoint(directory, config)
     fallback = [i for i in (tokenizer.im_end_id, tokenizer.end_of_text_id) if i is not None]
     eos = frozenset(eos_token_ids(directory, fallback))
     if not eos:
         raise ModelError(f"{directory}: no end-of-sequence token (generation_config.json has no "
                          "eos_token_id and the tokenizer has no <|im_end|>)")
-    return Model(spec or str(directory), directory, config, checkpoint, tokenizer, eos)
+    return tokenizer, eos

@@ -56,13 +56,15 @@ def model_loader(options: ChatOptions) -> Loader:
                 step(f"downloading {options.model} from the Hugging Face hub")
             progress(text)
 
-        model = open_model(options.model, progress=download)
+        # The tokenizer loads on its own thread while the engine compiles and uploads.
+        model = open_model(options.model, progress=download, tokenizer_in_background=True)
         size = model.config.parameter_count() / 1e9
         step(f"loading {size:.2f} B parameters into the {options.backend} engine")
 
         def engine_message(text: str) -> None:
             # The engine reports kernel compilation and warnings through one callback; only
-            # warnings matter once the chat is open.
+            # warnings matter once the chat is open. Compiles run beside the weight upload:
+            # their step shows each kernel as it ends.
             if text.startswith("compiling "):
                 step(text)
             else:
@@ -70,7 +72,12 @@ def model_loader(options: ChatOptions) -> Loader:
 
         engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
                                options.device, notice=engine_message, decode=options.decode,
-                               quantize=options.quantize)
-        return LoadedModel(model.spec, model.directory, engine, model.tokenizer, model.eos_ids)
+                               quantize=options.quantize, progress=progress)
+        try:
+            tokenizer, eos_ids = model.tokenizer, model.eos_ids
+        except BaseException:
+            engine.close()
+            raise
+        return LoadedModel(model.spec, model.directory, engine, tokenizer, eos_ids)
 
     return load

@@ -3,6 +3,10 @@
 Each `.cu` file in cuda_src/ compiles on its own, with every `.cuh` beside it handed to NVRTC
 as an in-memory header, so `#include "common.cuh"` works without any include path. Cubins are
 kept on disk under a key that covers everything the output depends on.
+
+A run's kernels compile concurrently on worker threads (NVRTC releases the GIL and compiles
+independent programs in parallel), longest first, while the caller goes on uploading weights:
+the first run for a model then costs about its longest kernel, not the sum (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -12,7 +16,11 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,22 @@ _HEADER_SIZE = len(_MAGIC) + hashlib.sha256().digest_size
 _DEFINE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 Defines = Mapping[str, int | str]
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """One cubin a run needs: a source file of cuda_src/, the architecture, the macros."""
+
+    source: str
+    arch: str
+    defines: tuple[tuple[str, int | str], ...]
+
+    @classmethod
+    def of(cls, source: str, arch: str, defines: Defines) -> KernelBuild:
+        return cls(source, arch, tuple(sorted(defines.items())))
+
+    def __str__(self) -> str:
+        return f"{self.source} for {self.arch}"
 
 
 class KernelCompileError(QwenchatError):
@@ -153,19 +177,20 @@ class KernelCache:
         return _key(name, compile_options(arch, defines, extra_options),
                     _read_sources(self.source_dir))
 
-    def load(self, name: str, arch: str, defines: Defines, extra_options: Sequence[str] = (),
+    def load(self, name: str, arch: str, defines: Defines,
              progress: Callable[[str], None] | None = None) -> bytes:
         """The cubin for `name` on `arch` with `defines`: from disk, or compiled and stored."""
-        sources = _read_sources(self.source_dir)
-        options = compile_options(arch, defines, extra_options)
-        path = self.directory / f"{_key(name, options, sources)}.cubin"
-        cubin = _read_entry(path)
-        if cubin is None:
-            if progress is not None:
-                progress(f"compiling {name} for {arch}")
-            cubin = _compile(name, arch, options, sources)
-            self._store(path, cubin)
-        return cubin
+        build = KernelBuild.of(name, arch, defines)
+        return self.start([build], announce=progress).cubin(build)
+
+    def start(self, builds: Iterable[KernelBuild], announce: Callable[[str], None] | None = None,
+              progress: Callable[[str], None] | None = None,
+              workers: int | None = None) -> Compilation:
+        """Begin getting every build's cubin: cached ones are read now, the rest compile on
+        up to `workers` threads (default: one per CPU this process may use), in the order
+        given, so list the longest first. `announce` gets one line when anything has to
+        compile, `progress` a line as each compile ends."""
+        return Compilation(self, list(builds), announce, progress, workers)
 
     def _store(self, path: Path, cubin: bytes) -> None:
         """Write atomically; a cache that cannot be written only costs a compile next time."""
@@ -195,6 +220,86 @@ class KernelCache:
         for p in files:
             p.unlink(missing_ok=True)
         return len(files)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Compilation:
+    """The cubins of a run's builds, being read from the cache or compiled on worker threads.
+
+    `cubin(build)` waits for one; `cancel()` drops the compiles not yet started (those under
+    way finish on their thread, NVRTC cannot be interrupted, and are stored)."""
+
+    def __init__(self, cache: KernelCache, builds: list[KernelBuild],
+                 announce: Callable[[str], None] | None,
+                 progress: Callable[[str], None] | None, workers: int | None) -> None:
+        self._sources = _read_sources(cache.source_dir)
+        self._cache = cache
+        self._progress = progress
+        self._lock = threading.Lock()
+        self._futures: dict[KernelBuild, Future[bytes]] = {}
+        self.compiled: dict[KernelBuild, float] = {}  # seconds each compile took
+        missing: list[tuple[KernelBuild, list[str], Path]] = []
+        for build in dict.fromkeys(builds):
+            options = compile_options(build.arch, dict(build.defines))
+            path = cache.directory / f"{_key(build.source, options, self._sources)}.cubin"
+            cubin = _read_entry(path)
+            if cubin is None:
+                missing.append((build, options, path))
+            else:
+                self._futures[build] = done = Future()
+                done.set_result(cubin)
+        self.to_compile = [build for build, _, _ in missing]
+        self._executor = None
+        if not missing:
+            return
+        threads = max(1, min(len(missing), workers or usable_cpus()))
+        if announce is not None:
+            if len(missing) == 1:
+                announce(f"compiling {missing[0][0]} (once per model and GPU)")
+            else:
+                arches = " and ".join(dict.fromkeys(b.arch for b in self.to_compile))
+                names = ", ".join(b.source for b in self.to_compile)
+                announce(f"compiling {len(missing)} kernels for {arches} on {threads} "
+                         f"thread{'s' * (threads > 1)} (once per model and GPU): {names}")
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="qwenchat-nvrtc")
+        for build, options, path in missing:
+            self._futures[build] = self._executor.submit(self._compile, build, options, path)
+        self._executor.shutdown(wait=False)  # the threads end once the queue is empty
+
+    def _compile(self, build: KernelBuild, options: list[str], path: Path) -> bytes:
+        started = time.perf_counter()
+        cubin = _compile(build.source, build.arch, options, self._sources)
+        self._cache._store(path, cubin)
+        with self._lock:
+            self.compiled[build] = time.perf_counter() - started
+            done, left = len(self.compiled), len(self.to_compile) - len(self.compiled)
+            line = (f"compiled {build.source} in {self.compiled[build]:.1f} s "
+                    f"({done} of {len(self.to_compile)}"
+                    + (f", {left} to go" if left else "") + ")")
+        if self._progress is not None:
+            self._progress(line)
+        return cubin
+
+    def cubin(self, build: KernelBuild) -> bytes:
+        """The build's cubin, once compiled (a compile error is raised here)."""
+        if build not in self._futures:
+            raise KeyError(f"{build} was not among this compilation's builds")
+        return self._futures[build].result()
+
+    def wait(self) -> dict[KernelBuild, bytes]:
+        """Every cubin, in the order of the builds."""
+        return {build: self.cubin(build) for build in self._futures}
+
+    def cancel(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
 
 
 def _key(name: str, options: list[str], sources: Mapping[str, str]) -> str:

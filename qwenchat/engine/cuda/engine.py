@@ -15,15 +15,22 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from qwenchat.engine import DECODES
 from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
-from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+from qwenchat.engine.cuda.compiler import Compilation, KernelBuild, KernelCache, kernel_defines
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK, LayeredDecode
-from qwenchat.engine.cuda.megakernel import MegakernelDecode
+from qwenchat.engine.cuda.megakernel import (
+    GpuShape,
+    MegakernelDecode,
+    MegakernelLayout,
+    megakernel_build,
+    megakernel_unusable,
+)
 from qwenchat.engine.cuda.prefill import (
     GEMM90_SHARED,
     PREFILL_KERNELS,
@@ -57,7 +64,10 @@ KERNELS = {
 SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128",
                                  "gemm90_add_256", "gemm90_swiglu"),
                 "attention_sm90.cu": ("attn_prefill90",)}
-# Parts the megakernel can leave out, for timing only (QW_MK_SKIP bits in megakernel.cu).
+# Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
+# builds start in this order, so the longest never waits behind the short ones.
+COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "attention.cu", "sampling.cu",
+                 "attention_sm90.cu", "gemm.cu", "layers.cu")
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
 
@@ -73,6 +83,56 @@ def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str 
             return (f"{name} {getattr(config, name)} (the CUDA kernels need a multiple of "
                     f"{multiple} for {weight_format} weights)")
     return None
+
+
+def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_gemm: bool,
+                  hopper_attention: bool, megakernel: KernelBuild | None) -> list[KernelBuild]:
+    """The cubins a run uses, longest compile first: layers.cu, attention.cu and sampling.cu
+    always; gemm.cu only where gemm_sm90.cu does not run the products; the Hopper sources
+    (for sm_90a) where they run; the megakernel where it decodes."""
+    defines = kernel_defines(config, weight_format)
+    builds = [KernelBuild.of(source, arch, defines) for source in KERNELS
+              if not (source == "gemm.cu" and hopper_gemm)]
+    builds += [KernelBuild.of(source, "sm_90a", defines) for source in SM90_KERNELS
+               if (hopper_gemm if source == "gemm_sm90.cu" else hopper_attention)]
+    if megakernel is not None:
+        builds.append(megakernel)
+    return sorted(builds, key=lambda build: COMPILE_ORDER.index(build.source))
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which paths a run takes on a GPU, and so which kernels it compiles."""
+
+    decode: str  # "megakernel" or "layered"
+    why_layered: str | None  # why the megakernel cannot decode here, if it cannot
+    hopper_gemm: bool  # prefill products on gemm_sm90.cu
+    hopper_attention: bool  # prefill attention on attention_sm90.cu
+    megakernel_layout: MegakernelLayout | None
+    megakernel: KernelBuild | None
+    builds: list[KernelBuild]
+
+
+def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
+                 decode: str = "auto", prefill_kernels: str = "auto",
+                 megakernel_skip: Sequence[str] = (),
+                 megakernel_stages: int | None = None) -> KernelPlan:
+    """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
+    and prefills with the Hopper kernels on sm_90."""
+    hopper = device.arch == "sm_90"
+    if prefill_kernels == "hopper" and not hopper:
+        raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {device.arch}")
+    hopper_gemm = hopper and prefill_kernels != "portable"
+    hopper_attention = hopper_gemm and config.head_dim in (64, 128)
+    why = megakernel_unusable(config, device, weight_format)
+    chosen = "layered" if why or decode == "layered" else "megakernel"
+    layout = build = None
+    if chosen == "megakernel":
+        layout, build = megakernel_build(config, device, weight_format, megakernel_skip,
+                                         megakernel_stages)
+    return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,
+                      kernel_builds(config, weight_format, device.arch, hopper_gemm=hopper_gemm,
+                                    hopper_attention=hopper_attention, megakernel=build))
 
 
 class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBookkeeping):
@@ -92,7 +152,10 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         megakernel_skip: Sequence[str] = (),
         megakernel_stages: int | None = None,
         prefill_kernels: str = "auto",
+        progress: Callable[[str], None] | None = None,
     ):
+        """`notice` gets what the user should know (a kernel compile starting, a fallback);
+        `progress` a line as each kernel compile ends."""
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
@@ -115,13 +178,28 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._buffers: list[rt.DeviceBuffer] = []
         self._modules: list[rt.Module] = []
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
-        hopper = self.device.arch == "sm_90"
-        if prefill_kernels == "hopper" and not hopper:
-            raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is "
-                                     f"{self.device.arch}")
-        self.gemm90 = hopper and prefill_kernels != "portable"
-        self.attention90 = self.gemm90 and config.head_dim in (64, 128)
-        self._load_kernels(notice)
+        plan = plan_kernels(config, self.weight_format, self.device, decode, prefill_kernels,
+                            megakernel_skip, megakernel_stages)
+        if plan.why_layered and decode == "megakernel":
+            notice(f"{plan.why_layered}: decoding layer by layer")
+        self.decode, self.mk_layout = plan.decode, plan.megakernel_layout
+        self.gemm90, self.attention90 = plan.hopper_gemm, plan.hopper_attention
+        # The kernels compile on worker threads while the weights upload.
+        compilation = KernelCache().start(plan.builds, announce=notice, progress=progress)
+        try:
+            self._upload(weights)
+            super().__init__(self._choose_capacity(ctx, notice))
+            self._allocate_state()
+            self._load_kernels(compilation)
+            if plan.megakernel is not None:
+                self._setup_megakernel(compilation.cubin(plan.megakernel))
+        except BaseException:
+            compilation.cancel()
+            raise
+        self._logits_valid = False
+
+    def _upload(self, weights: WeightSource) -> None:
+        """The weights onto the GPU, or one line on how much memory they need."""
         try:
             self._upload_weights(weights)
         except rt.CudaError as exc:
@@ -129,32 +207,21 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
                 raise
             self.close()
             free, total = self.device.mem_info()
-            need = fp8.weight_bytes(config.tensor_shapes(), self.weight_format)
+            need = fp8.weight_bytes(self.config.tensor_shapes(), self.weight_format)
             raise QwenchatError(
                 f"out of GPU memory: the weights need {need / 2**30:.2f} GiB and "
                 f"{self.device.name} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free; "
                 "close other GPU programs, pick a smaller model or use --backend cpu") from None
-        super().__init__(self._choose_capacity(ctx, notice))
-        self._allocate_state()
-        self._logits_valid = False
-        # "auto": the megakernel wherever it can run, the per-op graph where it cannot.
-        self.decode = "megakernel" if decode == "auto" else decode
-        reason = self._megakernel_unusable()
-        if reason and decode == "megakernel":
-            notice(f"{reason}: decoding layer by layer")
-        if reason:
-            self.decode = "layered"
-        if self.decode == "megakernel":
-            self._setup_megakernel(notice, megakernel_skip, megakernel_stages)
-
 
     # ----------------------------------------------------------------------------- set-up
-    def _load_kernels(self, notice: Callable[[str], None]) -> None:
-        cache = KernelCache()
-        defines = kernel_defines(self.config, self.weight_format)
+    def _load_kernels(self, compilation: Compilation) -> None:
+        """The modules of every build but the megakernel's, as their compiles end."""
         self.k: dict[str, rt.Kernel] = {}
-        for source, names in KERNELS.items():
-            module = rt.Module(cache.load(source, self.device.arch, defines, progress=notice))
+        for build, cubin in compilation.wait().items():
+            names = KERNELS.get(build.source) or SM90_KERNELS.get(build.source)
+            if names is None:  # the megakernel: _setup_megakernel loads it
+                continue
+            module = rt.Module(cubin)
             self._modules.append(module)
             for name in names:
                 self.k[name] = module.function(name)
@@ -162,16 +229,14 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self.k["attn_prefill"].set_max_dynamic_shared(
             prefill_attention_shared(self.config.head_dim))
         for name in ("gemm_store", "gemm_add"):
-            self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
-        for source, names in SM90_KERNELS.items():
-            if not (self.gemm90 if source == "gemm_sm90.cu" else self.attention90):
-                continue
-            module = rt.Module(cache.load(source, "sm_90a", defines, progress=notice))
-            self._modules.append(module)
-            for name in names:
-                self.k[name] = module.function(name)
-                self.k[name].set_max_dynamic_shared(GEMM90_SHARED if source == "gemm_sm90.cu"
-                                                    else attention90_shared(self.config.head_dim))
+            if name in self.k:
+                self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
+        for name in SM90_KERNELS["gemm_sm90.cu"]:
+            if name in self.k:
+                self.k[name].set_max_dynamic_shared(GEMM90_SHARED)
+        if "attn_prefill90" in self.k:
+            self.k["attn_prefill90"].set_max_dynamic_shared(
+                attention90_shared(self.config.head_dim))
 
     @property
     def prefill_chunk(self) -> int:

@@ -9,15 +9,16 @@ import ctypes
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import numpy as np
 
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
-from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+from qwenchat.engine.cuda.compiler import KernelBuild, kernel_defines
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS
 from qwenchat.errors import QwenchatError
 from qwenchat.model import fp8
@@ -47,6 +48,15 @@ class MegaArgs(ctypes.Structure):
     _fields_ += [(name, ctypes.c_int) for name in (
         "num_layers", "capacity", "splits", "n_eos", "max_steps", "feed_first", "first_step",
         "ring_len", "epoch")]
+
+
+class GpuShape(Protocol):
+    """What the kernel plan needs to know of a GPU (rt.Device has it)."""
+
+    arch: str
+    sm_count: int
+    max_shared_per_block_optin: int
+    cooperative_launch: bool
 
 
 @dataclass(frozen=True)
@@ -104,45 +114,53 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     return MegakernelLayout(count, stage, fixed, blocks, lm_rows)
 
 
+def megakernel_unusable(config: Qwen3Config, device: GpuShape, weight_format: str) -> str | None:
+    """Why the megakernel cannot decode this model on this GPU (then the per-op graph does)."""
+    if not device.cooperative_launch:
+        return "this GPU cannot launch cooperative kernels"
+    if config.head_dim < 64:
+        # A key/value row must fill whole 128-byte lines: within one launch a line read
+        # before part of it is written may be served stale to the bulk copies.
+        return f"head_dim {config.head_dim} is below the megakernel's 64"
+    layout = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
+                               weight_format)
+    return layout if isinstance(layout, str) else None
+
+
+def megakernel_build(config: Qwen3Config, device: GpuShape, weight_format: str,
+                     skip: Sequence[str] = (), stages: int | None = None
+                     ) -> tuple[MegakernelLayout, KernelBuild]:
+    """The megakernel's layout for this GPU's shared memory, and its build.
+
+    The stage ring takes what shared memory the device allows per block, less the static
+    part and the sampler's histograms; `skip` leaves parts out (timing variants only: the
+    tokens are then wrong) and `stages` overrides the ring depth (experiments)."""
+    unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
+    if unknown:
+        raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
+                            f"known: {', '.join(MEGAKERNEL_PARTS)}")
+    layout = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
+                               weight_format)
+    if isinstance(layout, str):
+        raise QwenchatError(f"{layout}; use --decode layered")
+    if stages:
+        layout = dataclasses.replace(layout, stages=stages)
+    defines = dict(layout.defines(config, weight_format),
+                   QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
+    return layout, KernelBuild.of("megakernel.cu", device.arch, defines)
+
+
 class MegakernelDecode:
-    """CudaEngine's megakernel decode: compile and allocate (_setup_megakernel), then per
-    reply keep a launch queued behind the running one and read tokens from the ring. Uses the
-    engine's config, device, kernels, stream, weights, KV cache and sampler buffers."""
+    """CudaEngine's megakernel decode: load and allocate (_setup_megakernel, with the layout of
+    megakernel_build in mk_layout), then per reply keep a launch queued behind the running one
+    and read tokens from the ring. Uses the engine's config, device, kernels, stream, weights,
+    KV cache and sampler buffers."""
 
-    def _megakernel_unusable(self) -> str | None:
-        if not self.device.cooperative_launch:
-            return "this GPU cannot launch cooperative kernels"
-        if self.config.head_dim < 64:
-            # A key/value row must fill whole 128-byte lines: within one launch a line read
-            # before part of it is written may be served stale to the bulk copies.
-            return f"head_dim {self.config.head_dim} is below the megakernel's 64"
-        layout = megakernel_layout(self.config, self.device.max_shared_per_block_optin,
-                                   self.device.sm_count, self.weight_format)
-        return layout if isinstance(layout, str) else None
-
-    def _setup_megakernel(self, notice: Callable[[str], None], skip: Sequence[str] = (),
-                          stages: int | None = None) -> None:
-        """Compile the megakernel for this GPU's shared memory and allocate its state.
-
-        The stage ring takes what shared memory the device allows per block, less the static
-        part and the sampler's histograms; `skip` leaves parts out (timing variants only:
-        the tokens are then wrong) and `stages` overrides the ring depth (experiments)."""
-        cfg, device = self.config, self.device
-        unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
-        if unknown:
-            raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
-                                f"known: {', '.join(MEGAKERNEL_PARTS)}")
-        layout = megakernel_layout(cfg, device.max_shared_per_block_optin, device.sm_count,
-                                   self.weight_format)
-        if isinstance(layout, str):
-            raise QwenchatError(f"{layout}; use --decode layered")
-        if stages:
-            layout = dataclasses.replace(layout, stages=stages)
+    def _setup_megakernel(self, cubin: bytes) -> None:
+        """Load the compiled megakernel (of megakernel_build) and allocate its state."""
+        cfg, layout = self.config, self.mk_layout
         count, stage, fixed, blocks = layout.stages, layout.stage_bytes, layout.fixed, layout.blocks
-        defines = dict(layout.defines(cfg, self.weight_format),
-                       QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
-        module = rt.Module(KernelCache().load("megakernel.cu", device.arch, defines,
-                                              progress=notice))
+        module = rt.Module(cubin)
         self._modules.append(module)
         kernel = self.k["decode_megakernel"] = module.function("decode_megakernel")
         self.mk_stages, self.mk_stage_bytes = count, stage
