@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -39,7 +38,7 @@ from qwenchat.model import fp8
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.loader import open_model
-from qwenchat.model.presets import PRESETS, preset
+from qwenchat.model.presets import named_config
 from qwenchat.model.random_weights import RandomWeights
 from qwenchat.sampling.params import NON_THINKING, LiveParams, SamplingParams
 
@@ -656,19 +655,10 @@ def _open_weights(options: BenchOptions) -> tuple[str, Qwen3Config, Checkpoint |
         model = open_model(options.model)
         return model.spec, model.config, model.checkpoint, "checkpoint"
     name = options.config or DEFAULT_CONFIG
-    config = _named_config(name)
+    config = named_config(name)
     if options.quantize == "fp8":  # drawn as FP8 directly: seconds, not minutes, on 32B
         return name, config, RandomWeights(config, weight_format="fp8"), "random FP8 (seed 0)"
     return name, config, RandomWeights(config), "random (seed 0)"
-
-
-def _named_config(value: str) -> Qwen3Config:
-    if value.lower() in PRESETS:
-        return preset(value)
-    if Path(value).is_file():
-        return Qwen3Config.from_file(Path(value))
-    raise UsageError(f"--config {value!r} is neither a known size ({', '.join(PRESETS)}) nor "
-                     "a config.json file")
 
 
 def render(result: BenchResult, out: TextIO) -> None:

@@ -1,12 +1,21 @@
-"""`qwenchat info`: what this machine and installation offer, and where files live."""
+"""`qwenchat info`: what this machine and installation offer, and where files live; with
+`--compile`, the kernels of a model compiled ahead of its first run."""
 
 from __future__ import annotations
 
 import platform
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 
 from qwenchat import __version__, paths
+from qwenchat.errors import BackendUnavailable, UsageError
+from qwenchat.model.fp8 import with_quantization
+from qwenchat.model.presets import named_config
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
 PACKAGES = ("numpy", "tokenizers", "safetensors", "jinja2", "huggingface_hub", "platformdirs",
             "typer", "rich", "textual", "cuda-python", "cuda-bindings", "torch", "transformers")
@@ -59,3 +68,52 @@ def _locations() -> Section:
         ("compiled kernels", f"{cubins} ({paths.tree_size(cubins) / 2**20:.1f} MiB)"),
         ("chat history", str(paths.data_dir())),
     ]
+
+
+@dataclass
+class CompileOptions:
+    """`qwenchat info --compile`: the model (a directory or hub id) or a known size."""
+
+    model: str | None = None
+    config: str | None = None
+    quantize: str = "none"
+    device: int = 0
+    decode: str = "auto"
+
+
+def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
+    """Compile every kernel a run of the model would build on this GPU into the cache, so its
+    first chat starts without compiling; returns the one-line summary."""
+    from qwenchat.engine import check_engine_flags
+
+    check_engine_flags("cuda", None, options.device, options.decode, options.quantize)
+    if options.model is not None and options.config is not None:
+        raise UsageError("--model and --config both name the model to compile for: give one")
+    if options.config is not None:
+        name, config = options.config, named_config(options.config)
+        weight_format = "fp8" if options.quantize == "fp8" else "bf16"
+    else:
+        from qwenchat.model.loader import open_model
+
+        model = open_model(options.model or DEFAULT_MODEL)
+        name, config = model.spec, model.config
+        weight_format = with_quantization(model.checkpoint, options.quantize).weight_format
+        model.close()
+    weight_format = "fp8" if weight_format == "fp8" else "bf16"
+    try:
+        from qwenchat.engine.cuda.engine import compile_kernels
+    except ImportError as exc:
+        raise BackendUnavailable(f"cuda-python cannot be imported ({exc}); nothing to compile "
+                                 "for") from None
+    started = time.perf_counter()
+    try:
+        gpu, plan, compilation = compile_kernels(config, weight_format, options.device,
+                                                 options.decode, announce=say, progress=say)
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"--compile builds for a GPU and found none usable: {exc}"
+                                 ) from None
+    seconds = time.perf_counter() - started
+    cached = len(plan.builds) - len(compilation.to_compile)
+    return (f"{len(plan.builds)} kernels for {name} ({weight_format}, {plan.decode} decode) on "
+            f"{gpu}: {len(compilation.to_compile)} compiled, {cached} already cached, "
+            f"{seconds:.1f} s; kept in {paths.kernel_cache_dir()}")

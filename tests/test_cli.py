@@ -224,6 +224,29 @@ def test_info_reports_gpu_status_and_locations(isolated_home):
     assert str(isolated_home / "cache") in "".join(result.stdout.split())
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (["info", "--model", "x"], "add --compile"),
+    (["info", "--config", "qwen3-8b"], "add --compile"),
+    (["info", "--compile", "--model", "a", "--config", "qwen3-8b"], "give one"),
+    (["info", "--compile", "--config", "qwen3-9b"], "neither a known size"),
+    (["info", "--compile", "--config", "qwen3-8b", "--decode", "fast"], "--decode must be"),
+    (["info", "--compile", "--config", "qwen3-8b", "--quantize", "int3"], "--quantize must"),
+])
+def test_info_compile_flag_mistakes_are_one_line_exit_2(args, needle, isolated_home):
+    assert_one_error_line(qwenchat(*args), 2, needle)
+
+
+def test_info_compile_without_a_gpu_says_so_in_one_line(isolated_home, tiny_model_dir):
+    from qwenchat.engine.cuda.probe import probe
+
+    if probe().usable:
+        pytest.skip("this machine has a usable GPU: the GPU tests compile for it")
+    for args in (["--config", "qwen3-0.6b"], ["--model", str(tiny_model_dir)]):
+        assert_one_error_line(qwenchat("info", "--compile", *args), 1,
+                              "--compile builds for a GPU and found none usable")
+    assert not (isolated_home / "cache" / "qwenchat" / "cubins").exists()
+
+
 def test_ask_and_info_work_where_textual_and_cuda_python_cannot_load(tiny_model_dir):
     blocked = ("import sys; sys.modules['textual'] = None; sys.modules['cuda'] = None; "
                "from qwenchat.cli import main; sys.argv = ['qwenchat'] + sys.argv[1:]; main()")

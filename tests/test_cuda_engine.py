@@ -915,3 +915,43 @@ def test_the_largest_widths_decode_as_the_reference_on_both_paths(wide_shape, de
         assert worst_greedy_decode_error(gpu_engine, ref, 32) <= 2e-2
     finally:
         gpu_engine.close()
+
+
+# ------------------------------------------------------------------ cold start
+def test_a_cold_engine_compiles_its_kernels_concurrently_and_reports_each(isolated_home,
+                                                                          tiny_model_dir):
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    model = open_model_dir(tiny_model_dir)
+    notices: list[str] = []
+    ended: list[str] = []
+    engine = CudaEngine(model.config, model.checkpoint, 256, notice=notices.append,
+                        progress=ended.append)
+    try:
+        engine.prefill([1, 2, 3])
+        tokens = list(engine.generate(GenerateRequest(
+            LiveParams(SamplingParams(temperature=0.0, max_tokens=4)), frozenset(), seed=0)))
+    finally:
+        engine.close()
+    (announced,) = [n for n in notices if n.startswith("compiling ")]
+    count = int(announced.split()[1])
+    assert count >= 4 and len(ended) == count
+    assert ended[-1].endswith(f"({count} of {count})")
+    assert len(tokens) == 4  # the engine built from them answers
+
+
+def test_info_compile_fills_the_cache_so_the_first_engine_compiles_nothing(isolated_home,
+                                                                           tiny_model_dir):
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.info import CompileOptions, precompile
+
+    said: list[str] = []
+    summary = precompile(CompileOptions(model=str(tiny_model_dir)), said.append)
+    assert said[0].startswith("compiling ") and ", 0 already cached" in summary
+    model = open_model_dir(tiny_model_dir)
+    notices: list[str] = []
+    ended: list[str] = []
+    CudaEngine(model.config, model.checkpoint, 256, notice=notices.append,
+               progress=ended.append).close()
+    assert not [n for n in notices if n.startswith("compiling")] and ended == []
+    assert ": 0 compiled," in precompile(CompileOptions(model=str(tiny_model_dir)), said.append)

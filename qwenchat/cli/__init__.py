@@ -11,7 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from qwenchat import __version__
-from qwenchat.errors import QwenchatError
+from qwenchat.errors import QwenchatError, UsageError
 
 
 class _ChatByDefault(TyperGroup):
@@ -211,10 +211,30 @@ def ask(
 
 
 @app.command()
-def info(debug: DebugOpt = False) -> None:
-    """Show versions, GPU, driver and NVRTC, and where models and caches live."""
+def info(
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="Compile the GPU kernels of a model (--model, or --config) into the "
+        "cache now, so its first run starts without compiling.")] = False,
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="With --compile: model directory or hub id.",
+        show_default="Qwen/Qwen3-0.6B")] = None,
+    config: Annotated[str | None, typer.Option(
+        "--config", help="With --compile: a known size (qwen3-0.6b ... qwen3-32b) or a "
+        "config.json file, instead of a model.")] = None,
+    quantize: QuantizeOpt = "none",
+    device: DeviceOpt = 0,
+    decode: DecodeOpt = "auto",
+    debug: DebugOpt = False,
+) -> None:
+    """Show versions, GPU, driver and NVRTC, and where models and caches live; or, with
+    --compile, fill the kernel cache for a model."""
 
     def action() -> int:
+        if compile_:
+            return _precompile(model, config, quantize, device, decode)
+        if model is not None or config is not None:
+            raise UsageError("--model and --config choose what --compile compiles for: add "
+                             "--compile")
         from rich.console import Console
         from rich.table import Table
 
@@ -232,6 +252,21 @@ def info(debug: DebugOpt = False) -> None:
         return 0
 
     run_guarded(action, debug)
+
+
+def _precompile(model: str | None, config: str | None, quantize: str, device: int,
+                decode: str) -> int:
+    from qwenchat.info import CompileOptions, precompile
+
+    def say(message: str) -> None:
+        sys.stderr.write(f"qwenchat: {message}\n")
+        sys.stderr.flush()
+
+    if model is None and config is None:
+        model = os.environ.get("QWENCHAT_MODEL") or None
+    summary = precompile(CompileOptions(model, config, quantize, device, decode), say)
+    typer.echo(summary)
+    return 0
 
 
 @app.command()

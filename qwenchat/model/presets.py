@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from qwenchat.errors import UsageError
 from qwenchat.model.config import Qwen3Config
 
@@ -29,3 +31,13 @@ def preset(name: str) -> Qwen3Config:
         return PRESETS[name.lower()]
     except KeyError:
         raise UsageError(f"unknown config {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def named_config(value: str) -> Qwen3Config:
+    """A known size by name, or the config.json file at `value` (`--config`)."""
+    if value.lower() in PRESETS:
+        return preset(value)
+    if Path(value).is_file():
+        return Qwen3Config.from_file(Path(value))
+    raise UsageError(f"--config {value!r} is neither a known size ({', '.join(PRESETS)}) nor "
+                     "a config.json file")

@@ -135,6 +135,22 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                                     hopper_attention=hopper_attention, megakernel=build))
 
 
+def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
+                    decode: str = "auto", announce: Callable[[str], None] | None = None,
+                    progress: Callable[[str], None] | None = None
+                    ) -> tuple[str, KernelPlan, Compilation]:
+    """Fill the kernel cache with every cubin a run of this model would build on GPU `device`
+    (`qwenchat info --compile`): (the GPU's name, the plan, the finished compilation)."""
+    gpu = rt.Device(device)
+    try:
+        plan = plan_kernels(config, weight_format, gpu, decode)
+        compilation = KernelCache().start(plan.builds, announce, progress)
+        compilation.wait()
+        return gpu.name, plan, compilation
+    finally:
+        gpu.close()
+
+
 class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBookkeeping):
     """The engine protocol on one GPU. Its parts live beside it, one module each, as the
     kernels do: weight upload (weights.py), prefill (prefill.py), the per-op decode graph

@@ -1,0 +1,157 @@
+"""How long a first run takes: a benchmark, not a test (hand-run).
+
+`compile`: NVRTC alone (no GPU needed) compiling every kernel a run of one size builds, one
+after another and then concurrently, each into an empty cache, through the cache's own
+compile path. `ask`: the wall clock of `qwenchat ask --max-tokens 8` with an empty kernel
+cache (cold) and then with it filled (warm), on a checkpoint of a real shape with few layers
+written once with random weights and the real tokenizer (CUDA only).
+
+    python tests/cold_start.py compile --config qwen3-0.6b --arch sm_90
+    python tests/cold_start.py ask --tokenizer ../shared/fixtures/qwen3-tokenizer --layers 3
+    python tests/cold_start.py ask ... --source OTHER_CHECKOUT   # time another version
+
+Each figure is the median of `--repeats` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tiny_model import write_safetensors
+
+from qwenchat.engine.cuda.compiler import KernelCache, usable_cpus
+from qwenchat.engine.cuda.engine import plan_kernels
+from qwenchat.model.presets import PRESETS
+from qwenchat.model.random_weights import RandomWeights
+
+# A GPU of each architecture: opt-in shared memory per block, SMs (as in the compile tests).
+GPUS = {"sm_80": (166_912, 108), "sm_86": (101_376, 82), "sm_89": (101_376, 128),
+        "sm_90": (232_448, 132)}
+
+
+@dataclasses.dataclass
+class _Gpu:
+    arch: str
+    sm_count: int
+    max_shared_per_block_optin: int
+    cooperative_launch: bool = True
+
+
+def compile_once(config_name: str, arch: str, weights: str, workers: int | None) -> dict:
+    """Every kernel of a run into an empty cache, on `workers` threads (None: one per CPU)."""
+    shared, sms = GPUS[arch]
+    plan = plan_kernels(PRESETS[config_name], weights, _Gpu(arch, sms, shared))
+    with tempfile.TemporaryDirectory() as empty:
+        started = time.perf_counter()
+        compilation = KernelCache(Path(empty)).start(plan.builds, workers=workers)
+        compilation.wait()
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "kernels": {build.source: round(took, 2)
+                                            for build, took in compilation.compiled.items()}}
+
+
+def time_compiles(config_name: str, arch: str, weights: str, repeats: int) -> dict:
+    """Sequential and concurrent compiles, each run in a process of its own with an empty
+    CUDA compute cache: NVRTC keeps its PTX-to-SASS results there (~/.nv/ComputeCache, seen
+    on the H100 machine) and in the process, either of which would hide the cost a first run
+    pays."""
+    rows = {}
+    for label, workers in (("sequential", 1), ("concurrent", 0)):
+        runs = []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory() as compute_cache:
+                done = subprocess.run(
+                    [sys.executable, __file__, "compile-once", "--config", config_name,
+                     "--arch", arch, "--weights", weights, "--workers", str(workers)],
+                    env={**os.environ, "CUDA_CACHE_PATH": compute_cache},
+                    capture_output=True, text=True, check=True)
+                runs.append(json.loads(done.stdout))
+        middle = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
+        rows[label] = {"seconds": middle["seconds"], "kernels": middle["kernels"],
+                       "runs": [round(run["seconds"], 2) for run in runs]}
+    return {"config": config_name, "arch": arch, "weights": weights, "cpus": usable_cpus(),
+            **rows, "ratio": rows["concurrent"]["seconds"] / rows["sequential"]["seconds"]}
+
+
+def write_checkpoint(directory: Path, config_name: str, layers: int, tokenizer: Path) -> Path:
+    """A `layers`-layer checkpoint of a real shape (random bf16 weights) with the tokenizer."""
+    if (directory / "model.safetensors").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.replace(PRESETS[config_name], num_hidden_layers=layers)
+    weights = RandomWeights(config)
+    tensors = {name: weights.float32(name) for name in config.tensor_shapes()}
+    write_safetensors(directory / "model.safetensors", tensors, "BF16")
+    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+           "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
+           **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if isinstance(getattr(config, f.name), (int, float, bool))}}
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tokenizer / name, directory / name)
+    return directory
+
+
+def time_ask(model: Path, source: Path, repeats: int) -> dict:
+    """Cold: empty kernel and CUDA compute caches; warm: the same caches, filled. Runs in
+    `source`, so that its qwenchat is the one imported."""
+    command = [sys.executable, "-m", "qwenchat", "ask", "--model", str(model),
+               "--max-tokens", "8", "--temperature", "0", "Say hello."]
+    path = os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH")) if p)
+    cold, warm, said = [], [], ""
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": path,
+                   "CUDA_CACHE_PATH": str(Path(cache) / "nv"), "HF_HUB_OFFLINE": "1"}
+            for runs in (cold, warm):
+                started = time.perf_counter()
+                done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                      stdin=subprocess.DEVNULL, cwd=source)
+                runs.append(time.perf_counter() - started)
+                if done.returncode:
+                    raise SystemExit(f"ask failed ({done.returncode}): {done.stderr.strip()}")
+                said = said or done.stderr
+    return {"source": str(source), "cold_s": statistics.median(cold),
+            "warm_s": statistics.median(warm), "cold_runs": [round(t, 2) for t in cold],
+            "warm_runs": [round(t, 2) for t in warm], "stderr_of_a_cold_run": said.strip()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("compile", "ask", "compile-once"))
+    parser.add_argument("--workers", type=int, default=0, help="compile-once: 0 = one a CPU")
+    parser.add_argument("--config", default="qwen3-0.6b", choices=sorted(PRESETS))
+    parser.add_argument("--arch", default="sm_90", choices=sorted(GPUS))
+    parser.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--tokenizer", type=Path, help="the real tokenizer's directory (ask)")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir())
+                        / "qwenchat-cold-start-model")
+    parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="the checkout whose qwenchat is timed (ask)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.what == "compile-once":  # one measurement, run by `compile` in a fresh process
+        result = compile_once(args.config, args.arch, args.weights, args.workers or None)
+    elif args.what == "compile":
+        result = time_compiles(args.config, args.arch, args.weights, args.repeats)
+    else:
+        if args.tokenizer is None:
+            parser.error("ask needs --tokenizer DIR (the real Qwen3 tokenizer)")
+        model = write_checkpoint(args.model_dir, args.config, args.layers, args.tokenizer)
+        result = time_ask(model, args.source.resolve(), args.repeats)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
