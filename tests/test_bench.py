@@ -71,6 +71,25 @@ def test_random_weights_are_a_pure_function_of_seed_and_name():
     assert not np.array_equal(q0, q1)
 
 
+def test_random_weights_drawn_in_bands_are_one_seeded_tensor_with_no_repeated_band():
+    from qwenchat.model.floats import bf16_bits_to_f32
+    from qwenchat.model.random_weights import BAND_VALUES
+
+    config = PRESETS["qwen3-0.6b"]
+    name = "model.embed_tokens.weight"  # 151,936 x 1,024: 38 bands
+    rows, cols = config.tensor_shapes()[name]
+    band_rows = BAND_VALUES // cols
+    assert rows > 2 * band_rows
+    bits = RandomWeights(config, seed=3).bf16_bits(name)
+    assert np.array_equal(bits, RandomWeights(config, seed=3).bf16_bits(name))
+    assert np.array_equal(bf16_bits_to_f32(bits), RandomWeights(config, seed=3).float32(name))
+    first, second = bits[:band_rows], bits[band_rows : 2 * band_rows]
+    assert np.mean(first == second) < 0.01  # independent streams, not one stream twice
+    values = bf16_bits_to_f32(bits)
+    assert abs(values.std() * np.sqrt(config.hidden_size) - 1) < 0.01
+    assert abs(values.mean()) < 1e-3
+
+
 def test_random_weights_are_scaled_for_sane_activations():
     weights = RandomWeights(PRESETS["qwen3-0.6b"])
     down = weights.float32("model.layers.3.mlp.down_proj.weight")  # fan-in 3072
