@@ -24,7 +24,8 @@
 // samples among them; otherwise block 0 samples over the whole vocabulary.
 //
 // QW_MK_SKIP leaves parts out, for timing only (the results are then wrong): 1 weight copies,
-// 2 attention, 4 the waits for other blocks' values, 8 sampling.
+// 2 attention, 4 the waits for other blocks' values, 8 sampling. QW_MK_TIMELINE records when
+// each phase's input and weights arrived in every block (mk_timeline.cuh).
 //
 // Where the parts are (each header includes the one before it):
 //   mk_layout.cuh     geometry constants, MegaArgs and MegaLayer (mirrored by the host)
@@ -49,6 +50,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     if (threadIdx.x == 0) args_sh = args;
     init_ranges();
     init_stage_sums();
+    QW_TL_INIT();
     __syncthreads();
     const MegaArgs& a = args_sh;
     // Written only by earlier launches, so every block reads the same value and all leave.
@@ -170,6 +172,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
         }
 
         __syncthreads();  // every warp's logits are in lm_vals (warps leave a phase one by one)
+        QW_TL_ENTER(mk_timeline::SAMPLE);
         // Sampling: each block's best logit and (sampling with a small top-k) its candidates,
         // after its logits; then block 0 chooses.
         const int k = step_params.top_k;
@@ -221,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             __threadfence();  // acquire: what block 0 wrote before (counts, the KV rows before)
         }
         __syncthreads();
+        QW_TL_MARK(END);
         const int word = chosen_sh;
         token = word & 0x7fffffff;
         if (word & 0x80000000) break;

@@ -119,6 +119,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                                              unsigned tag, unsigned merge_base,
                                              AttnShared& sh) {
     constexpr int G = qw::group;
+    QW_TL_ENTER(mk_timeline::ATTENTION);
     const int len = pos + 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int part = lane % LPK, slot = lane / LPK;
@@ -144,6 +145,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             for (int j = 0; j < HD / 32; ++j) sh.v_new[lane + 32 * j] = got[j];
         }
         __syncthreads();
+        QW_TL_MARK_IF(item == static_cast<int>(blockIdx.x), INPUT);
         if (has_new && threadIdx.x < HD) {  // the new key and value join the cache
             const long long at = (static_cast<long long>(kvh) * a.capacity + pos) * HD + threadIdx.x;
             L.k_cache[at] = f32_to_bf16(sh.k_new[threadIdx.x]);
@@ -164,6 +166,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             const bf16_t* kt = nullptr;
             if (warp != PRODUCER) {
                 kt = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
+                QW_TL_MARK_IF(item == static_cast<int>(blockIdx.x) && k0 == 0, WEIGHTS);
                 if (patch && threadIdx.x < HD) {  // the copy predates the new key
                     const_cast<bf16_t*>(kt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.k_new[threadIdx.x]);
                     const_cast<bf16_t*>(kt + KEYS * HD)[new_row * HD + threadIdx.x] =
@@ -293,5 +296,6 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         if (g.splits > 1) merge_if_last(a, kvh, g.splits, merge_base, tag + 1, sh);
         __syncthreads();
     }
+    QW_TL_MARK(END);
 }
 }  // namespace

@@ -2,6 +2,7 @@
 // weight rows of each stage.
 #pragma once
 #include "mk_pipe.cuh"
+#include "mk_timeline.cuh"
 
 namespace {
 using namespace mk;
@@ -173,8 +174,13 @@ __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, i
     constexpr long long RB = row_bytes<F8>(K);
     static_assert(PER <= STAGE_OUTS && (PAIRS ? 2 : 1) * PER * NSEG <= STAGE_PARTS,
                   "a stage holds more rows than its partial sums");
+    QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
+                : PAIRS ? mk_timeline::GATE_UP
+                : K == qw::intermediate ? mk_timeline::DOWN
+                : n_rows == QKV_ROWS ? mk_timeline::QKV : mk_timeline::O_PROJ);
     Vec<K> v;
     load(v);
+    QW_TL_MARK(INPUT);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int seg = warp % NSEG, group = warp / NSEG;
     int lo, hi;
@@ -187,6 +193,7 @@ __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, i
         const int n = min(PER, hi - r0);
         const int slot = consumed % STAGES;
         const unsigned char* tile = pipe_wait(consumed);
+        QW_TL_MARK_IF(r0 == lo, WEIGHTS);
         if (group < GROUPS) {
             for (int r = group; r < (PAIRS ? 2 * PER : n); r += GROUPS) {
                 if (PAIRS && r % PER >= n) continue;
@@ -216,5 +223,6 @@ __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, i
         }
         pipe_release(consumed);
     }
+    QW_TL_MARK(END);
 }
 }  // namespace

@@ -421,3 +421,14 @@ def test_an_unknown_megakernel_part_is_refused_before_anything_compiles():
 
 def test_every_source_has_a_place_in_the_compile_order():
     assert set(COMPILE_ORDER) == set(KERNEL_FILES)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_megakernel_timeline_build_compiles(arch):
+    config = PRESETS["qwen3-0.6b"]
+    plan = plan_kernels(config, "bf16", _gpu(arch), megakernel_timeline=64)
+    assert dict(plan.megakernel.defines)["QW_MK_TIMELINE"] == 64
+    assert "QW_MK_TIMELINE" not in dict(plan_kernels(config, "bf16", _gpu(arch)).megakernel.defines)
+    cubin = compile_source("megakernel.cu", arch, dict(plan.megakernel.defines))
+    assert cubin.startswith(ELF_MAGIC) and b"qw_timeline" in cubin

@@ -119,3 +119,46 @@ def test_the_same_seed_gives_the_same_512_tokens_run_after_run(shape_engine, sam
     assert first == second
     if sampler == "sampled":  # and the seed matters
         assert reply(shape_engine, prompt, STEPS, seed=12, **params) != first
+
+
+def reply_tokens(engine, steps: int) -> list[int]:
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=steps)),
+                              frozenset(), seed=0)
+    return list(engine.generate(request))
+
+
+def test_a_timeline_build_records_every_phase_of_every_block_in_order_and_same_tokens():
+    """QW_MK_TIMELINE stamps each phase of each block (tests/step_timeline.py draws them):
+    every block's phases start, get their input and end in order, a step's phases come in the
+    model's order, and the tokens are those of the plain build."""
+    import dataclasses
+
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.engine.cuda.megakernel import TIMELINE_KINDS
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=4)
+    steps, per_step = 6, 5 * 4 + 2
+    tokens = []
+    for timeline in (0, 1 + per_step * (steps - 1)):  # exactly the launch's phases
+        engine = CudaEngine(config, RandomWeights(config, seed=1), ctx=256,
+                            decode="megakernel", megakernel_timeline=timeline)
+        try:
+            engine.prefill(prompt_for(engine))
+            engine.steps_per_launch, engine.launches_ahead = steps, 0
+            tokens.append(reply_tokens(engine, steps))
+            if timeline:
+                records = engine.megakernel_timeline()
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1]
+    kinds = [TIMELINE_KINDS[k] for k in records["kind"].max(axis=1)]
+    one_step = ["qkv", "attention", "o_proj", "gate_up", "down"] * 4 + ["lm_head", "sample"]
+    assert kinds == ["sample"] + one_step * (steps - 1)  # the first samples the prefill's
+    start, inp, end = (records[f].astype(np.int64) for f in ("start", "input", "end"))
+    assert (start > 0).all() and (end >= start).all()
+    has_input = inp > 0
+    assert has_input[[k != "sample" for k in kinds]].mean() > 0.5
+    assert ((start <= inp) & (inp <= end))[has_input].all()
+    assert (np.diff(start, axis=0) >= 0).all()  # each block's phases one after another

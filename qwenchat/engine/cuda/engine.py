@@ -115,8 +115,8 @@ class KernelPlan:
 
 def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                  decode: str = "auto", prefill_kernels: str = "auto",
-                 megakernel_skip: Sequence[str] = (),
-                 megakernel_stages: int | None = None) -> KernelPlan:
+                 megakernel_skip: Sequence[str] = (), megakernel_stages: int | None = None,
+                 megakernel_timeline: int = 0) -> KernelPlan:
     """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
     and prefills with the Hopper kernels on sm_90."""
     hopper = device.arch == "sm_90"
@@ -129,7 +129,7 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     layout = build = None
     if chosen == "megakernel":
         layout, build = megakernel_build(config, device, weight_format, megakernel_skip,
-                                         megakernel_stages)
+                                         megakernel_stages, megakernel_timeline)
     return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,
                       kernel_builds(config, weight_format, device.arch, hopper_gemm=hopper_gemm,
                                     hopper_attention=hopper_attention, megakernel=build))
@@ -169,9 +169,11 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         megakernel_stages: int | None = None,
         prefill_kernels: str = "auto",
         progress: Callable[[str], None] | None = None,
+        megakernel_timeline: int = 0,
     ):
         """`notice` gets what the user should know (a kernel compile starting, a fallback);
-        `progress` a line as each kernel compile ends."""
+        `progress` a line as each kernel compile ends. `megakernel_timeline` > 0 builds a
+        megakernel that records that many phases of each launch (tests/step_timeline.py)."""
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
@@ -195,7 +197,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._modules: list[rt.Module] = []
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
         plan = plan_kernels(config, self.weight_format, self.device, decode, prefill_kernels,
-                            megakernel_skip, megakernel_stages)
+                            megakernel_skip, megakernel_stages, megakernel_timeline)
+        self.mk_timeline_phases = megakernel_timeline
         if plan.why_layered and decode == "megakernel":
             notice(f"{plan.why_layered}: decoding layer by layer")
         self.decode, self.mk_layout = plan.decode, plan.megakernel_layout

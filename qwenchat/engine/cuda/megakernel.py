@@ -35,6 +35,11 @@ MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
 MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth and more
+# One phase of one block in a timeline build (struct Record in mk_timeline.cuh): globaltimer
+# ns at its start, input, first weights and end (0: not reached), and what the phase was.
+TIMELINE_RECORD = np.dtype([("start", "<u8"), ("input", "<u8"), ("weights", "<u8"),
+                            ("end", "<u8"), ("kind", "<u4"), ("pad", "<u4", 7)])
+TIMELINE_KINDS = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "sample")
 
 
 class MegaArgs(ctypes.Structure):
@@ -128,13 +133,14 @@ def megakernel_unusable(config: Qwen3Config, device: GpuShape, weight_format: st
 
 
 def megakernel_build(config: Qwen3Config, device: GpuShape, weight_format: str,
-                     skip: Sequence[str] = (), stages: int | None = None
+                     skip: Sequence[str] = (), stages: int | None = None, timeline: int = 0
                      ) -> tuple[MegakernelLayout, KernelBuild]:
     """The megakernel's layout for this GPU's shared memory, and its build.
 
     The stage ring takes what shared memory the device allows per block, less the static
     part and the sampler's histograms; `skip` leaves parts out (timing variants only: the
-    tokens are then wrong) and `stages` overrides the ring depth (experiments)."""
+    tokens are then wrong), `stages` overrides the ring depth (experiments) and `timeline` > 0
+    records that many phases of a launch in every block (tests/step_timeline.py)."""
     unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
     if unknown:
         raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
@@ -147,6 +153,8 @@ def megakernel_build(config: Qwen3Config, device: GpuShape, weight_format: str,
         layout = dataclasses.replace(layout, stages=stages)
     defines = dict(layout.defines(config, weight_format),
                    QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
+    if timeline:
+        defines["QW_MK_TIMELINE"] = timeline
     return layout, KernelBuild.of("megakernel.cu", device.arch, defines)
 
 
@@ -163,6 +171,11 @@ class MegakernelDecode:
         module = rt.Module(cubin)
         self._modules.append(module)
         kernel = self.k["decode_megakernel"] = module.function("decode_megakernel")
+        self.mk_timeline = None
+        if self.mk_timeline_phases:  # [phase][block] records (mk_timeline.cuh)
+            self.mk_timeline = self._device_buffer(
+                self.mk_timeline_phases * layout.blocks * TIMELINE_RECORD.itemsize)
+            module.set_pointer("qw_timeline", self.mk_timeline.ptr)
         self.mk_stages, self.mk_stage_bytes = count, stage
         self.mk_shared = count * stage + fixed
         kernel.set_max_dynamic_shared(self.mk_shared)
@@ -297,8 +310,19 @@ class MegakernelDecode:
             self._launch_megakernel(steps, self._mk_requested)
             self._mk_requested += steps
 
+    def megakernel_timeline(self) -> np.ndarray:
+        """The last launch's timeline records, [phase][block] (a timeline build only)."""
+        if self.mk_timeline is None:
+            raise QwenchatError("this engine's megakernel records no timeline")
+        records = np.empty((self.mk_timeline_phases, self.mk_blocks), TIMELINE_RECORD)
+        self.stream.synchronize()
+        self.mk_timeline.download(records)
+        return records
+
     def _launch_megakernel(self, steps: int, first_step: int) -> None:
         self.mk_tagged.fill_u8(0, stream=self.stream)
+        if self.mk_timeline is not None:
+            self.mk_timeline.fill_u8(0, stream=self.stream)
         self._mk_epoch += 1  # every launch tags its values afresh
         args = self._megakernel_args(steps, first_step > 0, first_step, self._mk_n_eos)
         rt.launch(self.k["decode_megakernel"], self.mk_blocks, MEGAKERNEL_THREADS, [args],

@@ -376,6 +376,15 @@ class Module:
                        f"cuModuleGetFunction({name})")
         return Kernel(handle, name)
 
+    def set_pointer(self, name: str, value: int) -> None:
+        """Set the module's `__device__` pointer variable `name` (extern "C") to `value`."""
+        address, size = check(driver.cuModuleGetGlobal(self.handle, name.encode()),
+                              f"cuModuleGetGlobal({name})")
+        if size != 8:
+            raise ValueError(f"{name} is {size} bytes, not a pointer")
+        word = np.array([value], dtype=np.uint64)
+        check(driver.cuMemcpyHtoD(address, word.ctypes.data, 8), "cuMemcpyHtoD")
+
     def close(self) -> None:
         if self.handle is not None:
             check(driver.cuModuleUnload(self.handle), "cuModuleUnload")

@@ -1,0 +1,82 @@
+// The step timeline (tests/step_timeline.py): with QW_MK_TIMELINE = N > 0 the megakernel
+// records, for each of a launch's first N phases and each block, when the phase started, when
+// its input vector had arrived, when its first stage of weights (or keys) was in shared memory,
+// and when its last consumer warp was done (globaltimer, ns). With QW_MK_TIMELINE = 0 (every
+// real run) the hooks expand to nothing and the kernel is the same to the byte.
+#pragma once
+#include "mk_layout.cuh"
+
+#ifndef QW_MK_TIMELINE
+#define QW_MK_TIMELINE 0
+#endif
+
+#if QW_MK_TIMELINE
+namespace mk_timeline {
+// What a record's phase was (mirrored by tests/step_timeline.py).
+enum Kind : unsigned { QKV = 0, ATTENTION = 1, O_PROJ = 2, GATE_UP = 3, DOWN = 4, LM_HEAD = 5,
+                       SAMPLE = 6 };
+enum Mark { START = 0, INPUT = 1, WEIGHTS = 2, END = 3 };
+struct Record {
+    unsigned long long t[4];  // by Mark; 0: not reached
+    unsigned kind;
+    unsigned pad[7];
+};
+}  // namespace mk_timeline
+
+// [phase][block] records; the host sets it (cuModuleGetGlobal) and zeroes them.
+extern "C" {
+__device__ mk_timeline::Record* qw_timeline;
+}
+
+namespace mk_timeline {
+__shared__ unsigned warp_phase[mk::WARPS];  // phases each warp has entered in this launch
+
+__device__ __forceinline__ unsigned long long now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void init() {
+    if (threadIdx.x < mk::WARPS) warp_phase[threadIdx.x] = 0u;
+}
+
+// Every thread of every warp at a phase's entry: the phase's number in this launch (the
+// warps go through the phases in one order, each at its own pace, so each keeps its count).
+__device__ __forceinline__ unsigned enter() {
+    const int warp = threadIdx.x >> 5;
+    const unsigned phase = warp_phase[warp];
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) warp_phase[warp] = phase + 1u;
+    __syncwarp();
+    return phase;
+}
+
+// START, INPUT and WEIGHTS as warp 0 sees them; END when the last consumer warp is done.
+__device__ __forceinline__ void mark(unsigned phase, Mark m, unsigned kind = 0) {
+    if (phase >= QW_MK_TIMELINE || (threadIdx.x & 31) != 0) return;
+    Record* r = qw_timeline + phase * gridDim.x + blockIdx.x;
+    const int warp = threadIdx.x >> 5;
+    if (m == END) {
+        if (warp != mk::PRODUCER) atomicMax(&r->t[END], now());
+        return;
+    }
+    if (warp != 0) return;
+    r->t[m] = now();
+    if (m == START) r->kind = kind;
+}
+}  // namespace mk_timeline
+
+#define QW_TL_INIT() mk_timeline::init()
+#define QW_TL_ENTER(kind)                                 \
+    const unsigned tl_phase_ = mk_timeline::enter();      \
+    mk_timeline::mark(tl_phase_, mk_timeline::START, (kind))
+#define QW_TL_MARK(m) mk_timeline::mark(tl_phase_, mk_timeline::m)
+#define QW_TL_MARK_IF(cond, m) \
+    if (cond) mk_timeline::mark(tl_phase_, mk_timeline::m)
+#else
+#define QW_TL_INIT()
+#define QW_TL_ENTER(kind)
+#define QW_TL_MARK(m)
+#define QW_TL_MARK_IF(cond, m)
+#endif
