@@ -1,5 +1,6 @@
 // Per-token building blocks of a Qwen3 layer: embedding rows, RMSNorm, matrix-vector products
-// with 16-byte weight loads (decode), QK-norm + RoPE + KV-cache append, SwiGLU.
+// with 16-byte weight loads (decode), QK-norm + RoPE + KV-cache append, SwiGLU; and the random
+// weights of `bench --config`, drawn on the device.
 // The residual stream is float32; the KV cache is bf16; the linear layers' weights are bf16 or
 // FP8 (weights.cuh).
 #include "common.cuh"
@@ -249,5 +250,50 @@ extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qkv, int
         const float* v = row + qw::q_size + qw::kv_size + kvh * HD;
         v_cache[at + i] = f32_to_bf16(v[i]);
         v_cache[at + i + HALF] = f32_to_bf16(v[i + HALF]);
+    }
+}
+
+// Random weights drawn on the device, value for value as qwenchat/model/random_weights.py
+// draws them on the CPU (`bench --config`): element i of a tensor with key `key` takes the
+// table entry picked by the top bits of draw_mix(i * 0x9E3779B9 + key).
+__device__ __forceinline__ unsigned draw_mix(unsigned x) {  // murmur3's 32-bit finalizer
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    return x ^ (x >> 16);
+}
+
+__device__ __forceinline__ unsigned draw_hash(unsigned i, unsigned key) {
+    return draw_mix(i * 0x9E3779B9u + key);
+}
+
+// n bf16 values from a table of 65,536 bf16 bit patterns.
+extern "C" __global__ void draw_bf16(unsigned short* __restrict__ out, unsigned n, unsigned key,
+                                     const unsigned short* __restrict__ table) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = table[draw_hash(i, key) >> 16];
+}
+
+// An FP8 linear layer in its packed rows (weights.cuh): each row's `cols` e4m3 codes from a
+// table of 256 codes, then the float scales of its 128 x 128 blocks (`scales`, [row blocks]
+// [col_blocks], drawn by the host), then zeros to the row's end; written a 32-bit word at a time.
+extern "C" __global__ void draw_fp8_rows(unsigned* __restrict__ out, int rows, int cols,
+                                         int row_words, unsigned key,
+                                         const unsigned char* __restrict__ table,
+                                         const float* __restrict__ scales, int col_blocks) {
+    const long long total = static_cast<long long>(rows) * row_words;
+    for (long long w = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; w < total;
+         w += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const int r = static_cast<int>(w / row_words), c = static_cast<int>(w % row_words) * 4;
+        unsigned word = 0u;
+        if (c < cols) {
+            const unsigned i = static_cast<unsigned>(r) * cols + c;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) word |= static_cast<unsigned>(table[draw_hash(i + j, key) >> 24]) << (8 * j);
+        } else if ((c - cols) / 4 < col_blocks) {
+            word = __float_as_uint(scales[(r / qw::FP8_BLOCK) * col_blocks + (c - cols) / 4]);
+        }
+        out[w] = word;
     }
 }

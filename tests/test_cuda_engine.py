@@ -955,3 +955,42 @@ def test_info_compile_fills_the_cache_so_the_first_engine_compiles_nothing(isola
                progress=ended.append).close()
     assert not [n for n in notices if n.startswith("compiling")] and ended == []
     assert ": 0 compiled," in precompile(CompileOptions(model=str(tiny_model_dir)), said.append)
+
+
+# ------------------------------------------------------------------ random weights on the device
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_random_weights_drawn_on_the_device_are_the_cpus_to_the_bit(weight_format):
+    import dataclasses
+
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model import fp8
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2,
+                                 tie_word_embeddings=False)
+    weights = RandomWeights(config, seed=5, weight_format=weight_format)
+    engine = CudaEngine(config, weights, ctx=256, decode="layered")
+    try:
+        def device(buffer) -> np.ndarray:
+            out = np.empty(buffer.nbytes, np.uint8)
+            buffer.download(out)
+            return out
+
+        def host(*names: str) -> np.ndarray:
+            parts = [fp8.pack_rows(*weights.fp8_blocks(n)) if weights.fp8_blocks(n) is not None
+                     else weights.bf16_bits(n) for n in names]
+            return np.concatenate([np.ascontiguousarray(p).view(np.uint8).ravel()
+                                   for p in parts])
+
+        layer = "model.layers.1."
+        assert np.array_equal(device(engine.layers[1].gate_up),
+                              host(layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"))
+        assert np.array_equal(device(engine.layers[1].qkv),
+                              host(*(layer + f"self_attn.{x}_proj.weight" for x in "qkv")))
+        assert np.array_equal(device(engine.layers[1].k_norm),
+                              host(layer + "self_attn.k_norm.weight"))
+        assert np.array_equal(device(engine.embed), host("model.embed_tokens.weight"))
+        assert np.array_equal(device(engine.lm_head), host("lm_head.weight"))
+    finally:
+        engine.close()

@@ -50,10 +50,17 @@ def engines(directory: Path, ctx: int | None = None, decode: str = "layered", **
     return gpu, ref
 
 
+# FP8 logits on the GPU differ from the reference's by up to ~7e-3 of the largest on these
+# shapes (docs/perf.md), as bf16's do: two tokens closer than this are a near-tie either side
+# may break.
+NEAR_TIE = 1e-2
+
+
 def greedy_against_the_reference(gpu, ref, steps: int) -> tuple[float, list[str]]:
     """Greedy decode on the GPU with the reference following its tokens: the worst relative
-    logit error, and every step where the two chose differently (allowed only at an exact
-    near-tie of the reference's logits, which the list shows)."""
+    logit error, and every step where the two chose differently: allowed only where the GPU
+    chose by its own logits and the reference's two logits are within NEAR_TIE of the
+    largest (the list shows them)."""
     request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=steps)),
                               frozenset(), seed=0)
     worst, ties = 0.0, []
@@ -61,8 +68,10 @@ def greedy_against_the_reference(gpu, ref, steps: int) -> tuple[float, list[str]
         expected = ref.last_logits()
         best = int(np.argmax(expected))
         if token != best:
+            ours = gpu.last_logits()
             gap = float(expected[best] - expected[token])
-            assert gap <= 1e-3 * float(np.abs(expected).max()), (
+            assert token == int(np.argmax(ours)), f"step {step}: {token} is not the GPU's argmax"
+            assert gap <= NEAR_TIE * float(np.abs(expected).max()), (
                 f"step {step}: GPU chose {token}, the reference {best} by {gap:.4g}")
             ties.append(f"step {step}: {token} vs {best}, logits {expected[token]:.6g} / "
                         f"{expected[best]:.6g}")

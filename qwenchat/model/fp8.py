@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -97,6 +97,15 @@ class Fp8Weights:
 
     def float32(self, name: str) -> np.ndarray:
         return dequantize(*self.fp8(name)) if is_linear(name) else self.source.float32(name)
+
+    def device_draw(self, name: str) -> Any:
+        """The source's device draw (random weights), where it gives this tensor in the format
+        this source serves it in; None where it would be quantized here, on the CPU."""
+        own = getattr(self.source, "device_draw", None)
+        draw = own(name) if own is not None else None
+        if draw is None or (is_linear(name) and draw.scales is None):
+            return None
+        return draw
 
     def bf16_bits(self, name: str) -> np.ndarray:
         if is_linear(name):

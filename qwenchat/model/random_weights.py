@@ -6,16 +6,17 @@ the same values. Values are exact bfloat16 numbers, so `float32` and `bf16_bits`
 very same weights and the CPU and GPU engines compute with identical inputs.
 
 Drawing a normal float32 per element and rounding it to bf16 costs ~25 ns an element in NumPy,
-a quarter of a minute for Qwen3-0.6B. Instead each tensor indexes, with 16 raw random bits an
-element, a table of 65,536 bf16-rounded normal samples: the same distribution (bf16 has only
-65,536 values anyway) at the cost of one gather, in bands of rows drawn on every core from
-streams of their own (2.8 s for 0.6B on two slow cores).
+a quarter of a minute for Qwen3-0.6B. Instead each value indexes a table of 65,536 bf16-rounded
+normal samples with 16 bits of a counter-based hash of (tensor key, element index): the same
+distribution (bf16 has only 65,536 values anyway) at the cost of a few integer operations and
+one gather, in bands of rows on every core. FP8 linear layers index a table of 256 e4m3 codes
+of normal samples with 8 bits of the same hash, and each 128 × 128 block's scale comes from
+the hash of the block's index. Such an FP8 model is a different random model from the bf16 one
+of the same seed (`--quantize fp8` on a bf16 source quantizes that source instead).
 
-FP8 linear layers index a table of 256 e4m3 codes of normal samples with one random byte an
-element, in bands of 128 rows on every core, and draw each 128 × 128 block's scale: Qwen3-32B
-in FP8 is ready in seconds, where drawing it in bf16 and quantizing it takes minutes. Such a
-model is a different random model from the bf16 one of the same seed (`--quantize fp8` on a
-bf16 source quantizes that source instead).
+Because the hash needs nothing but the index, the GPU engine draws the very same values on
+the device (`device_draw`: the key and the table; cuda_src/layers.cu's draw kernels), so even
+Qwen3-32B is ready without drawing or copying gigabytes on the host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +35,35 @@ from qwenchat.model.floats import E4M3_MAX, bf16_bits_to_f32, f32_to_bf16_bits, 
 
 TABLE_SIZE = 1 << 16  # one entry per value of a 16-bit index
 FP8_SPREAD = 4.0  # an FP8 block's codes span ±4 standard deviations (clipped beyond)
-BAND_VALUES = 1 << 22  # values a bf16 band draws on one thread
+BAND_VALUES = 1 << 22  # values a band draws on one thread
+HASH_STEP = 0x9E3779B9  # the element index's multiplier in the hash (2^32 / golden ratio)
+SCALE_SALT = 0x5CA1E5  # the FP8 block scales' key is the codes' key xor this
+
+
+def mix32(x: np.ndarray) -> np.ndarray:
+    """murmur3's 32-bit finalizer, elementwise on uint32 (cuda_src/layers.cu: draw_mix)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def draw_hash(key: int, start: int, count: int) -> np.ndarray:
+    """The hash of elements start .. start + count - 1 of a tensor with this key (uint32)."""
+    index = np.arange(start, start + count, dtype=np.uint32)
+    return mix32(index * np.uint32(HASH_STEP) + np.uint32(key))
+
+
+@dataclass(frozen=True)
+class DeviceDraw:
+    """What the GPU needs to draw a tensor exactly as RandomWeights does on the CPU: the
+    tensor's key and table (bf16 bits indexed by hash >> 16, or e4m3 codes by hash >> 24),
+    and for FP8 the block scales (float32, [row blocks, column blocks])."""
+
+    key: int
+    table: np.ndarray
+    scales: np.ndarray | None = None
 
 
 class RandomWeights:
@@ -76,27 +106,13 @@ class RandomWeights:
         tensor kept in bf16 (and for every tensor of bf16 random weights)."""
         if self.weight_format != "fp8" or not fp8.is_linear(name):
             return None
-        rows, cols = shape = self._shape(name)
-        std = 1.0 / math.sqrt(cols)
-        table = self._fp8_table()
-        codes = np.empty(shape, np.uint8)
-        scales = np.empty(fp8.scale_shape(shape), np.float32)
-        unit = np.float32(std * FP8_SPREAD / E4M3_MAX)  # a code's value for a unit-scale block
-        words = self._name_words(name)
+        return self._gather(name, self._fp8_table()), self._fp8_scales(name)
 
-        def band(b: int) -> None:
-            stream = np.random.Philox(np.random.SeedSequence([self.seed, *words, b]))
-            r = b * fp8.BLOCK
-            count, n_scales = min(fp8.BLOCK, rows - r) * cols, scales.shape[1]
-            raw = stream.random_raw(-(-(n_scales + count) // 8)).view(np.uint8)
-            # Scales of 0.5 to 1.5 units: blocks differ, as a real checkpoint's do.
-            scales[b] = unit * (raw[:n_scales].astype(np.float32) / np.float32(255) +
-                                np.float32(0.5))
-            codes[r : r + fp8.BLOCK] = table[raw[n_scales : n_scales + count]].reshape(-1, cols)
-
-        with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:
-            list(pool.map(band, range(scales.shape[0])))
-        return codes, scales
+    def device_draw(self, name: str) -> DeviceDraw:
+        """The key and table (and FP8 scales) from which the GPU draws this tensor."""
+        if self.weight_format != "fp8" or not fp8.is_linear(name):
+            return DeviceDraw(self._key(name), self._table(name))
+        return DeviceDraw(self._key(name), self._fp8_table(), self._fp8_scales(name))
 
     def lm_head_name(self) -> str:
         if self.config.tie_word_embeddings:
@@ -117,27 +133,41 @@ class RandomWeights:
             raise KeyError(f"{name}: not a tensor of this Qwen3 config") from None
 
     def _gather(self, name: str, table: np.ndarray) -> np.ndarray:
-        """The tensor: `table` indexed by uniform 16-bit draws, in bands of whole rows (about
-        BAND_VALUES each) drawn from streams of their own on every core."""
+        """The tensor: `table` indexed by the top bits of each element's hash (16 bits for a
+        table of 65,536, 8 for one of 256), in bands of whole rows on every core."""
         shape = self._shape(name)
         rows = shape[0]
         cols = math.prod(shape[1:])
         out = np.empty(shape, table.dtype)
         flat = out.reshape(rows, cols)
         band_rows = max(1, BAND_VALUES // cols)
-        words = self._name_words(name)
+        key = self._key(name)
+        shift = np.uint32(32 - int(table.size - 1).bit_length())
 
         def band(b: int) -> None:
             r = b * band_rows
             part = flat[r : r + band_rows]
-            stream = np.random.Philox(np.random.SeedSequence([self.seed, *words, b]))
-            # Four indices per 64-bit word: the cheapest uniform draw NumPy offers.
-            raw = stream.random_raw(-(-part.size // 4)).view(np.uint16)[: part.size]
-            np.take(table, raw.reshape(part.shape), out=part)
+            index = draw_hash(key, r * cols, part.size) >> shift
+            np.take(table, index.reshape(part.shape), out=part)
 
         with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:
             list(pool.map(band, range(-(-rows // band_rows))))
         return out
+
+    def _fp8_scales(self, name: str) -> np.ndarray:
+        """Block scales of 0.5 to 1.5 units (a code's value in a unit block): blocks differ,
+        as a real checkpoint's do."""
+        shape = self._shape(name)
+        unit = np.float32(FP8_SPREAD / E4M3_MAX / math.sqrt(shape[1]))
+        count = math.prod(fp8.scale_shape(shape))
+        byte = draw_hash(self._key(name) ^ SCALE_SALT, 0, count) >> np.uint32(24)
+        scales = unit * (byte.astype(np.float32) / np.float32(255) + np.float32(0.5))
+        return scales.reshape(fp8.scale_shape(shape))
+
+    def _key(self, name: str) -> int:
+        """The tensor's 32-bit key: a stable hash of (seed, name)."""
+        digest = hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little")
 
     def _table(self, name: str) -> np.ndarray:
         """bf16 bits of 65,536 normal samples with the tensor's mean and standard deviation."""
@@ -162,12 +192,3 @@ class RandomWeights:
                              FP8_SPREAD)
             self._fp8_codes = f32_to_e4m3(normal * np.float32(E4M3_MAX / FP8_SPREAD))
         return self._fp8_codes
-
-    def _seed_sequence(self, name: str) -> np.random.SeedSequence:
-        return np.random.SeedSequence([self.seed, *self._name_words(name)])
-
-    @staticmethod
-    def _name_words(name: str) -> list[int]:
-        # A stable hash (Python's hash() is salted per process) of the name picks the stream.
-        digest = hashlib.blake2b(name.encode(), digest_size=16).digest()
-        return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]

@@ -53,7 +53,7 @@ from qwenchat.sampling.params import SamplingParams
 KERNELS = {
     "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4",
                   "gemv_residual_attn", "gemv_residual_swiglu", "swiglu_rows",
-                  "qk_norm_rope_store"),
+                  "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows"),
     "gemm.cu": ("gemm_store", "gemm_add"),
     "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_decode_partial",
                      "attn_decode_merge"),
@@ -210,6 +210,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
             super().__init__(self._choose_capacity(ctx, notice))
             self._allocate_state()
             self._load_kernels(compilation)
+            self._draw_weights()  # random weights, drawn on the device
             if plan.megakernel is not None:
                 self._setup_megakernel(compilation.cubin(plan.megakernel))
         except BaseException:

@@ -1,8 +1,11 @@
 """Weight upload: every tensor the kernels read, in the layout they read it
-(cuda_src/weights.cuh)."""
+(cuda_src/weights.cuh). Random weights (`bench --config`) are not uploaded but drawn on the
+device, value for value as the CPU draws them, once the kernels are loaded."""
 
 from __future__ import annotations
 
+import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +39,9 @@ def _upload_rows(parts: Sequence[np.ndarray]) -> rt.DeviceBuffer:
     return buffer
 
 
+DRAW_THREADS = 256
+
+
 class WeightUpload:
     """CudaEngine's weights on the device: per-layer buffers, the embedding, the final norm,
     the LM head and RoPE's inverse frequencies. Uses the engine's config, weight_format and
@@ -43,14 +49,44 @@ class WeightUpload:
 
     def _upload_weights(self, weights: WeightSource) -> None:
         cfg = self.config
+        # Random weights say how the device draws each tensor (qwenchat/model/random_weights.py).
+        device_draw = getattr(weights, "device_draw", None)
+        self._pending_draws: list[tuple[int, tuple[int, ...], object]] = []
+
+        def drawn(names: Sequence[str]) -> rt.DeviceBuffer | None:
+            """One buffer for `names`, to be drawn on the device; None if any cannot be."""
+            draws = [device_draw(n) for n in names] if device_draw is not None else [None]
+            if any(d is None for d in draws):
+                return None
+            shapes = [weights_shape(n) for n in names]
+            sizes = [rows_ * (fp8.packed_row_bytes(cols) if d.scales is not None else 2 * cols)
+                     for (rows_, cols), d in zip(shapes, draws, strict=True)]
+            buffer = rt.DeviceBuffer(sum(sizes))
+            self._buffers.append(buffer)
+            offset = 0
+            for shape, d, size in zip(shapes, draws, sizes, strict=True):
+                self._pending_draws.append((buffer.ptr + offset, shape, d))
+                offset += size
+            return buffer
+
+        shapes = cfg.tensor_shapes()
+
+        def weights_shape(name: str) -> tuple[int, int]:
+            return shapes[name][0], math.prod(shapes[name][1:])
 
         def one(name: str) -> rt.DeviceBuffer:
+            buffer = drawn([name])
+            if buffer is not None:
+                return buffer
             buffer = _upload_rows([weights.bf16_bits(name)])
             self._buffers.append(buffer)
             return buffer
 
         def rows(*names: str) -> rt.DeviceBuffer:
             """Linear layers, one after another, in the model's format (weights.cuh)."""
+            buffer = drawn(names)
+            if buffer is not None:
+                return buffer
             if self.weight_format == "fp8":
                 parts = [fp8.pack_rows(*weights.fp8(n)) for n in names]
             else:
@@ -82,3 +118,42 @@ class WeightUpload:
         inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
         self.inv_freq = self._device_buffer(inv_freq.nbytes)
         self.inv_freq.upload(inv_freq)
+
+    def _draw_weights(self) -> None:
+        """Draw the random weights _upload_weights left to the device (layers.cu's draw_bf16
+        and draw_fp8_rows), each table and scale block uploaded once."""
+        if not self._pending_draws:
+            return
+        uploaded: dict[int, rt.DeviceBuffer] = {}  # by id of the table array
+        temporary: list[rt.DeviceBuffer] = []
+
+        def upload(array: np.ndarray) -> rt.DeviceBuffer:
+            buffer = rt.DeviceBuffer(array.nbytes)
+            buffer.upload(np.ascontiguousarray(array))
+            temporary.append(buffer)
+            return buffer
+
+        most = 32 * self.device.sm_count
+        for ptr, (rows, cols), draw in self._pending_draws:
+            if id(draw.table) not in uploaded:
+                uploaded[id(draw.table)] = upload(draw.table)
+            table = uploaded[id(draw.table)]
+            if rows * cols >= 2**32:
+                raise ValueError(f"a {rows} x {cols} tensor is too large to draw on the device")
+            key = ctypes.c_uint32(draw.key)
+            if draw.scales is None:
+                grid = min(most, math.ceil(rows * cols / DRAW_THREADS))
+                self._launch("draw_bf16", grid, DRAW_THREADS, rt.Ptr(ptr),
+                             ctypes.c_uint32(rows * cols), key, table)
+            else:
+                words = fp8.packed_row_bytes(cols) // 4
+                grid = min(most, math.ceil(rows * words / DRAW_THREADS))
+                self._launch("draw_fp8_rows", grid, DRAW_THREADS, rt.Ptr(ptr),
+                             ctypes.c_int(rows), ctypes.c_int(cols), ctypes.c_int(words), key,
+                             table, upload(draw.scales.astype(np.float32)),
+                             ctypes.c_int(draw.scales.shape[1]))
+        self.stream.synchronize()
+        for buffer in temporary:
+            buffer.free()
+        self._pending_draws = []
+
