@@ -97,9 +97,10 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
 
         model = open_model(options.model or DEFAULT_MODEL)
         name, config = model.spec, model.config
-        weight_format = with_quantization(model.checkpoint, options.quantize).weight_format
+        # The GPU runs FP8 checkpoints (or --quantize fp8) in FP8, any other dtype in bf16.
+        quantized = with_quantization(model.checkpoint, options.quantize)
+        weight_format = "fp8" if quantized.weight_format == "fp8" else "bf16"
         model.close()
-    weight_format = "fp8" if weight_format == "fp8" else "bf16"
     try:
         from qwenchat.engine.cuda.engine import compile_kernels
     except ImportError as exc:

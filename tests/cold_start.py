@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_shapes import GPUS, gpu_shape
 from tiny_model import write_safetensors
 
 from qwenchat.engine.cuda.compiler import KernelCache, usable_cpus
@@ -34,23 +35,10 @@ from qwenchat.engine.cuda.engine import plan_kernels
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
 
-# A GPU of each architecture: opt-in shared memory per block, SMs (as in the compile tests).
-GPUS = {"sm_80": (166_912, 108), "sm_86": (101_376, 82), "sm_89": (101_376, 128),
-        "sm_90": (232_448, 132)}
-
-
-@dataclasses.dataclass
-class _Gpu:
-    arch: str
-    sm_count: int
-    max_shared_per_block_optin: int
-    cooperative_launch: bool = True
-
 
 def compile_once(config_name: str, arch: str, weights: str, workers: int | None) -> dict:
     """Every kernel of a run into an empty cache, on `workers` threads (None: one per CPU)."""
-    shared, sms = GPUS[arch]
-    plan = plan_kernels(PRESETS[config_name], weights, _Gpu(arch, sms, shared))
+    plan = plan_kernels(PRESETS[config_name], weights, gpu_shape(arch))
     with tempfile.TemporaryDirectory() as empty:
         started = time.perf_counter()
         compilation = KernelCache(Path(empty)).start(plan.builds, workers=workers)

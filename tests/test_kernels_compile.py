@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from gpu_shapes import GPUS, gpu_shape
 
 from qwenchat.engine.cuda import compiler
 from qwenchat.engine.cuda.compiler import (
@@ -49,10 +49,6 @@ ODD_GQA = Qwen3Config(vocab_size=151_936, hidden_size=1280, intermediate_size=34
                       num_hidden_layers=2, num_attention_heads=10, num_key_value_heads=2,
                       head_dim=128)
 SHAPES = {**PRESETS, "odd-tiny": ODD_TINY, "odd-gqa": ODD_GQA}  # every released dense size
-# A GPU of each architecture, for the megakernel's layout: opt-in shared memory per block
-# (bytes) and SMs. A100, RTX 3090, RTX 4090, H100.
-GPUS = {"sm_80": (166_912, 108), "sm_86": (101_376, 82), "sm_89": (101_376, 128),
-        "sm_90": (232_448, 132)}
 KERNEL_FILES = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
 
 ELF_MAGIC = b"\x7fELF"
@@ -360,19 +356,13 @@ def test_two_processes_compiling_the_same_kernel_both_succeed_and_leave_one_entr
 
 
 # ------------------------------------------------------------------ what a run compiles
-def _gpu(arch: str, cooperative: bool = True) -> SimpleNamespace:
-    shared, sms = GPUS[arch]
-    return SimpleNamespace(arch=arch, sm_count=sms, max_shared_per_block_optin=shared,
-                           cooperative_launch=cooperative)
-
-
 def _sources(plan) -> list[tuple[str, str]]:
     return [(build.source, build.arch) for build in plan.builds]
 
 
 def test_a_hopper_run_compiles_the_megakernel_first_and_no_portable_gemm():
     config = PRESETS["qwen3-0.6b"]
-    plan = plan_kernels(config, "bf16", _gpu("sm_90"))
+    plan = plan_kernels(config, "bf16", gpu_shape("sm_90"))
     assert plan.decode == "megakernel" and plan.hopper_gemm and plan.hopper_attention
     assert _sources(plan) == [
         ("megakernel.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("attention.cu", "sm_90"),
@@ -384,39 +374,40 @@ def test_a_hopper_run_compiles_the_megakernel_first_and_no_portable_gemm():
 
 
 def test_a_layered_run_compiles_no_megakernel():
-    plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", _gpu("sm_90"), decode="layered")
+    plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90"), decode="layered")
     assert plan.decode == "layered" and plan.megakernel is None
     assert "megakernel.cu" not in {source for source, _ in _sources(plan)}
 
 
 def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():
-    plan = plan_kernels(PRESETS["qwen3-4b"], "fp8", _gpu("sm_89"))
+    plan = plan_kernels(PRESETS["qwen3-4b"], "fp8", gpu_shape("sm_89"))
     assert _sources(plan) == [
         ("megakernel.cu", "sm_89"), ("attention.cu", "sm_89"), ("sampling.cu", "sm_89"),
         ("gemm.cu", "sm_89"), ("layers.cu", "sm_89")]
     assert all(dict(build.defines)["QW_FP8"] == 1 for build in plan.builds)
-    hopper = plan_kernels(PRESETS["qwen3-4b"], "bf16", _gpu("sm_90"))
-    forced = plan_kernels(PRESETS["qwen3-4b"], "bf16", _gpu("sm_90"), prefill_kernels="portable")
+    hopper = plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_90"))
+    forced = plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_90"),
+                          prefill_kernels="portable")
     assert not forced.hopper_gemm and not forced.hopper_attention
     assert set(_sources(hopper)) - set(_sources(forced)) == {
         ("gemm_sm90.cu", "sm_90a"), ("attention_sm90.cu", "sm_90a")}
     assert set(_sources(forced)) - set(_sources(hopper)) == {("gemm.cu", "sm_90")}
     with pytest.raises(BackendUnavailable, match="needs an sm_90 GPU; this is sm_86"):
-        plan_kernels(PRESETS["qwen3-4b"], "bf16", _gpu("sm_86"), prefill_kernels="hopper")
+        plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_86"), prefill_kernels="hopper")
 
 
 def test_where_the_megakernel_cannot_run_the_plan_says_why_and_compiles_the_graph():
-    plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", _gpu("sm_90", cooperative=False))
+    plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90", cooperative=False))
     assert plan.decode == "layered" and "cooperative" in plan.why_layered
     assert plan.megakernel is None
-    small = plan_kernels(ODD_TINY, "bf16", _gpu("sm_90"))
+    small = plan_kernels(ODD_TINY, "bf16", gpu_shape("sm_90"))
     assert small.decode == "layered" and "head_dim 32" in small.why_layered
     assert "attention_sm90.cu" not in {s for s, _ in _sources(small)}  # head_dim 32
 
 
 def test_an_unknown_megakernel_part_is_refused_before_anything_compiles():
     with pytest.raises(QwenchatError, match="unknown megakernel part 'nope'"):
-        plan_kernels(PRESETS["qwen3-0.6b"], "bf16", _gpu("sm_90"), megakernel_skip=["nope"])
+        plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90"), megakernel_skip=["nope"])
 
 
 def test_every_source_has_a_place_in_the_compile_order():
@@ -427,8 +418,9 @@ def test_every_source_has_a_place_in_the_compile_order():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_megakernel_timeline_build_compiles(arch):
     config = PRESETS["qwen3-0.6b"]
-    plan = plan_kernels(config, "bf16", _gpu(arch), megakernel_timeline=64)
+    plan = plan_kernels(config, "bf16", gpu_shape(arch), megakernel_timeline=64)
     assert dict(plan.megakernel.defines)["QW_MK_TIMELINE"] == 64
-    assert "QW_MK_TIMELINE" not in dict(plan_kernels(config, "bf16", _gpu(arch)).megakernel.defines)
+    plain = plan_kernels(config, "bf16", gpu_shape(arch))
+    assert "QW_MK_TIMELINE" not in dict(plain.megakernel.defines)
     cubin = compile_source("megakernel.cu", arch, dict(plan.megakernel.defines))
     assert cubin.startswith(ELF_MAGIC) and b"qw_timeline" in cubin

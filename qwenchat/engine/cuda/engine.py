@@ -29,6 +29,7 @@ from qwenchat.engine.cuda.megakernel import (
     MegakernelDecode,
     MegakernelLayout,
     megakernel_build,
+    megakernel_layout,
     megakernel_unusable,
 )
 from qwenchat.engine.cuda.prefill import (
@@ -124,12 +125,16 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
         raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {device.arch}")
     hopper_gemm = hopper and prefill_kernels != "portable"
     hopper_attention = hopper_gemm and config.head_dim in (64, 128)
-    why = megakernel_unusable(config, device, weight_format)
+    layout = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
+                               weight_format)
+    why = megakernel_unusable(config, device, layout)
     chosen = "layered" if why or decode == "layered" else "megakernel"
-    layout = build = None
+    build = None
     if chosen == "megakernel":
-        layout, build = megakernel_build(config, device, weight_format, megakernel_skip,
-                                         megakernel_stages, megakernel_timeline)
+        layout, build = megakernel_build(config, device.arch, weight_format, layout,
+                                         megakernel_skip, megakernel_stages, megakernel_timeline)
+    else:
+        layout = None
     return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,
                       kernel_builds(config, weight_format, device.arch, hopper_gemm=hopper_gemm,
                                     hopper_attention=hopper_attention, megakernel=build))

@@ -119,23 +119,24 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     return MegakernelLayout(count, stage, fixed, blocks, lm_rows)
 
 
-def megakernel_unusable(config: Qwen3Config, device: GpuShape, weight_format: str) -> str | None:
-    """Why the megakernel cannot decode this model on this GPU (then the per-op graph does)."""
+def megakernel_unusable(config: Qwen3Config, device: GpuShape,
+                        layout: MegakernelLayout | str) -> str | None:
+    """Why the megakernel cannot decode this model on this GPU (then the per-op graph does),
+    given its layout there (megakernel_layout)."""
     if not device.cooperative_launch:
         return "this GPU cannot launch cooperative kernels"
     if config.head_dim < 64:
         # A key/value row must fill whole 128-byte lines: within one launch a line read
         # before part of it is written may be served stale to the bulk copies.
         return f"head_dim {config.head_dim} is below the megakernel's 64"
-    layout = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
-                               weight_format)
     return layout if isinstance(layout, str) else None
 
 
-def megakernel_build(config: Qwen3Config, device: GpuShape, weight_format: str,
-                     skip: Sequence[str] = (), stages: int | None = None, timeline: int = 0
+def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
+                     layout: MegakernelLayout, skip: Sequence[str] = (),
+                     stages: int | None = None, timeline: int = 0
                      ) -> tuple[MegakernelLayout, KernelBuild]:
-    """The megakernel's layout for this GPU's shared memory, and its build.
+    """The megakernel's build for its layout on this GPU (and the layout it is built for).
 
     The stage ring takes what shared memory the device allows per block, less the static
     part and the sampler's histograms; `skip` leaves parts out (timing variants only: the
@@ -145,17 +146,13 @@ def megakernel_build(config: Qwen3Config, device: GpuShape, weight_format: str,
     if unknown:
         raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
                             f"known: {', '.join(MEGAKERNEL_PARTS)}")
-    layout = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
-                               weight_format)
-    if isinstance(layout, str):
-        raise QwenchatError(f"{layout}; use --decode layered")
     if stages:
         layout = dataclasses.replace(layout, stages=stages)
     defines = dict(layout.defines(config, weight_format),
                    QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
     if timeline:
         defines["QW_MK_TIMELINE"] = timeline
-    return layout, KernelBuild.of("megakernel.cu", device.arch, defines)
+    return layout, KernelBuild.of("megakernel.cu", arch, defines)
 
 
 class MegakernelDecode:

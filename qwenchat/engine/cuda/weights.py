@@ -14,6 +14,7 @@ import numpy as np
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
+from qwenchat.model.random_weights import DeviceDraw
 
 
 @dataclass
@@ -51,28 +52,26 @@ class WeightUpload:
         cfg = self.config
         # Random weights say how the device draws each tensor (qwenchat/model/random_weights.py).
         device_draw = getattr(weights, "device_draw", None)
-        self._pending_draws: list[tuple[int, tuple[int, ...], object]] = []
+        self._pending_draws: list[tuple[int, tuple[int, int], DeviceDraw]] = []
+        shapes = cfg.tensor_shapes()
 
         def drawn(names: Sequence[str]) -> rt.DeviceBuffer | None:
             """One buffer for `names`, to be drawn on the device; None if any cannot be."""
-            draws = [device_draw(n) for n in names] if device_draw is not None else [None]
+            if device_draw is None:
+                return None
+            draws = [device_draw(n) for n in names]
             if any(d is None for d in draws):
                 return None
-            shapes = [weights_shape(n) for n in names]
+            matrices = [(shapes[n][0], math.prod(shapes[n][1:])) for n in names]
             sizes = [rows_ * (fp8.packed_row_bytes(cols) if d.scales is not None else 2 * cols)
-                     for (rows_, cols), d in zip(shapes, draws, strict=True)]
+                     for (rows_, cols), d in zip(matrices, draws, strict=True)]
             buffer = rt.DeviceBuffer(sum(sizes))
             self._buffers.append(buffer)
             offset = 0
-            for shape, d, size in zip(shapes, draws, sizes, strict=True):
-                self._pending_draws.append((buffer.ptr + offset, shape, d))
+            for matrix, d, size in zip(matrices, draws, sizes, strict=True):
+                self._pending_draws.append((buffer.ptr + offset, matrix, d))
                 offset += size
             return buffer
-
-        shapes = cfg.tensor_shapes()
-
-        def weights_shape(name: str) -> tuple[int, int]:
-            return shapes[name][0], math.prod(shapes[name][1:])
 
         def one(name: str) -> rt.DeviceBuffer:
             buffer = drawn([name])
