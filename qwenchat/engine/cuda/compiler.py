@@ -256,7 +256,6 @@ class Compilation:
                 self._futures[build] = done = Future()
                 done.set_result(cubin)
         self.to_compile = [build for build, _, _ in missing]
-        self._executor = None
         if not missing:
             return
         threads = max(1, min(len(missing), workers or usable_cpus()))
@@ -265,13 +264,12 @@ class Compilation:
                 announce(f"compiling {missing[0][0]} (once per model and GPU)")
             else:
                 arches = " and ".join(dict.fromkeys(b.arch for b in self.to_compile))
-                names = ", ".join(b.source for b in self.to_compile)
                 announce(f"compiling {len(missing)} kernels for {arches} on {threads} "
-                         f"thread{'s' * (threads > 1)} (once per model and GPU): {names}")
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="qwenchat-nvrtc")
+                         f"thread{'s' * (threads > 1)} (once per model and GPU)")
+        executor = ThreadPoolExecutor(threads, thread_name_prefix="qwenchat-nvrtc")
         for build, options, path in missing:
-            self._futures[build] = self._executor.submit(self._compile, build, options, path)
-        self._executor.shutdown(wait=False)  # the threads end once the queue is empty
+            self._futures[build] = executor.submit(self._compile, build, options, path)
+        executor.shutdown(wait=False)  # its threads end once the queue is empty
 
     def _compile(self, build: KernelBuild, options: list[str], path: Path) -> bytes:
         started = time.perf_counter()
@@ -279,10 +277,10 @@ class Compilation:
         self._cache._store(path, cubin)
         with self._lock:
             self.compiled[build] = time.perf_counter() - started
-            done, left = len(self.compiled), len(self.to_compile) - len(self.compiled)
+            left = [b.source for b in self.to_compile if b not in self.compiled]
             line = (f"compiled {build.source} in {self.compiled[build]:.1f} s "
-                    f"({done} of {len(self.to_compile)}"
-                    + (f", {left} to go" if left else "") + ")")
+                    f"({len(self.compiled)} of {len(self.to_compile)}"
+                    + (f"; to go: {', '.join(left)}" if left else "") + ")")
         if self._progress is not None:
             self._progress(line)
         return cubin
