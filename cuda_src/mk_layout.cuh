@@ -18,6 +18,15 @@
 #ifndef QW_MK_LM_ROWS
 #define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)
 #endif
+// FP8 rows on the tensor cores (mk_matvec.cuh, f8_pair_dot): needs the e4m3 -> f16x2
+// conversion of sm_89 and later; 0 keeps the FMA consumer (experiments, older GPUs).
+#ifndef QW_MK_F8_MMA
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define QW_MK_F8_MMA 1
+#else
+#define QW_MK_F8_MMA 0
+#endif
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
 #define QW_MK_TMA 1
 #else
@@ -45,6 +54,14 @@ __host__ __device__ constexpr int nseg(int k) {
 }
 __host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
 __host__ __device__ constexpr int groups(int k) { return CWARPS / nseg(k); }
+// The FP8 tensor-core consumer: each warp of a row group takes two rows at once.
+constexpr bool F8_MMA = qw::fp8 && QW_MK_F8_MMA != 0;
+template <bool F8>
+__host__ __device__ constexpr int round_rows(int k) {
+    return (F8 && F8_MMA ? 2 : 1) * groups(k);
+}
+// FP8 vectors staged as f16 are padded with zeros to whole 256-column steps of that consumer.
+__host__ __device__ constexpr int f8_steps(int k) { return (k + 255) / 256; }
 // Of `fit` rows (at most), how many a stage takes: the most rows per round of the row groups
 // (a stage's time is its rounds), the larger count on a tie.
 __host__ __device__ constexpr int stage_rows(int fit, int groups, int step = 1) {
@@ -59,11 +76,11 @@ __host__ __device__ constexpr int stage_rows(int fit, int groups, int step = 1) 
 // head). An FP8 row carries its block scales after its codes (weights.cuh).
 template <bool F8 = qw::fp8>
 __host__ __device__ constexpr int rows_per_stage(int k) {
-    return stage_rows(static_cast<int>(STAGE / row_bytes<F8>(k)), groups(k));
+    return stage_rows(static_cast<int>(STAGE / row_bytes<F8>(k)), round_rows<F8>(k));
 }
 constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves (as many gate as up rows)
-    stage_rows(static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden))), groups(qw::hidden),
-               2) / 2;
+    stage_rows(static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden))),
+               round_rows<qw::fp8>(qw::hidden), 2) / 2;
 // Attention: each consumer warp takes KPW keys of each stage, KPASS at a time with LPK lanes a
 // key (DPK dimensions a lane) for the scores; for P . V each lane holds DPL of the head's
 // dimensions. KEYS (K and V rows) a stage: as many as fit, in whole passes of every warp.

@@ -26,6 +26,24 @@ __device__ __forceinline__ void ld_tagged2(const tagged_t* p, tagged_t& a, tagge
         asm volatile("ld.global.cg.v2.u64 {%0,%1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
 }
 
+// Pair i of a K-vector that other blocks are writing with `tag` (or of a bf16 embedding row).
+// One pair in flight a thread: polling more pairs of a thread at once was slower (docs/perf.md,
+// 2026-11-25).
+__device__ __forceinline__ float2 take_pair(const tagged_t* src, const bf16_t* row, int i,
+                                            unsigned tag, bool wait) {
+    if (row) {
+        const unsigned r = *reinterpret_cast<const unsigned*>(row + 2 * i);
+        return make_float2(bf16_lo(r), bf16_hi(r));
+    }
+    tagged_t w0, w1;
+    for (bool strong = false;; strong = true) {
+        if (strong) back_off();
+        ld_tagged2(src + 2 * i, w0, w1, strong);
+        if ((QW_MK_SKIP & 4) || !wait || (tag_of(w0) == tag && tag_of(w1) == tag)) break;
+    }
+    return make_float2(value_of(w0), value_of(w1));
+}
+
 // Loads a K-vector that other blocks are writing with `tag` (or, with `row`, a bf16 embedding
 // row) into vec_buf() with the whole block, returning the sum of squares when asked.
 template <int K>
@@ -37,22 +55,9 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     // reading the last phase's vector here, or its squares.
     __syncthreads();
     // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
-    // 128-byte lines), and a thread polls one pair at a time. (Polling more pairs of a thread
-    // at once was slower: docs/perf.md, 2026-11-25.)
+    // 128-byte lines).
     for (int i = threadIdx.x; i < K / 2; i += THREADS) {
-        float2 e;
-        if (row) {
-            const unsigned r = *reinterpret_cast<const unsigned*>(row + 2 * i);
-            e = make_float2(bf16_lo(r), bf16_hi(r));
-        } else {
-            tagged_t w0, w1;
-            for (bool strong = false;; strong = true) {
-                if (strong) back_off();
-                ld_tagged2(src + 2 * i, w0, w1, strong);
-                if ((QW_MK_SKIP & 4) || !wait || (tag_of(w0) == tag && tag_of(w1) == tag)) break;
-            }
-            e = make_float2(value_of(w0), value_of(w1));
-        }
+        const float2 e = take_pair(src, row, i, tag, wait);
         *reinterpret_cast<float2*>(buf + 2 * i) = e;
         ss += e.x * e.x + e.y * e.y;
     }
@@ -67,6 +72,69 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
         for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
     }
     return total;
+}
+
+__shared__ float warp_maxes[WARPS];
+
+// The FP8 tensor-core consumer's input: the K-vector (times the norm weights `norm`, if given)
+// as f16 in vec_buf(), scaled by a power of two S that puts its largest value just under 2^15
+// (f16 holds up to 65,504), zero from K to the end of the last 256-column step. Returns what a
+// row's dot product with it is multiplied by: 1/S, and 1/rms of the vector for a norm
+// (Σ w·(x·g)/rms = (1/rms)·Σ w·(x·g), so the norm needs only one scalar at the end).
+template <int K>
+__device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* row, unsigned tag,
+                                           const bf16_t* norm, float eps, bool wait = true) {
+    constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
+    unsigned* buf = reinterpret_cast<unsigned*>(vec_buf());  // f16 pairs
+    unsigned g[NQ];
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) {  // the norm weights before the wait: they do not depend on it
+        const int i = threadIdx.x + q * THREADS;
+        g[q] = norm && i < K / 2 ? __ldg(reinterpret_cast<const unsigned*>(norm) + i) : 0x3f803f80u;
+    }
+    __syncthreads();  // (as in stage_vector: the last phase's vector may still be in use)
+    float2 v[NQ];
+    float ss = 0.f, most = 0.f;
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+        const int i = threadIdx.x + q * THREADS;
+        v[q] = make_float2(0.f, 0.f);
+        if (i < K / 2) {
+            const float2 e = take_pair(src, row, i, tag, wait);
+            ss += e.x * e.x + e.y * e.y;
+            v[q] = make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
+            most = fmaxf(most, fmaxf(fabsf(v[q].x), fabsf(v[q].y)));
+        }
+    }
+    ss = warp_sum(ss);
+    most = warp_max(most);
+    if ((threadIdx.x & 31) == 0) {
+        warp_sums[threadIdx.x >> 5] = ss;
+        warp_maxes[threadIdx.x >> 5] = most;
+    }
+    __syncthreads();
+    float total = 0.f;
+    most = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        total += warp_sums[w];
+        most = fmaxf(most, warp_maxes[w]);
+    }
+    int e;
+    frexpf(most, &e);  // most < 2^e (e = 0 for 0)
+    const float s = ldexpf(1.f, 15 - e);
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+        const int i = threadIdx.x + q * THREADS;
+        if (i < K / 2) {
+            unsigned h;
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(v[q].y * s), "f"(v[q].x * s));
+            buf[i] = h;
+        }
+    }
+    for (int i = K / 2 + threadIdx.x; i < f8_steps(K) * 128; i += THREADS) buf[i] = 0u;
+    __syncthreads();
+    return (norm ? rsqrtf(total / K + eps) : 1.f) / s;
 }
 
 // The input vector's 8-value chunk that this lane holds as its q-th: its warp's segment, the
@@ -95,34 +163,46 @@ __device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
 
 // The warp's segment of rmsnorm(src) * w, src a float vector or (layer 0) a bf16 row. The norm
 // weights are loaded before the wait for src: they do not depend on it, so their round trip to
-// L2 overlaps the wait instead of following it.
-template <int K>
-__device__ __forceinline__ void load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
-                                            unsigned tag, const bf16_t* w, float eps) {
-    uint4 g[cpl(K)];
+// L2 overlaps the wait instead of following it. MMA (the FP8 tensor-core consumer): the vector
+// goes to shared memory as f16 instead (stage_f16). Returns the factor of each row's dot product.
+template <int K, bool MMA = F8_MMA>
+__device__ __forceinline__ float load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
+                                             unsigned tag, const bf16_t* w, float eps) {
+    if constexpr (MMA) {
+        return stage_f16<K>(src, row, tag, w, eps);
+    } else {
+        uint4 g[cpl(K)];
 #pragma unroll
-    for (int q = 0; q < cpl(K); ++q) {
-        const int c = lane_chunk<K>(q);
-        g[q] = c < chunks(K) ? __ldg(reinterpret_cast<const uint4*>(w) + c) : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < cpl(K); ++q) {
+            const int c = lane_chunk<K>(q);
+            g[q] = c < chunks(K) ? __ldg(reinterpret_cast<const uint4*>(w) + c) : make_uint4(0, 0, 0, 0);
+        }
+        const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
+        from_staged<K>(out, [&](int q, int, const float (&e)[8], float (&o)[8]) {
+            const float gw[8] = {bf16_lo(g[q].x), bf16_hi(g[q].x), bf16_lo(g[q].y), bf16_hi(g[q].y),
+                                 bf16_lo(g[q].z), bf16_hi(g[q].z), bf16_lo(g[q].w), bf16_hi(g[q].w)};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) o[j] = e[j] * rstd * gw[j];
+        });
+        return 1.f;
     }
-    const float rstd = rsqrtf(stage_vector<K>(src, row, tag, true) / K + eps);
-    from_staged<K>(out, [&](int q, int, const float (&e)[8], float (&o)[8]) {
-        const float gw[8] = {bf16_lo(g[q].x), bf16_hi(g[q].x), bf16_lo(g[q].y), bf16_hi(g[q].y),
-                             bf16_lo(g[q].z), bf16_hi(g[q].z), bf16_lo(g[q].w), bf16_hi(g[q].w)};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = e[j] * rstd * gw[j];
-    });
 }
 
-// The warp's segment of a float vector other blocks are writing with `tag`.
-template <int K>
-__device__ __forceinline__ void load_plain(Vec<K>& out, const tagged_t* src, unsigned tag,
-                                           bool wait = true) {
-    stage_vector<K>(src, nullptr, tag, false, wait);
-    from_staged<K>(out, [](int, int, const float (&e)[8], float (&o)[8]) {
+// The warp's segment of a float vector other blocks are writing with `tag` (MMA: as f16 in
+// shared memory). Returns the factor of each row's dot product.
+template <int K, bool MMA = F8_MMA>
+__device__ __forceinline__ float load_plain(Vec<K>& out, const tagged_t* src, unsigned tag,
+                                            bool wait = true) {
+    if constexpr (MMA) {
+        return stage_f16<K>(src, nullptr, tag, nullptr, 0.f, wait);
+    } else {
+        stage_vector<K>(src, nullptr, tag, false, wait);
+        from_staged<K>(out, [](int, int, const float (&e)[8], float (&o)[8]) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = e[j];
-    });
+            for (int j = 0; j < 8; ++j) o[j] = e[j];
+        });
+        return 1.f;
+    }
 }
 
 // The warp's partial dot product of one weight row in shared memory with its vector segment:
@@ -143,6 +223,69 @@ __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>&
         }
     }
     return warp_sum(acc);
+}
+
+// FP8 rows on the tensor cores: mma m16n8k16 (f16 in, f32 out) dots two rows with the vector
+// at once, each in eight windows of 32 columns. A's rows 0-7 are row0's windows g = 0..7 of a
+// 256-column step, rows 8-15 row1's; B's column g is the vector's window g; the result's
+// diagonal (D[g][g] and D[g + 8][g]) holds the eight windows' dot products of each row, the
+// rest is unused. Lane (g, t) loads the 8 codes at column 32g + 8t of both rows and the 8 f16
+// values of the vector there (a 256-column step is one contiguous 256-byte line of each row,
+// so no two lanes of a load meet in a bank), converts the codes in pairs (cvt e4m3x2 ->
+// f16x2: exact), and the two mma take codes 0-3 and 4-7 (the order of the columns inside a
+// window is the same in A and B, so any order adds up the same products). A window lies in
+// one 128-column block, so its sum is multiplied by that block's scale once. Returns the
+// lane's share of each row's dot product over steps [j0, j1) (diagonal lanes only; the others
+// return 0): a warp_sum completes it.
+__device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned codes) {
+    unsigned r;
+    const unsigned short c = static_cast<unsigned short>(codes);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(c));
+    return r;
+}
+
+// D += A(16x16, row) * B(16x8, col) on the tensor cores, f16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                              unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int K>
+__device__ __forceinline__ float2 f8_pair_dot(const unsigned char* row0, const unsigned char* row1,
+                                              bool has1, int j0, int j1) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const unsigned char* xh = reinterpret_cast<const unsigned char*>(vec_buf());
+    const float* s0 = reinterpret_cast<const float*>(row0 + K);
+    const float* s1 = reinterpret_cast<const float*>(row1 + K);
+    float tot[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+    for (int j = j0; j < j1; ++j) {
+        const int col = 256 * j + 32 * g + 8 * t;
+        uint2 w0 = make_uint2(0u, 0u), w1 = make_uint2(0u, 0u);
+        const bool in = K % 256 == 0 || col < K;
+        if (in) w0 = *reinterpret_cast<const uint2*>(row0 + col);
+        if (in && has1) w1 = *reinterpret_cast<const uint2*>(row1 + col);
+        const uint4 x = *reinterpret_cast<const uint4*>(xh + 2 * col);
+        const int block = (256 * j + 32 * g) / qw::FP8_BLOCK;
+        const float sc0 = in ? s0[block] : 0.f, sc1 = in && has1 ? s1[block] : 0.f;
+        const unsigned a0[4] = {e4m3x2_f16x2(w0.x), e4m3x2_f16x2(w1.x), e4m3x2_f16x2(w0.x >> 16),
+                                e4m3x2_f16x2(w1.x >> 16)};
+        const unsigned a1[4] = {e4m3x2_f16x2(w0.y), e4m3x2_f16x2(w1.y), e4m3x2_f16x2(w0.y >> 16),
+                                e4m3x2_f16x2(w1.y >> 16)};
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_f16_16816(d, a0, x.x, x.y);
+        mma_f16_16816(d, a1, x.z, x.w);
+        tot[0] += d[0] * sc0;
+        tot[1] += d[1] * sc0;
+        tot[2] += d[2] * sc1;
+        tot[3] += d[3] * sc1;
+    }
+    if (t != g >> 1) return make_float2(0.f, 0.f);
+    return (g & 1) ? make_float2(tot[1], tot[3]) : make_float2(tot[0], tot[2]);
 }
 
 // The stages' partial sums (a row's segments from several warps) and, per output of a stage,
@@ -168,18 +311,20 @@ __device__ void init_stage_sums() {
 template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
 __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
                                         Load load, Pre pre, Emit emit) {
+    constexpr bool MMA = F8 && F8_MMA;  // two rows a warp on the tensor cores (f8_pair_dot)
     constexpr int NSEG = nseg(K), GROUPS = CWARPS / NSEG;
     constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
     constexpr int ARRIVALS = NSEG * (PAIRS ? 2 : 1);  // the pieces of one output
     constexpr long long RB = row_bytes<F8>(K);
     static_assert(PER <= STAGE_OUTS && (PAIRS ? 2 : 1) * PER * NSEG <= STAGE_PARTS,
                   "a stage holds more rows than its partial sums");
+    static_assert(!MMA || K % 8 == 0, "the FP8 tensor-core consumer takes 8 columns a lane");
     QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
                 : PAIRS ? mk_timeline::GATE_UP
                 : K == qw::intermediate ? mk_timeline::DOWN
                 : n_rows == QKV_ROWS ? mk_timeline::QKV : mk_timeline::O_PROJ);
     Vec<K> v;
-    load(v);
+    const float scale = load(v);  // what each dot product is multiplied by
     QW_TL_MARK(INPUT);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int seg = warp % NSEG, group = warp / NSEG;
@@ -189,36 +334,56 @@ __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, i
         for (int r0 = lo; r0 < hi; r0 += PER) pipe_produce(a, consumed);
         return;
     }
+    // The MMA consumer's share of the columns: 256-column steps [j0, j1) of the segment.
+    const int j0 = seg * f8_steps(K) / NSEG, j1 = (seg + 1) * f8_steps(K) / NSEG;
     for (int r0 = lo; r0 < hi; r0 += PER) {
         const int n = min(PER, hi - r0);
         const int slot = consumed % STAGES;
         const unsigned char* tile = pipe_wait(consumed);
         QW_TL_MARK_IF(r0 == lo, WEIGHTS);
+        // Row r of the stage (PAIRS: gate rows, then up rows from PER) has its dot product d
+        // (lane 0): emit it, or add it to the stage's partial sums and emit with the last one.
+        auto finish = [&](int r, float d, int extra) {
+            const int out = PAIRS ? r % PER : r;
+            if constexpr (ARRIVALS == 1) {
+                emit(r0 + out, d * scale, 0.f, extra);
+                return;
+            }
+            volatile float* parts = stage_parts[slot];
+            parts[r * NSEG + seg] = d;
+            __threadfence_block();  // the piece before its count
+            if (atomicAdd(&stage_arrivals[slot][out], 1u) + 1u != ARRIVALS) return;
+            stage_arrivals[slot][out] = 0u;
+            __threadfence_block();  // the other pieces after their counts
+            float total = 0.f, up = 0.f;
+#pragma unroll
+            for (int s = 0; s < NSEG; ++s) total += parts[out * NSEG + s];
+            if (PAIRS) {
+#pragma unroll
+                for (int s = 0; s < NSEG; ++s) up += parts[(PER + out) * NSEG + s];
+            }
+            emit(r0 + out, total * scale, up * scale, extra);
+        };
+        const int span = PAIRS ? 2 * PER : n;  // the stage's rows (PAIRS: r % PER >= n unused)
         if (group < GROUPS) {
-            for (int r = group; r < (PAIRS ? 2 * PER : n); r += GROUPS) {
-                if (PAIRS && r % PER >= n) continue;
-                const int out = PAIRS ? r % PER : r;
-                const int extra = lane == 0 ? pre(r0 + out) : 0;
-                const float d = row_dot<K, F8>(tile + r * RB, v);
-                if (lane != 0) continue;
-                if constexpr (ARRIVALS == 1) {
-                    emit(r0 + out, d, 0.f, extra);
-                    continue;
+            if constexpr (MMA) {
+                for (int r = 2 * group; r < span; r += 2 * GROUPS) {
+                    const bool use0 = !PAIRS || r % PER < n;
+                    const bool use1 = r + 1 < span && (!PAIRS || (r + 1) % PER < n);
+                    if (!use0 && !use1) continue;
+                    const float2 d = f8_pair_dot<K>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
+                    const float d0 = warp_sum(d.x), d1 = warp_sum(d.y);
+                    if (lane != 0) continue;
+                    if (use0) finish(r, d0, pre(r0 + (PAIRS ? r % PER : r)));
+                    if (use1) finish(r + 1, d1, pre(r0 + (PAIRS ? (r + 1) % PER : r + 1)));
                 }
-                volatile float* parts = stage_parts[slot];
-                parts[r * NSEG + seg] = d;
-                __threadfence_block();  // the piece before its count
-                if (atomicAdd(&stage_arrivals[slot][out], 1u) + 1u != ARRIVALS) continue;
-                stage_arrivals[slot][out] = 0u;
-                __threadfence_block();  // the other pieces after their counts
-                float total = 0.f, up = 0.f;
-#pragma unroll
-                for (int s = 0; s < NSEG; ++s) total += parts[out * NSEG + s];
-                if (PAIRS) {
-#pragma unroll
-                    for (int s = 0; s < NSEG; ++s) up += parts[(PER + out) * NSEG + s];
+            } else {
+                for (int r = group; r < span; r += GROUPS) {
+                    if (PAIRS && r % PER >= n) continue;
+                    const int extra = lane == 0 ? pre(r0 + (PAIRS ? r % PER : r)) : 0;
+                    const float d = row_dot<K, F8>(tile + r * RB, v);
+                    if (lane == 0) finish(r, d, extra);
                 }
-                emit(r0 + out, total, up, extra);
             }
         }
         pipe_release(consumed);

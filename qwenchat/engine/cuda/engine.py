@@ -117,7 +117,7 @@ class KernelPlan:
 def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                  decode: str = "auto", prefill_kernels: str = "auto",
                  megakernel_skip: Sequence[str] = (), megakernel_stages: int | None = None,
-                 megakernel_timeline: int = 0) -> KernelPlan:
+                 megakernel_timeline: int = 0, megakernel_consumer: str = "auto") -> KernelPlan:
     """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
     and prefills with the Hopper kernels on sm_90."""
     hopper = device.arch == "sm_90"
@@ -132,7 +132,8 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     build = None
     if chosen == "megakernel":
         layout, build = megakernel_build(config, device.arch, weight_format, layout,
-                                         megakernel_skip, megakernel_stages, megakernel_timeline)
+                                         megakernel_skip, megakernel_stages, megakernel_timeline,
+                                         megakernel_consumer)
     else:
         layout = None
     return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,
@@ -175,10 +176,12 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         prefill_kernels: str = "auto",
         progress: Callable[[str], None] | None = None,
         megakernel_timeline: int = 0,
+        megakernel_consumer: str = "auto",
     ):
         """`notice` gets what the user should know (a kernel compile starting, a fallback);
         `progress` a line as each kernel compile ends. `megakernel_timeline` > 0 builds a
-        megakernel that records that many phases of each launch (tests/step_timeline.py)."""
+        megakernel that records that many phases of each launch (tests/step_timeline.py);
+        `megakernel_consumer` "fma" keeps FP8 rows off the tensor cores (comparisons)."""
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
@@ -202,7 +205,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._modules: list[rt.Module] = []
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
         plan = plan_kernels(config, self.weight_format, self.device, decode, prefill_kernels,
-                            megakernel_skip, megakernel_stages, megakernel_timeline)
+                            megakernel_skip, megakernel_stages, megakernel_timeline,
+                            megakernel_consumer)
         self.mk_timeline_phases = megakernel_timeline
         if plan.why_layered and decode == "megakernel":
             notice(f"{plan.why_layered}: decoding layer by layer")

@@ -32,6 +32,7 @@ MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's
 MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
 MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
+MEGAKERNEL_CONSUMERS = ("auto", "fma")  # how FP8 rows are dotted (megakernel_build)
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
 MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth and more
@@ -134,14 +135,19 @@ def megakernel_unusable(config: Qwen3Config, device: GpuShape,
 
 def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
                      layout: MegakernelLayout, skip: Sequence[str] = (),
-                     stages: int | None = None, timeline: int = 0
+                     stages: int | None = None, timeline: int = 0, consumer: str = "auto"
                      ) -> tuple[MegakernelLayout, KernelBuild]:
     """The megakernel's build for its layout on this GPU (and the layout it is built for).
 
     The stage ring takes what shared memory the device allows per block, less the static
     part and the sampler's histograms; `skip` leaves parts out (timing variants only: the
     tokens are then wrong), `stages` overrides the ring depth (experiments) and `timeline` > 0
-    records that many phases of a launch in every block (tests/step_timeline.py)."""
+    records that many phases of a launch in every block (tests/step_timeline.py). `consumer`:
+    "auto" dots FP8 rows on the tensor cores where the GPU converts FP8 in hardware (sm_89 and
+    later), "fma" on the CUDA cores everywhere (the consumer before, kept for comparison)."""
+    if consumer not in MEGAKERNEL_CONSUMERS:
+        raise QwenchatError(f"unknown megakernel consumer {consumer!r}; "
+                            f"known: {', '.join(MEGAKERNEL_CONSUMERS)}")
     unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
     if unknown:
         raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
@@ -152,6 +158,8 @@ def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
                    QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
     if timeline:
         defines["QW_MK_TIMELINE"] = timeline
+    if consumer == "fma" and weight_format == "fp8":
+        defines["QW_MK_F8_MMA"] = 0
     return layout, KernelBuild.of("megakernel.cu", arch, defines)
 
 

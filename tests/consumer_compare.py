@@ -1,0 +1,60 @@
+"""The megakernel's FP8 consumers side by side: a benchmark, not a test (CUDA only).
+
+Decodes random weights of real shapes with the tensor-core FP8 consumer ("auto") and the
+CUDA-core one ("fma") in one process, on one GPU, through the bench's own decode measurement,
+so the numbers are comparable with `qwenchat bench` and with each other:
+
+    python tests/consumer_compare.py --configs qwen3-0.6b,qwen3-8b --positions 1,4096
+
+Each cell is tok/s (median of `--repeats` runs of `--steps` greedy steps) and the share of the
+copy bandwidth that the bytes read per step reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from qwenchat.bench import BenchSettings, measure_engine, parse_sizes
+from qwenchat.engine.cuda.engine import CudaEngine
+from qwenchat.engine.cuda.megakernel import MEGAKERNEL_CONSUMERS
+from qwenchat.model.presets import PRESETS
+from qwenchat.model.random_weights import RandomWeights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="qwen3-0.6b,qwen3-8b")
+    parser.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
+    parser.add_argument("--consumers", default=",".join(MEGAKERNEL_CONSUMERS))
+    parser.add_argument("--positions", default="1,4096")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="one JSON object a line")
+    args = parser.parse_args()
+    positions = parse_sizes(args.positions, "--positions")
+    settings = BenchSettings(prompts=(1,), positions=positions, steps=args.steps,
+                             repeats=args.repeats)
+    for name in args.configs.split(","):
+        config = PRESETS[name]
+        weights = RandomWeights(config, seed=0, weight_format=args.weights)
+        for consumer in args.consumers.split(","):
+            engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
+                                decode="megakernel", megakernel_consumer=consumer)
+            try:
+                result = measure_engine(engine, settings, name, "random")
+            finally:
+                engine.close()
+            cells = {d.position: (d.tok_s, d.copy_fraction) for d in result.decode}
+            if args.json:
+                print(json.dumps({"config": name, "weights": args.weights, "consumer": consumer,
+                                  "decode": {p: {"tok_s": t, "of_copy": f}
+                                             for p, (t, f) in cells.items()}}), flush=True)
+                continue
+            row = "".join(f"  @{p}: {t:8.1f} tok/s {100 * (f or 0):5.1f}% of copy"
+                          for p, (t, f) in cells.items())
+            print(f"{name:<11} {args.weights:<5} {consumer:<5}{row}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
