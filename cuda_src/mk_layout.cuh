@@ -64,7 +64,11 @@ __host__ __device__ constexpr int round_rows(int k) {
 __host__ __device__ constexpr int f8_steps(int k) { return (k + 255) / 256; }
 // Of `fit` rows (at most), how many a stage takes: the most rows per round of the row groups
 // (a stage's time is its rounds), the larger count on a tie.
+#ifndef QW_MK_FILL
+#define QW_MK_FILL 0  // 1: every stage as full as whole rows allow (experiments)
+#endif
 __host__ __device__ constexpr int stage_rows(int fit, int groups, int step = 1) {
+    if (QW_MK_FILL) return fit * step;
     int best = 0, best_rate = 0;
     for (int r = step; r <= fit * step; r += step) {
         const int rate = r * 1024 / ((r + groups - 1) / groups);
@@ -126,8 +130,13 @@ constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
 // or (after the LM head's input vector, which warps may still be reading while others write
 // logits) the block's LM-head logits, or (block 0, sampling) the radix histograms.
+// The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to whole
+// 256-column steps. The LM head's input is floats either way (its own term below).
+constexpr int VEC_BYTES =
+    F8_MMA ? 2 * 256 * cmax(cmax(f8_steps(qw::hidden), f8_steps(qw::q_size)), f8_steps(qw::intermediate))
+           : 4 * VEC_FLOATS;
 constexpr int UNION_BYTES =
-    (cmax(cmax(HIST_BYTES, 4 * VEC_FLOATS),
+    (cmax(cmax(HIST_BYTES, VEC_BYTES),
           cmax(4 * (qw::hidden + LM_ROWS), WARPS * qw::group * HD * 4)) + 127) / 128 * 128;
 constexpr int RESID = 512;       // residual rows a block may own
 constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most

@@ -892,7 +892,7 @@ def wide_shape(request):
 @pytest.mark.parametrize("decode", DECODES)
 def test_the_largest_widths_decode_as_the_reference_on_both_paths(wide_shape, decode):
     from qwenchat.engine.cuda.engine import CudaEngine
-    from qwenchat.engine.cuda.megakernel import megakernel_layout
+    from qwenchat.engine.cuda.megakernel import fp8_on_tensor_cores, megakernel_layout
 
     config, weights, ref = wide_shape
     notices = []
@@ -900,7 +900,7 @@ def test_the_largest_widths_decode_as_the_reference_on_both_paths(wide_shape, de
     try:
         device = gpu_engine.device
         fits = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
-                                 gpu_engine.weight_format)
+                                 gpu_engine.weight_format, fp8_on_tensor_cores(device.arch))
         if decode == "megakernel" and isinstance(fits, str):
             # Too wide for the megakernel on this GPU: it says why and uses the graph.
             assert gpu_engine.decode == "layered" and any(fits in n for n in notices)

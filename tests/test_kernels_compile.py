@@ -20,7 +20,7 @@ from qwenchat.engine.cuda.compiler import (
     kernel_defines,
 )
 from qwenchat.engine.cuda.engine import COMPILE_ORDER, SM90_KERNELS, plan_kernels
-from qwenchat.engine.cuda.megakernel import megakernel_layout
+from qwenchat.engine.cuda.megakernel import fp8_on_tensor_cores, megakernel_layout
 from qwenchat.engine.cuda.sources import cuda_src_dir
 from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model.config import Qwen3Config
@@ -133,7 +133,7 @@ def test_every_kernel_compiles(kernel, weights, arch, shape):
     config = SHAPES[shape]
     defines = kernel_defines(config, weights)
     if kernel == "megakernel.cu":  # built as the engine builds it on such a GPU, or refused
-        layout = megakernel_layout(config, *GPUS[arch], weights)
+        layout = megakernel_layout(config, *GPUS[arch], weights, fp8_on_tensor_cores(arch))
         if isinstance(layout, str):  # the engine decodes with the per-op graph there
             assert "shared memory" in layout and f"{GPUS[arch][0]:,}" in layout
             return
@@ -408,6 +408,42 @@ def test_where_the_megakernel_cannot_run_the_plan_says_why_and_compiles_the_grap
 def test_an_unknown_megakernel_part_is_refused_before_anything_compiles():
     with pytest.raises(QwenchatError, match="unknown megakernel part 'nope'"):
         plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90"), megakernel_skip=["nope"])
+
+
+def test_fp8_rows_go_to_the_tensor_cores_where_the_gpu_converts_fp8():
+    config = PRESETS["qwen3-0.6b"]
+    for arch, on in (("sm_80", False), ("sm_86", False), ("sm_89", True), ("sm_90", True)):
+        plan = plan_kernels(config, "fp8", gpu_shape(arch))
+        assert plan.megakernel_layout.f8_mma is on
+        assert dict(plan.megakernel.defines)["QW_MK_F8_MMA"] == int(on)
+    fma = plan_kernels(config, "fp8", gpu_shape("sm_90"), megakernel_consumer="fma")
+    assert dict(fma.megakernel.defines)["QW_MK_F8_MMA"] == 0
+    bf16 = plan_kernels(config, "bf16", gpu_shape("sm_90"))
+    assert not bf16.megakernel_layout.f8_mma and "QW_MK_F8_MMA" not in dict(bf16.megakernel.defines)
+    with pytest.raises(QwenchatError, match="unknown megakernel consumer 'tc'; known: auto, fma"):
+        plan_kernels(config, "fp8", gpu_shape("sm_90"), megakernel_consumer="tc")
+
+
+def test_fp8_vectors_staged_as_f16_leave_room_for_more_stages():
+    # The matrix phases' input vectors take 2 bytes a value instead of 4: 8B FP8 gets a fifth
+    # 32 KB stage and 32B FP8 a fourth on the H100; on a 99 KB card 8B FP8 now fits at all.
+    for name, arch, before, after in (("qwen3-8b", "sm_90", 4, 5), ("qwen3-32b", "sm_90", 3, 4),
+                                      ("qwen3-8b", "sm_89", None, 2)):
+        fma = megakernel_layout(PRESETS[name], *GPUS[arch], "fp8", False)
+        mma = megakernel_layout(PRESETS[name], *GPUS[arch], "fp8", True)
+        assert (fma.stages if before else fma) == (before or fma)
+        assert isinstance(fma, str) == (before is None)
+        assert mma.stages == after and mma.f8_mma
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("arch", "name"), [("sm_89", "qwen3-4b"), ("sm_90", "qwen3-14b")])
+def test_the_fp8_megakernel_compiles_with_either_consumer(arch, name):
+    config = PRESETS[name]
+    for consumer in ("auto", "fma"):
+        plan = plan_kernels(config, "fp8", gpu_shape(arch), megakernel_consumer=consumer)
+        assert compile_source("megakernel.cu", arch, dict(plan.megakernel.defines)).startswith(
+            ELF_MAGIC)
 
 
 def test_every_source_has_a_place_in_the_compile_order():

@@ -28,6 +28,7 @@ from qwenchat.engine.cuda.megakernel import (
     GpuShape,
     MegakernelDecode,
     MegakernelLayout,
+    fp8_on_tensor_cores,
     megakernel_build,
     megakernel_layout,
     megakernel_unusable,
@@ -126,14 +127,13 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     hopper_gemm = hopper and prefill_kernels != "portable"
     hopper_attention = hopper_gemm and config.head_dim in (64, 128)
     layout = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
-                               weight_format)
+                               weight_format, fp8_on_tensor_cores(device.arch, megakernel_consumer))
     why = megakernel_unusable(config, device, layout)
     chosen = "layered" if why or decode == "layered" else "megakernel"
     build = None
     if chosen == "megakernel":
         layout, build = megakernel_build(config, device.arch, weight_format, layout,
-                                         megakernel_skip, megakernel_stages, megakernel_timeline,
-                                         megakernel_consumer)
+                                         megakernel_skip, megakernel_stages, megakernel_timeline)
     else:
         layout = None
     return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,

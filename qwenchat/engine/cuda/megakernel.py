@@ -32,7 +32,7 @@ MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's
 MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
 MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
-MEGAKERNEL_CONSUMERS = ("auto", "fma")  # how FP8 rows are dotted (megakernel_build)
+MEGAKERNEL_CONSUMERS = ("auto", "fma")  # how FP8 rows are dotted (fp8_on_tensor_cores)
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
 MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth and more
@@ -74,26 +74,44 @@ class MegakernelLayout:
     fixed: int  # the rest of its dynamic shared memory: the union region, the layer table
     blocks: int  # one per SM
     lm_rows: int  # LM-head rows per block
+    f8_mma: bool = False  # FP8 rows on the tensor cores, their input vectors staged as f16
 
     def defines(self, config: Qwen3Config,
                 weight_format: str = "bf16") -> dict[str, int | float]:
-        return dict(kernel_defines(config, weight_format), QW_MK_STAGES=self.stages,
-                    QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows)
+        defines = dict(kernel_defines(config, weight_format), QW_MK_STAGES=self.stages,
+                       QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows)
+        if weight_format == "fp8":
+            defines["QW_MK_F8_MMA"] = int(self.f8_mma)
+        return defines
+
+
+def fp8_on_tensor_cores(arch: str, consumer: str = "auto") -> bool:
+    """Whether the megakernel dots FP8 rows on the tensor cores: with the "auto" consumer,
+    on GPUs that convert FP8 in hardware (sm_89 and later); "fma" keeps the CUDA cores."""
+    if consumer not in MEGAKERNEL_CONSUMERS:
+        raise QwenchatError(f"unknown megakernel consumer {consumer!r}; "
+                            f"known: {', '.join(MEGAKERNEL_CONSUMERS)}")
+    return consumer == "auto" and int(arch.removeprefix("sm_").rstrip("a")) >= 89
 
 
 def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
-                      weight_format: str = "bf16") -> MegakernelLayout | str:
+                      weight_format: str = "bf16", f8_mma: bool = False) -> MegakernelLayout | str:
     """The megakernel's layout on a GPU with this much opt-in shared memory per block and
-    this many SMs, for linear layers in `weight_format`, or why it cannot run there (then the
-    per-op graph decodes)."""
+    this many SMs, for linear layers in `weight_format` (FP8: dotted on the tensor cores with
+    `f8_mma`, see fp8_on_tensor_cores), or why it cannot run there (then the per-op graph
+    decodes)."""
     stage = MEGAKERNEL_STAGE_BYTES
     blocks = min(sm_count, 512)  # one block per SM (its scratch holds 512)
     # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
     # input vector, the warps' attention partial sums, the block's LM-head logits and the
     # sampler's histograms; then the table of layer pointers.
     lm_rows = math.ceil(cfg.vocab_size / blocks)
-    union = max(MEGAKERNEL_HISTOGRAM_BYTES,
-                4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size),
+    f8_mma = f8_mma and weight_format == "fp8"
+    widths = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+    # The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to
+    # whole 256-column steps (VEC_BYTES in mk_layout.cuh).
+    vector = 2 * 256 * max(math.ceil(k / 256) for k in widths) if f8_mma else 4 * max(widths)
+    union = max(MEGAKERNEL_HISTOGRAM_BYTES, vector,
                 4 * (cfg.hidden_size + lm_rows),  # (the logits go after the LM head's input)
                 MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
     fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
@@ -117,7 +135,7 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
                 f"per block for this model and the GPU has {shared_per_block:,}")
     if math.ceil(cfg.hidden_size / blocks) > 512:
         return "this model is too wide for the decode megakernel on this GPU"
-    return MegakernelLayout(count, stage, fixed, blocks, lm_rows)
+    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, f8_mma)
 
 
 def megakernel_unusable(config: Qwen3Config, device: GpuShape,
@@ -135,19 +153,14 @@ def megakernel_unusable(config: Qwen3Config, device: GpuShape,
 
 def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
                      layout: MegakernelLayout, skip: Sequence[str] = (),
-                     stages: int | None = None, timeline: int = 0, consumer: str = "auto"
+                     stages: int | None = None, timeline: int = 0
                      ) -> tuple[MegakernelLayout, KernelBuild]:
     """The megakernel's build for its layout on this GPU (and the layout it is built for).
 
     The stage ring takes what shared memory the device allows per block, less the static
     part and the sampler's histograms; `skip` leaves parts out (timing variants only: the
     tokens are then wrong), `stages` overrides the ring depth (experiments) and `timeline` > 0
-    records that many phases of a launch in every block (tests/step_timeline.py). `consumer`:
-    "auto" dots FP8 rows on the tensor cores where the GPU converts FP8 in hardware (sm_89 and
-    later), "fma" on the CUDA cores everywhere (the consumer before, kept for comparison)."""
-    if consumer not in MEGAKERNEL_CONSUMERS:
-        raise QwenchatError(f"unknown megakernel consumer {consumer!r}; "
-                            f"known: {', '.join(MEGAKERNEL_CONSUMERS)}")
+    records that many phases of a launch in every block (tests/step_timeline.py)."""
     unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
     if unknown:
         raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
@@ -158,8 +171,6 @@ def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
                    QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
     if timeline:
         defines["QW_MK_TIMELINE"] = timeline
-    if consumer == "fma" and weight_format == "fp8":
-        defines["QW_MK_F8_MMA"] = 0
     return layout, KernelBuild.of("megakernel.cu", arch, defines)
 
 
