@@ -64,11 +64,7 @@ __host__ __device__ constexpr int round_rows(int k) {
 __host__ __device__ constexpr int f8_steps(int k) { return (k + 255) / 256; }
 // Of `fit` rows (at most), how many a stage takes: the most rows per round of the row groups
 // (a stage's time is its rounds), the larger count on a tie.
-#ifndef QW_MK_FILL
-#define QW_MK_FILL 0  // 1: every stage as full as whole rows allow (experiments)
-#endif
 __host__ __device__ constexpr int stage_rows(int fit, int groups, int step = 1) {
-    if (QW_MK_FILL) return fit * step;
     int best = 0, best_rate = 0;
     for (int r = step; r <= fit * step; r += step) {
         const int rate = r * 1024 / ((r + groups - 1) / groups);

@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="experiments: an extra macro for the megakernel build")
+    parser.add_argument("--stages", type=int, help="the stage ring's depth (default: the layout's)")
     args = parser.parse_args()
     extra = {k: int(v) for k, v in (d.split("=", 1) for d in args.define)}
     if extra:  # every megakernel build of this run gets them
@@ -46,7 +47,8 @@ def main() -> None:
         weights = RandomWeights(config, seed=0, weight_format=args.weights)
         for consumer in args.consumers.split(","):
             engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
-                                decode="megakernel", megakernel_consumer=consumer)
+                                decode="megakernel", megakernel_consumer=consumer,
+                                megakernel_stages=args.stages)
             try:
                 result = measure_engine(engine, settings, name, "random")
             finally:
@@ -60,7 +62,7 @@ def main() -> None:
                 continue
             row = "".join(f"  @{p}: {t:8.1f} tok/s {100 * (f or 0):5.1f}% of copy"
                           for p, (t, f) in cells.items())
-            tag = " ".join(args.define)
+            tag = " ".join(args.define + ([f"stages={args.stages}"] if args.stages else []))
             print(f"{name:<11} {args.weights:<5} {consumer:<5}{row} {tag}", flush=True)
 
 
