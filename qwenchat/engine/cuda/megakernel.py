@@ -110,12 +110,20 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     widths = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
     # The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to
     # whole 256-column steps (VEC_BYTES in mk_layout.cuh).
-    vector = 2 * 256 * max(math.ceil(k / 256) for k in widths) if f8_mma else 4 * max(widths)
-    union = max(MEGAKERNEL_HISTOGRAM_BYTES, vector,
-                4 * (cfg.hidden_size + lm_rows),  # (the logits go after the LM head's input)
-                MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
-    fixed = (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
-    room = shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed
+    f16_vector = 2 * 256 * max(math.ceil(k / 256) for k in widths)
+
+    def fixed_bytes(vector: int) -> int:  # the union region and the layer table
+        union = max(MEGAKERNEL_HISTOGRAM_BYTES, vector,
+                    4 * (cfg.hidden_size + lm_rows),  # (the logits go after the LM head's input)
+                    MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
+        return (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
+
+    fixed = fixed_bytes(f16_vector if f8_mma else 4 * max(widths))
+    # The ring is sized as for float vectors even where they are f16: the room they free
+    # only counts where it makes the megakernel fit at all (a 99 KB card). Deeper rings were
+    # measured slower on the H100 (docs/perf.md: 32B FP8 at 4 stages 6% below 3, 8B at 5
+    # 2% below 4).
+    room = shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed_bytes(4 * max(widths))
     if room // stage < 3:
         stage //= 2  # smaller GPUs: more, smaller stages
     # A stage holds a whole row of every matrix (a gate/up pair together), in the weights'
@@ -127,6 +135,8 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     while stage < widest_row:
         stage *= 2
     count = min(16, room // stage)
+    if count < 2:
+        count = min(16, (shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed) // stage)
     if count < 2:
         # 32B's SwiGLU vector (100 KB) and two 64 KB bf16 stages do not fit in one block's
         # 227 KB (its FP8 rows fit 32 KB stages).
