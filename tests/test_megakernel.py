@@ -1,5 +1,6 @@
-"""The decode megakernel on real model shapes, whole depth: the per-op graph's greedy tokens
-over 512 steps, and the same tokens run after run for the same seed (GPU only)."""
+"""The decode megakernel on real model shapes, whole depth, bf16 and FP8 weights: the per-op
+graph's greedy tokens over 512 steps, and the same tokens run after run for the same seed (GPU
+only)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,19 @@ SAMPLED = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=0.5,
                frequency_penalty=0.2)
 
 
-@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"])
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-0.6b fp8",
+                                        "qwen3-4b fp8"])
 def shape_engine(request):
-    """A CUDA engine on seeded random weights of a real shape (every layer), megakernel on."""
+    """A CUDA engine on seeded random weights of a real shape (every layer), megakernel on. FP8:
+    the megakernel dots them on the tensor cores (H100), the graph on the CUDA cores."""
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.model.presets import PRESETS
     from qwenchat.model.random_weights import RandomWeights
 
-    config = PRESETS[request.param]
-    engine = CudaEngine(config, RandomWeights(config, seed=0), ctx=2048, decode="megakernel")
+    name, _, weight_format = request.param.partition(" ")
+    config = PRESETS[name]
+    weights = RandomWeights(config, seed=0, weight_format=weight_format or "bf16")
+    engine = CudaEngine(config, weights, ctx=2048, decode="megakernel")
     assert engine.decode == "megakernel"
     yield engine
     engine.close()
