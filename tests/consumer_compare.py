@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="experiments: an extra macro for the megakernel build")
     parser.add_argument("--stages", type=int, help="the stage ring's depth (default: the layout's)")
+    parser.add_argument("--shared", type=int,
+                        help="lay the megakernel out for this much shared memory a block "
+                             "(101376: an RTX 4090's)")
     args = parser.parse_args()
     extra = {k: int(v) for k, v in (d.split("=", 1) for d in args.define)}
     if extra:  # every megakernel build of this run gets them
@@ -48,7 +51,8 @@ def main() -> None:
         for consumer in args.consumers.split(","):
             engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
                                 decode="megakernel", megakernel_consumer=consumer,
-                                megakernel_stages=args.stages)
+                                megakernel_stages=args.stages,
+                                megakernel_shared=args.shared)
             try:
                 result = measure_engine(engine, settings, name, "random")
             finally:
@@ -62,7 +66,8 @@ def main() -> None:
                 continue
             row = "".join(f"  @{p}: {t:8.1f} tok/s {100 * (f or 0):5.1f}% of copy"
                           for p, (t, f) in cells.items())
-            tag = " ".join(args.define + ([f"stages={args.stages}"] if args.stages else []))
+            tag = " ".join(args.define + ([f"stages={args.stages}"] if args.stages else [])
+                           + ([f"shared={args.shared}"] if args.shared else []))
             print(f"{name:<11} {args.weights:<5} {consumer:<5}{row} {tag}", flush=True)
 
 

@@ -439,6 +439,23 @@ def test_fp8_vectors_staged_as_f16_fit_8b_on_a_99_kb_card_and_keep_the_h100_ring
     assert 24 * 1024 + small.fixed + 2 * 16384 <= GPUS["sm_89"][0]
 
 
+def test_the_megakernel_can_be_laid_out_for_less_shared_memory_than_the_gpu_has():
+    # An H100 running the layout of an RTX 4090 (99 KB a block): 8B FP8 in two 16 KB stages,
+    # 8B bf16 on the graph, as on that card; never more than the GPU has.
+    h100 = gpu_shape("sm_90")
+    fp8 = plan_kernels(PRESETS["qwen3-8b"], "fp8", h100, megakernel_shared=101_376)
+    assert fp8.decode == "megakernel"
+    expected = megakernel_layout(PRESETS["qwen3-8b"], 101_376, 132, "fp8", True)
+    assert fp8.megakernel_layout == expected
+    assert (fp8.megakernel_layout.stages, fp8.megakernel_layout.stage_bytes) == (2, 16384)
+    bf16 = plan_kernels(PRESETS["qwen3-8b"], "bf16", h100, megakernel_shared=101_376)
+    assert bf16.decode == "layered" and "101,376" in bf16.why_layered
+    for wrong in (232_449, 1024):
+        with pytest.raises(QwenchatError, match=f"must be 49,152 to 232,448 bytes on this GPU; "
+                                                f"got {wrong:,}"):
+            plan_kernels(PRESETS["qwen3-8b"], "fp8", h100, megakernel_shared=wrong)
+
+
 @needs_nvrtc
 @pytest.mark.parametrize(("arch", "name"), [("sm_89", "qwen3-4b"), ("sm_90", "qwen3-14b")])
 def test_the_fp8_megakernel_compiles_with_either_consumer(arch, name):

@@ -23,19 +23,26 @@ SAMPLED = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=0.5,
                frequency_penalty=0.2)
 
 
+RTX_4090_SHARED = 101_376  # opt-in shared memory a block on an RTX 4090 (sm_89)
+
+
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-0.6b fp8",
-                                        "qwen3-4b fp8"])
+                                        "qwen3-4b fp8", "qwen3-8b fp8 99KB"])
 def shape_engine(request):
     """A CUDA engine on seeded random weights of a real shape (every layer), megakernel on. FP8:
-    the megakernel dots them on the tensor cores (H100), the graph on the CUDA cores."""
+    the megakernel dots them on the tensor cores (H100), the graph on the CUDA cores. 99KB: the
+    megakernel laid out for an RTX 4090's shared memory (two 16 KB stages), as it runs there."""
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.model.presets import PRESETS
     from qwenchat.model.random_weights import RandomWeights
 
-    name, _, weight_format = request.param.partition(" ")
+    name, weight_format, small = [*request.param.split(), "bf16", ""][:3]
     config = PRESETS[name]
-    weights = RandomWeights(config, seed=0, weight_format=weight_format or "bf16")
-    engine = CudaEngine(config, weights, ctx=2048, decode="megakernel")
+    weights = RandomWeights(config, seed=0, weight_format=weight_format)
+    engine = CudaEngine(config, weights, ctx=2048, decode="megakernel",
+                        megakernel_shared=RTX_4090_SHARED if small else None)
+    if small:
+        assert (engine.mk_stages, engine.mk_stage_bytes) == (2, 16384)
     assert engine.decode == "megakernel"
     yield engine
     engine.close()

@@ -25,6 +25,7 @@ from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import Compilation, KernelBuild, KernelCache, kernel_defines
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK, LayeredDecode
 from qwenchat.engine.cuda.megakernel import (
+    MEGAKERNEL_MIN_SHARED,
     GpuShape,
     MegakernelDecode,
     MegakernelLayout,
@@ -118,16 +119,25 @@ class KernelPlan:
 def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                  decode: str = "auto", prefill_kernels: str = "auto",
                  megakernel_skip: Sequence[str] = (), megakernel_stages: int | None = None,
-                 megakernel_timeline: int = 0, megakernel_consumer: str = "auto") -> KernelPlan:
+                 megakernel_timeline: int = 0, megakernel_consumer: str = "auto",
+                 megakernel_shared: int | None = None) -> KernelPlan:
     """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
-    and prefills with the Hopper kernels on sm_90."""
+    and prefills with the Hopper kernels on sm_90. `megakernel_shared` lays the megakernel out
+    for that much shared memory a block instead of the GPU's (at most the GPU's): 101,376
+    runs an H100 as an RTX 4090 would lay it out."""
+    shared = device.max_shared_per_block_optin
+    if megakernel_shared is not None:
+        if not MEGAKERNEL_MIN_SHARED <= megakernel_shared <= shared:
+            raise QwenchatError(f"the megakernel's shared memory must be {MEGAKERNEL_MIN_SHARED:,} "
+                                f"to {shared:,} bytes on this GPU; got {megakernel_shared:,}")
+        shared = megakernel_shared
     hopper = device.arch == "sm_90"
     if prefill_kernels == "hopper" and not hopper:
         raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {device.arch}")
     hopper_gemm = hopper and prefill_kernels != "portable"
     hopper_attention = hopper_gemm and config.head_dim in (64, 128)
-    layout = megakernel_layout(config, device.max_shared_per_block_optin, device.sm_count,
-                               weight_format, fp8_on_tensor_cores(device.arch, megakernel_consumer))
+    layout = megakernel_layout(config, shared, device.sm_count, weight_format,
+                               fp8_on_tensor_cores(device.arch, megakernel_consumer))
     why = megakernel_unusable(config, device, layout)
     chosen = "layered" if why or decode == "layered" else "megakernel"
     build = None
@@ -177,11 +187,14 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         progress: Callable[[str], None] | None = None,
         megakernel_timeline: int = 0,
         megakernel_consumer: str = "auto",
+        megakernel_shared: int | None = None,
     ):
         """`notice` gets what the user should know (a kernel compile starting, a fallback);
         `progress` a line as each kernel compile ends. `megakernel_timeline` > 0 builds a
         megakernel that records that many phases of each launch (tests/step_timeline.py);
-        `megakernel_consumer` "fma" keeps FP8 rows off the tensor cores (comparisons)."""
+        `megakernel_consumer` "fma" keeps FP8 rows off the tensor cores (comparisons);
+        `megakernel_shared` lays the megakernel out for less shared memory than the GPU has
+        (plan_kernels)."""
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
@@ -206,7 +219,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
         plan = plan_kernels(config, self.weight_format, self.device, decode, prefill_kernels,
                             megakernel_skip, megakernel_stages, megakernel_timeline,
-                            megakernel_consumer)
+                            megakernel_consumer, megakernel_shared)
         self.mk_timeline_phases = megakernel_timeline
         if plan.why_layered and decode == "megakernel":
             notice(f"{plan.why_layered}: decoding layer by layer")

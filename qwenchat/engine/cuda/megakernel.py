@@ -32,6 +32,7 @@ MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's
 MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
 MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
+MEGAKERNEL_MIN_SHARED = 48 * 1024  # a layout for less shared memory a block is not offered
 MEGAKERNEL_CONSUMERS = ("auto", "fma")  # how FP8 rows are dotted (fp8_on_tensor_cores)
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
