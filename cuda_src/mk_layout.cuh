@@ -134,6 +134,10 @@ constexpr int VEC_BYTES =
 constexpr int UNION_BYTES =
     (cmax(cmax(HIST_BYTES, VEC_BYTES),
           cmax(4 * (qw::hidden + LM_ROWS), WARPS * qw::group * HD * 4)) + 127) / 128 * 128;
+#ifdef QW_MK_HOST_UNION
+static_assert(UNION_BYTES == QW_MK_HOST_UNION,
+              "the host's megakernel_layout sizes the union region as the kernel does");
+#endif
 constexpr int RESID = 512;       // residual rows a block may own
 constexpr int MAX_SPLITS = 64;   // flash-decoding chunks per kv head at most
 }  // namespace mk

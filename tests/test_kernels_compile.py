@@ -439,6 +439,17 @@ def test_fp8_vectors_staged_as_f16_fit_8b_on_a_99_kb_card_and_keep_the_h100_ring
     assert 24 * 1024 + small.fixed + 2 * 16384 <= GPUS["sm_89"][0]
 
 
+@needs_nvrtc
+def test_a_layout_whose_union_region_is_not_the_kernels_does_not_compile():
+    # The host places the layer table after the union region it sized; the kernel asserts at
+    # compile time that it sizes that region the same (every build above passes the check).
+    plan = plan_kernels(PRESETS["qwen3-8b"], "fp8", gpu_shape("sm_90"))
+    defines = dict(plan.megakernel.defines)
+    defines["QW_MK_HOST_UNION"] -= 128
+    with pytest.raises(KernelCompileError, match="sizes the union region as the kernel does"):
+        compile_source("megakernel.cu", "sm_90", defines)
+
+
 def test_the_megakernel_can_be_laid_out_for_less_shared_memory_than_the_gpu_has():
     # An H100 running the layout of an RTX 4090 (99 KB a block): 8B FP8 in two 16 KB stages,
     # 8B bf16 on the graph, as on that card; never more than the GPU has.

@@ -79,8 +79,12 @@ class MegakernelLayout:
 
     def defines(self, config: Qwen3Config,
                 weight_format: str = "bf16") -> dict[str, int | float]:
+        # (QW_MK_HOST_UNION: the kernel checks at compile time that it sizes its union region
+        # as this layout did, so the layer table after it lies inside the shared memory given.)
+        union = self.fixed - config.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
         defines = dict(kernel_defines(config, weight_format), QW_MK_STAGES=self.stages,
-                       QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows)
+                       QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows,
+                       QW_MK_HOST_UNION=union)
         if weight_format == "fp8":
             defines["QW_MK_F8_MMA"] = int(self.f8_mma)
         return defines
