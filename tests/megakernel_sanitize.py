@@ -8,10 +8,14 @@ Small enough for racecheck to finish in about two minutes on an H100:
     compute-sanitizer --tool memcheck python tests/megakernel_sanitize.py
     compute-sanitizer --tool synccheck python tests/megakernel_sanitize.py
     compute-sanitizer --tool racecheck python tests/megakernel_sanitize.py
+
+`--weights fp8` checks the FP8 consumer (on the tensor cores from sm_89), `--shared 101376`
+the layout of a 99 KB card (two 16 KB stages), `--consumer fma` the CUDA-core FP8 consumer.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from test_megakernel import reply
@@ -22,10 +26,18 @@ from qwenchat.model.random_weights import RandomWeights
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
+    parser.add_argument("--consumer", default="auto", choices=("auto", "fma"))
+    parser.add_argument("--shared", type=int, help="lay the megakernel out for this much "
+                                                   "shared memory a block")
+    args = parser.parse_args()
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
                                  intermediate_size=768, vocab_size=4096,
                                  num_attention_heads=4, num_key_value_heads=2)
-    engine = CudaEngine(config, RandomWeights(config, seed=0), ctx=512, decode="megakernel")
+    weights = RandomWeights(config, seed=0, weight_format=args.weights)
+    engine = CudaEngine(config, weights, ctx=512, decode="megakernel",
+                        megakernel_consumer=args.consumer, megakernel_shared=args.shared)
     try:
         if engine.decode != "megakernel":
             raise SystemExit("the megakernel cannot run on this GPU: nothing to check")
@@ -35,7 +47,10 @@ def main() -> None:
         sampled = reply(engine, prompt, 32, seed=1, temperature=0.7, top_p=0.8, top_k=20,
                         presence_penalty=0.5, frequency_penalty=0.2)
         top_p = reply(engine, prompt, 32, seed=1, temperature=1.0, top_p=0.95, top_k=0)
-        print(f"greedy {greedy[:8]} sampled {sampled[:8]} top-p {top_p[:8]}")
+        layout = engine.mk_layout
+        print(f"{args.weights}, {layout.stages} x {layout.stage_bytes} B stages, FP8 on the "
+              f"tensor cores: {layout.f8_mma}; greedy {greedy[:8]} sampled {sampled[:8]} "
+              f"top-p {top_p[:8]}")
     finally:
         engine.close()
 
