@@ -23,7 +23,8 @@ PACKAGES = ("numpy", "tokenizers", "safetensors", "jinja2", "huggingface_hub", "
 Section = tuple[str, list[tuple[str, str]]]
 WEIGHT_FORMATS = ("bf16 (f16 and f32 checkpoints are converted to it); fp8: Qwen's FP8 "
                   "checkpoints (e4m3, 128 x 128 blocks) and any checkpoint with --quantize fp8, "
-                  "converted in registers on sm_80 and newer")
+                  "converted in registers on sm_80 and newer; decode dots them on the tensor "
+                  "cores on sm_89 and newer")
 
 
 def gather() -> list[Section]:
