@@ -108,6 +108,15 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// The same with f16 inputs.
+__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // Four 8x8 bf16 matrices from shared memory into mma fragments: lane l gives the address of
 // row l % 8 of matrix l / 8, and receives (row l / 4, columns 2 (l % 4) and + 1) of each.
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {

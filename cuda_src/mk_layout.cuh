@@ -18,14 +18,11 @@
 #ifndef QW_MK_LM_ROWS
 #define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)
 #endif
-// FP8 rows on the tensor cores (mk_matvec.cuh, f8_pair_dot): needs the e4m3 -> f16x2
-// conversion of sm_89 and later; 0 keeps the FMA consumer (experiments, older GPUs).
+// FP8 rows on the tensor cores (mk_matvec.cuh, f8_pair_dot), which needs the e4m3 -> f16x2
+// conversion of sm_89 and later: the host decides (megakernel.py, fp8_on_tensor_cores); 0 is
+// the FMA consumer.
 #ifndef QW_MK_F8_MMA
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define QW_MK_F8_MMA 1
-#else
 #define QW_MK_F8_MMA 0
-#endif
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
 #define QW_MK_TMA 1
@@ -123,11 +120,11 @@ constexpr int LM_ROWS = QW_MK_LM_ROWS;
 
 constexpr int HIST_BYTES = WARPS * 256 * 8;
 constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
+// The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to whole
+// 256-column steps. The LM head's input is floats either way (its own term below).
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
 // or (after the LM head's input vector, which warps may still be reading while others write
 // logits) the block's LM-head logits, or (block 0, sampling) the radix histograms.
-// The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to whole
-// 256-column steps. The LM head's input is floats either way (its own term below).
 constexpr int VEC_BYTES =
     F8_MMA ? 2 * 256 * cmax(cmax(f8_steps(qw::hidden), f8_steps(qw::q_size)), f8_steps(qw::intermediate))
            : 4 * VEC_FLOATS;

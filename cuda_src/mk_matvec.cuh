@@ -237,23 +237,6 @@ __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>&
 // one 128-column block, so its sum is multiplied by that block's scale once. Returns the
 // lane's share of each row's dot product over steps [j0, j1) (diagonal lanes only; the others
 // return 0): a warp_sum completes it.
-__device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned codes) {
-    unsigned r;
-    const unsigned short c = static_cast<unsigned short>(codes);
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(c));
-    return r;
-}
-
-// D += A(16x16, row) * B(16x8, col) on the tensor cores, f16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                              unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 template <int K>
 __device__ __forceinline__ float2 f8_pair_dot(const unsigned char* row0, const unsigned char* row1,
                                               bool has1, int j0, int j1) {
@@ -270,6 +253,7 @@ __device__ __forceinline__ float2 f8_pair_dot(const unsigned char* row0, const u
         if (in) w0 = *reinterpret_cast<const uint2*>(row0 + col);
         if (in && has1) w1 = *reinterpret_cast<const uint2*>(row1 + col);
         const uint4 x = *reinterpret_cast<const uint4*>(xh + 2 * col);
+        const unsigned b0[2] = {x.x, x.y}, b1[2] = {x.z, x.w};
         const int block = (256 * j + 32 * g) / qw::FP8_BLOCK;
         const float sc0 = in ? s0[block] : 0.f, sc1 = in && has1 ? s1[block] : 0.f;
         const unsigned a0[4] = {e4m3x2_f16x2(w0.x), e4m3x2_f16x2(w1.x), e4m3x2_f16x2(w0.x >> 16),
@@ -277,8 +261,8 @@ __device__ __forceinline__ float2 f8_pair_dot(const unsigned char* row0, const u
         const unsigned a1[4] = {e4m3x2_f16x2(w0.y), e4m3x2_f16x2(w1.y), e4m3x2_f16x2(w0.y >> 16),
                                 e4m3x2_f16x2(w1.y >> 16)};
         float d[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_f16_16816(d, a0, x.x, x.y);
-        mma_f16_16816(d, a1, x.z, x.w);
+        mma_f16_16816(d, a0, b0);
+        mma_f16_16816(d, a1, b1);
         tot[0] += d[0] * sc0;
         tot[1] += d[1] * sc0;
         tot[2] += d[2] * sc1;

@@ -48,6 +48,15 @@ __device__ __forceinline__ void e4m3x4(unsigned w, float* out) {
     out[3] = e4m3_top(w);
 }
 
+// The two e4m3 codes in the low 16 bits of `codes` as an f16 pair (exact; the low code in the
+// low half), by the hardware's conversion: sm_89 and later only.
+__device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned codes) {
+    unsigned r;
+    const unsigned short c = static_cast<unsigned short>(codes);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(c));
+    return r;
+}
+
 // A 16-byte piece of codes as 8 words of bf16 pairs, lowest code first: decode(word, v) puts a
 // word's four codes in v as floats, each is multiplied by s and rounded. The prefill GEMMs
 // make their bf16 weight tiles with it (decode: e4m3x4, or the hardware's conversion on sm_90).

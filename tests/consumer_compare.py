@@ -17,7 +17,7 @@ import json
 
 from qwenchat.bench import BenchSettings, measure_engine, parse_sizes
 from qwenchat.engine.cuda.engine import CudaEngine
-from qwenchat.engine.cuda.megakernel import MEGAKERNEL_CONSUMERS, MegakernelLayout
+from qwenchat.engine.cuda.megakernel import MEGAKERNEL_CONSUMERS
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
 
@@ -31,17 +31,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
-    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                        help="experiments: an extra macro for the megakernel build")
     parser.add_argument("--stages", type=int, help="the stage ring's depth (default: the layout's)")
     parser.add_argument("--shared", type=int,
                         help="lay the megakernel out for this much shared memory a block "
                              "(101376: an RTX 4090's)")
     args = parser.parse_args()
-    extra = {k: int(v) for k, v in (d.split("=", 1) for d in args.define)}
-    if extra:  # every megakernel build of this run gets them
-        plain = MegakernelLayout.defines
-        MegakernelLayout.defines = lambda self, *a, **k: {**plain(self, *a, **k), **extra}
     positions = parse_sizes(args.positions, "--positions")
     settings = BenchSettings(prompts=(1,), positions=positions, steps=args.steps,
                              repeats=args.repeats)
@@ -60,13 +54,13 @@ def main() -> None:
             cells = {d.position: (d.tok_s, d.copy_fraction) for d in result.decode}
             if args.json:
                 print(json.dumps({"config": name, "weights": args.weights, "consumer": consumer,
-                                  "defines": extra,
+                                  "stages": args.stages, "shared": args.shared,
                                   "decode": {p: {"tok_s": t, "of_copy": f}
                                              for p, (t, f) in cells.items()}}), flush=True)
                 continue
             row = "".join(f"  @{p}: {t:8.1f} tok/s {100 * (f or 0):5.1f}% of copy"
                           for p, (t, f) in cells.items())
-            tag = " ".join(args.define + ([f"stages={args.stages}"] if args.stages else [])
+            tag = " ".join(([f"stages={args.stages}"] if args.stages else [])
                            + ([f"shared={args.shared}"] if args.shared else []))
             print(f"{name:<11} {args.weights:<5} {consumer:<5}{row} {tag}", flush=True)
 
