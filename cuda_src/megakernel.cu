@@ -101,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                     const bf16_t* row = layer == 0 ? embed_row : nullptr;
                     rows_phase<qw::hidden, false>(
                         a, consumed, QKV_ROWS,
-                        [&](Vec<qw::hidden>& v) {
+                        [&](VecArg<qw::hidden>& v) {
                             return load_normed<qw::hidden>(v, a.x, row, t - 1u, L.input_norm, a.eps);
                         },
                         no_pre, [&](int r, float s, float, int) { put(a.qkv + r, s, t); });
@@ -112,19 +112,19 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                 if (geom.splits > 1) merge_base += geom.splits;
                 rows_phase<qw::q_size, false>(
                     a, consumed, qw::hidden,
-                    [&](Vec<qw::q_size>& v) {
+                    [&](VecArg<qw::q_size>& v) {
                         return load_plain<qw::q_size>(v, a.attn, t + 1u, !(QW_MK_SKIP & 2));
                     },
                     no_pre, [&](int r, float s, float, int) { put(a.x + r, resid[r - hid_lo] += s, t + 2u); });
                 rows_phase<qw::hidden, true>(
                     a, consumed, qw::intermediate,
-                    [&](Vec<qw::hidden>& v) {
+                    [&](VecArg<qw::hidden>& v) {
                         return load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
                     },
                     no_pre, [&](int r, float g, float u, int) { put(a.h + r, silu(g) * u, t + 3u); });
                 rows_phase<qw::intermediate, false>(
                     a, consumed, qw::hidden,
-                    [&](Vec<qw::intermediate>& v) {
+                    [&](VecArg<qw::intermediate>& v) {
                         return load_plain<qw::intermediate>(v, a.h, t + 3u);
                     },
                     no_pre, [&](int r, float s, float, int) { put(a.x + r, resid[r - hid_lo] += s, t + 4u); });
@@ -135,11 +135,11 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             load_params(&step_params, a.params + (i & 1));
             rows_phase<qw::hidden, false, false>(
                 a, consumed, qw::vocab,
-                [&](Vec<qw::hidden>& v) {
+                [&](VecArg<qw::hidden>& v) {
                     return load_normed<qw::hidden, false>(v, a.x, nullptr, best_tag - 1u, a.final_norm,
                                                           a.eps);
                 },
-                [&](int r) {  // the penalties' inputs, loaded while the stage is used
+                [&](int r) {  // the penalties' inputs
                     // (strong loads: block 0 updated them during this launch)
                     if (!penalties_on(step_params)) return 0;
                     int count;

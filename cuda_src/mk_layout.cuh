@@ -24,6 +24,11 @@
 #ifndef QW_MK_F8_MMA
 #define QW_MK_F8_MMA 0
 #endif
+// How the matrix phases stream their rows (the host decides, megakernel.py): 1, runs of
+// 256-column items whatever the rows (stages that hold parts of rows); 0, whole rows.
+#ifndef QW_MK_SPLIT
+#define QW_MK_SPLIT 0
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
 #define QW_MK_TMA 1
 #else
@@ -42,9 +47,17 @@ constexpr int STAGE = QW_MK_STAGE_BYTES;
 constexpr int HD = qw::head_dim;
 constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
 
-// A matrix-vector phase over K columns: each consumer warp holds one segment of the input
-// vector in registers (CPL 16-byte chunks per lane), NSEG segments cover K, and CWARPS / NSEG
-// row groups take the rows of a stage in turn; a row's segment sums are added in a fixed order.
+constexpr bool SPLIT = QW_MK_SPLIT != 0;
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+// FP8 rows on the tensor cores (mk_matvec.cuh), which needs the e4m3 -> f16x2 conversion of
+// sm_89 and later; their input vectors are staged as f16, padded with zeros to whole 256-column
+// steps.
+constexpr bool F8_MMA = qw::fp8 && QW_MK_F8_MMA != 0;
+__host__ __device__ constexpr int f8_steps(int k) { return (k + 255) / 256; }
+
+// Whole rows (SPLIT = 0): each consumer warp holds one segment of a phase's input vector in
+// registers (CPL 16-byte chunks per lane), NSEG segments cover K, and CWARPS / NSEG row groups
+// take the rows of a stage in turn; a row's segment sums are added in a fixed order.
 __host__ __device__ constexpr int chunks(int k) { return k / 8; }
 __host__ __device__ constexpr int nseg(int k) {
     return (k + 1023) / 1024 < CWARPS ? (k + 1023) / 1024 : CWARPS;
@@ -52,13 +65,10 @@ __host__ __device__ constexpr int nseg(int k) {
 __host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
 __host__ __device__ constexpr int groups(int k) { return CWARPS / nseg(k); }
 // The FP8 tensor-core consumer: each warp of a row group takes two rows at once.
-constexpr bool F8_MMA = qw::fp8 && QW_MK_F8_MMA != 0;
 template <bool F8>
 __host__ __device__ constexpr int round_rows(int k) {
     return (F8 && F8_MMA ? 2 : 1) * groups(k);
 }
-// FP8 vectors staged as f16 are padded with zeros to whole 256-column steps of that consumer.
-__host__ __device__ constexpr int f8_steps(int k) { return (k + 255) / 256; }
 // Of `fit` rows (at most), how many a stage takes: the most rows per round of the row groups
 // (a stage's time is its rounds), the larger count on a tie.
 __host__ __device__ constexpr int stage_rows(int fit, int groups, int step = 1) {
@@ -78,17 +88,6 @@ __host__ __device__ constexpr int rows_per_stage(int k) {
 constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves (as many gate as up rows)
     stage_rows(static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden))),
                round_rows<qw::fp8>(qw::hidden), 2) / 2;
-// Attention: each consumer warp takes KPW keys of each stage, KPASS at a time with LPK lanes a
-// key (DPK dimensions a lane) for the scores; for P . V each lane holds DPL of the head's
-// dimensions. KEYS (K and V rows) a stage: as many as fit, in whole passes of every warp.
-constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
-constexpr int KPW_FIT = STAGE / (4 * HD) / CWARPS;
-constexpr int KPASS = 32 / LPK < KPW_FIT ? 32 / LPK : KPW_FIT;
-constexpr int KPW = KPASS > 0 ? KPW_FIT / KPASS * KPASS : 0;
-constexpr int KEYS = KPW * CWARPS;
-constexpr int RED = 1024;  // the sampler's scratch floats (two halves)
-
-__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // A stage's outputs (rows, or gate/up pairs) at most, and its partial sums at most: a row of
 // K columns is summed from nseg(K) warps' segments (a pair from twice that).
 constexpr int STAGE_OUTS =
@@ -101,13 +100,77 @@ constexpr int STAGE_PARTS =
               cmax(rows_per_stage(qw::intermediate) * nseg(qw::intermediate),
                    rows_per_stage<false>(qw::hidden) * nseg(qw::hidden))),
          2 * PAIRS_PER_STAGE * nseg(qw::hidden));
+static_assert(SPLIT || (rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
+                        rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
+                        rows_per_stage<false>(qw::hidden) >= 1),
+              "QW_MK_STAGE_BYTES must hold a whole weight row (and a gate/up pair)");
+static_assert(SPLIT || STAGE_PARTS * STAGES <= 4096, "the stages' partial sums fit in 16 KB");
+
+// Parts of rows (SPLIT = 1): a matrix phase streams its block's slice of the matrix (gate/up:
+// the gate rows, then the up rows) as a sequence of items, item i being 256 columns (the last
+// of a row: what is left) of slice row i / steps(K): STEP columns of bf16 (512 bytes) or of FP8
+// codes (256 bytes). A stage holds a run of whole items regardless of where rows end, so every
+// stage of a phase but its last is full, whatever the row width; each consumer warp takes a
+// fixed share of a stage's items, and the input vector stays in shared memory.
+constexpr int STEP = 256;
+__host__ __device__ constexpr int steps(int k) { return (k + STEP - 1) / STEP; }
+// Bytes of a row's block scales (with their padding; 0 for bf16) and of an item's weights.
+template <bool F8>
+__host__ __device__ constexpr int scale_bytes(int k) {
+    return static_cast<int>(row_bytes<F8>(k) - (F8 ? 1 : 2) * static_cast<long long>(k));
+}
+// The most bytes m items can take in a stage, wherever the run starts: its rows' scales (each
+// row it touches brings them, and a row cut short brings a separate copy of them).
+template <bool F8>
+__host__ __device__ constexpr long long run_bytes(int m, int k) {
+    return static_cast<long long>(m) * STEP * (F8 ? 1 : 2) +
+           static_cast<long long>((m + steps(k) - 2) / steps(k) + 3) * scale_bytes<F8>(k);
+}
+// Items a stage holds: as many as fit, rounded down to whole rounds of the consumer warps (a
+// stage takes as long as its busiest warp) when there are that many.
+template <bool F8>
+__host__ __device__ constexpr int items_per_stage(int k) {
+    int m = STAGE / (STEP * (F8 ? 1 : 2));
+    while (m > 0 && run_bytes<F8>(m, k) > STAGE) --m;
+    return m >= CWARPS ? m / CWARPS * CWARPS : m;
+}
+// A row cut between warps (or stages) is summed from pieces: each piece's sum goes to a table
+// at the row's slot, at its first item's offset (zeros at its other items), and the warp whose
+// piece completes the row adds the row's entries in order, so the sums never depend on timing.
+// Slots are reused every ring_rows(K) rows: more rows than any warps can have open at once
+// (warps are at most STAGES stages apart).
+template <bool F8>
+__host__ __device__ constexpr int ring_rows(int k) {
+    return (STAGES * items_per_stage<F8>(k) + steps(k) - 1) / steps(k) + 2;
+}
+template <bool F8>
+__host__ __device__ constexpr int ring_floats(int k) { return ring_rows<F8>(k) * steps(k); }
+// Attention: each consumer warp takes KPW keys of each stage, KPASS at a time with LPK lanes a
+// key (DPK dimensions a lane) for the scores; for P . V each lane holds DPL of the head's
+// dimensions. KEYS (K and V rows) a stage: as many as fit, in whole passes of every warp.
+constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
+constexpr int KPW_FIT = STAGE / (4 * HD) / CWARPS;
+constexpr int KPASS = 32 / LPK < KPW_FIT ? 32 / LPK : KPW_FIT;
+constexpr int KPW = KPASS > 0 ? KPW_FIT / KPASS * KPASS : 0;
+constexpr int KEYS = KPW * CWARPS;
+constexpr int RED = 1024;  // the sampler's scratch floats (two halves)
+
+// The row table's floats and slots (mk_matvec.cuh, rows_phase), for every matrix phase.
+constexpr int RING_FLOATS =
+    cmax(cmax(cmax(ring_floats<qw::fp8>(qw::hidden), ring_floats<qw::fp8>(qw::q_size)),
+              ring_floats<qw::fp8>(qw::intermediate)), ring_floats<false>(qw::hidden));
+constexpr int RING_ROWS =
+    cmax(cmax(cmax(ring_rows<qw::fp8>(qw::hidden), ring_rows<qw::fp8>(qw::q_size)),
+              ring_rows<qw::fp8>(qw::intermediate)), ring_rows<false>(qw::hidden));
+constexpr int PAIR_ROWS = 512;  // gate/up rows a block may own (their pairs' table)
 
 static_assert(STAGE % 128 == 0, "stages are 128-byte aligned");
-static_assert(rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
-                  rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
-                  rows_per_stage<false>(qw::hidden) >= 1,
-              "QW_MK_STAGE_BYTES must hold a whole weight row (and a gate/up pair)");
-static_assert(STAGE_PARTS * STAGES <= 4096, "the stages' partial sums fit in 16 KB");
+static_assert(!SPLIT || (items_per_stage<qw::fp8>(qw::hidden) >= 1 &&
+                         items_per_stage<qw::fp8>(qw::q_size) >= 1 &&
+                         items_per_stage<qw::fp8>(qw::intermediate) >= 1 &&
+                         items_per_stage<false>(qw::hidden) >= 1),
+              "QW_MK_STAGE_BYTES must hold an item of every matrix");
+static_assert(!SPLIT || RING_FLOATS + RING_ROWS <= 4096, "the row table fits in 16 KB");
 static_assert(qw::group + 2 <= CWARPS, "a consumer warp per query head of a group, plus two");
 
 enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };

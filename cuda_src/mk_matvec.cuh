@@ -1,5 +1,6 @@
-// Matrix-vector phases: a warp's segment of the input vector in registers, dotted with the
-// weight rows of each stage.
+// Matrix-vector phases, in one of two ways (mk_layout.cuh, SPLIT): whole rows, each warp holding
+// a segment of the input vector in registers (rows_phase_whole); or runs of 256-column items
+// whatever the rows, the input vector in shared memory (rows_phase_items).
 #pragma once
 #include "mk_pipe.cuh"
 #include "mk_timeline.cuh"
@@ -13,6 +14,21 @@ template <int K>
 struct Vec {
     float v[cpl(K)][8];
 };
+
+// (SPLIT: the vector stays in shared memory.)
+struct NoVec {};
+// What a phase's `load` takes: Vec<K>, or NoVec with SPLIT. (Not a generic lambda: some NVRTC
+// versions take those for host functions.)
+template <bool S, int K>
+struct VecPick {
+    using type = Vec<K>;
+};
+template <int K>
+struct VecPick<true, K> {
+    using type = NoVec;
+};
+template <int K>
+using VecArg = typename VecPick<SPLIT, K>::type;
 
 // The block's warps sum their squares here (the vector itself goes to vec_buf()).
 __shared__ float warp_sums[WARPS];
@@ -72,6 +88,56 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
         for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
     }
     return total;
+}
+
+// The K-vector that other blocks are writing with `tag` (or, layer 0, a bf16 embedding row),
+// times the norm weights `norm` with NORM, as floats in vec_buf(), loaded by the whole block.
+// Returns what a row's dot product with it is multiplied by: 1/rms of the vector for a norm
+// (Σ w·(x·g)/rms = (1/rms)·Σ w·(x·g), so the norm needs only one scalar at the end), else 1.
+template <int K, bool NORM>
+__device__ __forceinline__ float stage_f32(const tagged_t* src, const bf16_t* row, unsigned tag,
+                                           const bf16_t* norm, float eps, bool wait = true) {
+    constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
+    float2* buf = reinterpret_cast<float2*>(vec_buf());
+    unsigned g[NORM ? NQ : 1];
+    if constexpr (NORM) {
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) {  // the norm weights before the wait: they do not depend on it
+            const int i = threadIdx.x + q * THREADS;
+            g[q] = i < K / 2 ? __ldg(reinterpret_cast<const unsigned*>(norm) + i) : 0u;
+        }
+    }
+    // Warps leave a phase one by one (no barrier between its stages): the slowest may still be
+    // reading the last phase's vector here, or its squares.
+    __syncthreads();
+    float ss = 0.f;
+    // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
+    // 128-byte lines).
+#pragma unroll(NORM ? NQ : 1)
+    for (int q = 0; q < NQ; ++q) {
+        const int i = threadIdx.x + q * THREADS;
+        if (i < K / 2) {
+            const float2 e = take_pair(src, row, i, tag, wait);
+            if constexpr (NORM) {
+                ss += e.x * e.x + e.y * e.y;
+                buf[i] = make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
+            } else {
+                buf[i] = e;
+            }
+        }
+    }
+    if constexpr (NORM) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+    float total = 0.f;
+    if constexpr (NORM) {
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
+        return rsqrtf(total / K + eps);
+    }
+    return 1.f;
 }
 
 __shared__ float warp_maxes[WARPS];
@@ -272,16 +338,76 @@ __device__ __forceinline__ float2 f8_pair_dot(const unsigned char* row0, const u
     return (g & 1) ? make_float2(tot[1], tot[3]) : make_float2(tot[0], tot[2]);
 }
 
+// (SPLIT) rmsnorm(src) * w as the phase's input vector, src a float vector or (layer 0) a bf16 row:
+// floats, or for the FP8 tensor-core consumer (MMA) f16 (stage_f16). Returns the factor of each
+// row's dot product.
+template <int K, bool MMA = F8_MMA>
+__device__ __forceinline__ float load_normed(NoVec, const tagged_t* src, const bf16_t* row,
+                                             unsigned tag, const bf16_t* w, float eps) {
+    if constexpr (MMA) return stage_f16<K>(src, row, tag, w, eps);
+    else return stage_f32<K, true>(src, row, tag, w, eps);
+}
+
+// (SPLIT) A float vector other blocks are writing with `tag` as the phase's input vector. Returns the
+// factor of each row's dot product.
+template <int K, bool MMA = F8_MMA>
+__device__ __forceinline__ float load_plain(NoVec, const tagged_t* src, unsigned tag,
+                                            bool wait = true) {
+    if constexpr (MMA) return stage_f16<K>(src, nullptr, tag, nullptr, 0.f, wait);
+    else return stage_f32<K, false>(src, nullptr, tag, nullptr, 0.f, wait);
+}
+
+// The lane's share of the dot product of item j (columns STEP j ..) of a row with the input
+// vector: the row's column 0 is at stage offset `at` (the item's own bytes are in the stage),
+// its block scales (FP8) at `sc`. A warp_sum completes it.
+//   bf16 and FP8 on the CUDA cores: lane l takes 8 columns at STEP j + 8 l (16 bytes of bf16,
+//   or 8 codes times their block's scale) and the 8 floats of the vector there.
+//   FP8 on the tensor cores (MMA): mma m16n8k16 (f16 in, f32 out) with A's rows 0-7 the item's
+//   eight 32-column windows g and B's column g the vector's window g (f16, vec_buf); the
+//   result's diagonal D[g][g] holds the windows' dot products (A's rows 8-15 are zero: a
+//   second row would need the same columns, which a run of items seldom has). Lane (g, t)
+//   loads the 8 codes at column 32 g + 8 t and the 8 vector values there (a step is one
+//   contiguous 256-byte line, so no two lanes meet in a bank), converts the codes in pairs
+//   (cvt e4m3x2 -> f16x2: exact); the two mma take codes 0-3 and 4-7 (the columns of a window
+//   are in the same order in A and B, so any order adds the same products). A window lies in
+//   one 128-column block, so its sum is multiplied by that block's scale once.
+template <int K, bool F8, bool MMA>
+__device__ __forceinline__ float item_dot(const unsigned char* tile, int at, const float* sc, int j) {
+    const int lane = threadIdx.x & 31;
+    if constexpr (MMA) {
+        const int g = lane >> 2, t = lane & 3, col = STEP * j + 32 * g + 8 * t;
+        const bool in = K % STEP == 0 || col < K;
+        uint2 c = make_uint2(0u, 0u);
+        if (in) c = *reinterpret_cast<const uint2*>(tile + at + col);
+        const uint4 x = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vec_buf()) + 2 * col);
+        const unsigned a0[4] = {e4m3x2_f16x2(c.x), 0u, e4m3x2_f16x2(c.x >> 16), 0u};
+        const unsigned a1[4] = {e4m3x2_f16x2(c.y), 0u, e4m3x2_f16x2(c.y >> 16), 0u};
+        const unsigned b0[2] = {x.x, x.y}, b1[2] = {x.z, x.w};
+        float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // (two chains)
+        mma_f16_16816(d0, a0, b0);
+        mma_f16_16816(d1, a1, b1);
+        if (t != g >> 1 || !in) return 0.f;
+        return ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) * sc[(STEP * j + 32 * g) / qw::FP8_BLOCK];
+    } else {
+        const int col = STEP * j + 8 * lane;
+        if (K % STEP != 0 && col >= K) return 0.f;
+        const float4 lo = *reinterpret_cast<const float4*>(vec_buf() + col);
+        const float4 hi = *reinterpret_cast<const float4*>(vec_buf() + col + 4);
+        const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        if constexpr (F8) {
+            return dot8_e4m3(*reinterpret_cast<const uint2*>(tile + at + col), x) * FP8_UNSCALE *
+                   sc[col / qw::FP8_BLOCK];
+        } else {
+            return dot8(*reinterpret_cast<const uint4*>(tile + at + 2 * col), x);
+        }
+    }
+}
+
 // The stages' partial sums (a row's segments from several warps) and, per output of a stage,
 // how many of them have arrived. Slot = the stage's place in the ring, so a slot is reused
 // only after every warp has released the stage.
-__shared__ float stage_parts[STAGES][STAGE_PARTS];
-__shared__ unsigned stage_arrivals[STAGES][STAGE_OUTS];
-
-__device__ void init_stage_sums() {
-    for (int i = threadIdx.x; i < STAGES * STAGE_OUTS; i += THREADS)
-        (&stage_arrivals[0][0])[i] = 0u;
-}
+__shared__ float stage_parts[STAGES][SPLIT ? 1 : STAGE_PARTS];
+__shared__ unsigned stage_arrivals[STAGES][SPLIT ? 1 : STAGE_OUTS];
 
 // Rows [lo, hi) of this block's slice, stage by stage. `load(v)` first fills the warp's vector
 // segment. Each consumer warp then goes through the stages on its own (no block barrier), while
@@ -293,8 +419,8 @@ __device__ void init_stage_sums() {
 // rows) the matching up rows, and `up` is the up row's sum. F8: the rows are in the model's
 // weight format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
 template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
-__device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
-                                        Load load, Pre pre, Emit emit) {
+__device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consumed, int n_rows,
+                                              Load load, Pre pre, Emit emit) {
     constexpr bool MMA = F8 && F8_MMA;  // two rows a warp on the tensor cores (f8_pair_dot)
     constexpr int NSEG = nseg(K), GROUPS = CWARPS / NSEG;
     constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
@@ -373,5 +499,134 @@ __device__ __noinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, i
         pipe_release(consumed);
     }
     QW_TL_MARK(END);
+}
+// The row table (mk_layout.cuh, ring_rows): rows cut between warps or stages, summed from their
+// pieces in a fixed order. And the gate/up pairs: the half done first leaves its sum in
+// pair_half (which holds PAIR_EMPTY between pairs: a NaN that no arithmetic produces), the
+// second takes it and emits.
+__shared__ float row_parts[SPLIT ? RING_FLOATS : 1];
+__shared__ unsigned row_counts[SPLIT ? RING_ROWS : 1];
+__shared__ float pair_half[SPLIT ? PAIR_ROWS : 1];
+constexpr unsigned PAIR_EMPTY = 0xffffffffu;
+
+__device__ void init_stage_sums() {
+    if constexpr (SPLIT) {
+        for (int i = threadIdx.x; i < RING_ROWS; i += THREADS) row_counts[i] = 0u;
+        for (int i = threadIdx.x; i < PAIR_ROWS; i += THREADS)
+            pair_half[i] = __uint_as_float(PAIR_EMPTY);
+    } else {
+        for (int i = threadIdx.x; i < STAGES * STAGE_OUTS; i += THREADS)
+            (&stage_arrivals[0][0])[i] = 0u;
+    }
+}
+
+// Rows [lo, hi) of this block's slice of an n_rows-row matrix of K columns, stage by stage.
+// `load(NoVec&)` first stages the input vector and returns the factor of every dot product. The
+// producer warp refills the stages; each consumer warp goes through them on its own (no block
+// barrier) and takes its fixed share of each stage's items (mk_layout.cuh: items of STEP
+// columns, whole rows or not). A warp adds up its items of one row in its lanes, then a warp
+// sum: a row that lies wholly in the warp's share is done; a cut row's piece goes to the row
+// table, and the warp whose piece completes the row adds the row's entries in order. A done
+// row calls `emit(row, sum, up, pre(row))` from lane 0, where `pre` loads what the emit needs.
+// With PAIRS the stream is the gate rows, then the up rows, and a gate/up pair is emitted
+// (`up`: the up row's sum) when its second half is done. F8: the rows are in the model's weight
+// format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
+template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
+__device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consumed, int n_rows,
+                                              Load load, Pre pre, Emit emit) {
+    constexpr bool MMA = F8 && F8_MMA;  // FP8 items on the tensor cores
+    constexpr int S = steps(K), IPS = items_per_stage<F8>(K), RR = ring_rows<F8>(K);
+    constexpr int RB = static_cast<int>(row_bytes<F8>(K)), EB = F8 ? 1 : 2;
+    static_assert(RR * S <= RING_FLOATS && RR <= RING_ROWS, "the row table is too small");
+    QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
+                : PAIRS ? mk_timeline::GATE_UP
+                : K == qw::intermediate ? mk_timeline::DOWN
+                : n_rows == QKV_ROWS ? mk_timeline::QKV : mk_timeline::O_PROJ);
+    NoVec none;
+    const float scale = load(none);  // what each dot product is multiplied by
+    QW_TL_MARK(INPUT);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int lo, hi;
+    block_range(n_rows, lo, hi);
+    const int n = hi - lo, total = n * S * (PAIRS ? 2 : 1);
+    const int tiles = (total + IPS - 1) / IPS;
+    if (warp == PRODUCER) {  // refills the phase's stages as the consumers release them
+        for (int t = 0; t < tiles; ++t) pipe_produce(a, consumed);
+        return;
+    }
+    // Stream row R's sum is complete (lane 0).
+    auto row_done = [&](int R, float sum) {
+        if constexpr (PAIRS) {
+            const int r = R < n ? R : R - n;
+            const float other = atomicExch(&pair_half[r], sum);
+            if (__float_as_uint(other) == PAIR_EMPTY) return;  // the first half
+            pair_half[r] = __uint_as_float(PAIR_EMPTY);
+            const float gate = R < n ? sum : other, up = R < n ? other : sum;
+            emit(lo + r, gate * scale, up * scale, pre(lo + r));
+        } else {
+            emit(lo + R, sum * scale, 0.f, pre(lo + R));
+        }
+    };
+    // The warp's items [s, e) of stream row R, its lanes' sums in acc.
+    auto piece = [&](int R, int s, int e, float acc) {
+        const float d = warp_sum(acc);
+        if (e - s == S) {
+            if (lane == 0) row_done(R, d);
+            return;
+        }
+        volatile float* parts = row_parts + (R % RR) * S;
+        for (int q = lane; q < e - s; q += 32) parts[s - R * S + q] = q == 0 ? d : 0.f;
+        __syncwarp();
+        unsigned last = 0u;
+        if (lane == 0) {
+            __threadfence_block();  // the piece before its count
+            last = atomicAdd(&row_counts[R % RR], static_cast<unsigned>(e - s)) + (e - s) == S;
+            if (last) {
+                row_counts[R % RR] = 0u;
+                __threadfence_block();  // the other pieces after their counts
+            }
+        }
+        last = __shfl_sync(0xffffffffu, last, 0);
+        __syncwarp();
+        if (!last) return;
+        float sum = 0.f;
+        for (int q = lane; q < S; q += 32) sum += parts[q];
+        sum = warp_sum(sum);
+        if (lane == 0) row_done(R, sum);
+    };
+    for (int t = 0; t < tiles; ++t) {
+        const int i0 = t * IPS, i1 = min(total, i0 + IPS), m = i1 - i0;
+        const unsigned char* tile = pipe_wait(consumed);
+        QW_TL_MARK_IF(t == 0, WEIGHTS);
+        int dst = 0;
+        const StagePart p0 = stage_part<K, F8>(i0, i1, 0, n, dst);
+        const StagePart p1 = PAIRS ? stage_part<K, F8>(i0, i1, 1, n, dst) : p0;
+        const int b0 = i0 + warp * m / CWARPS, b1 = i0 + (warp + 1) * m / CWARPS;
+        for (int s = b0; s < b1;) {  // the warp's items of one row at a time
+            const int R = s / S, e = min(b1, (R + 1) * S);
+            const bool up = PAIRS && R >= n;
+            const int r = up ? R - n : R;
+            const int at = (up ? p1.base : p0.base) + (r - (up ? p1.first : p0.first)) * RB;
+            const bool cut = r == (up ? p1.last_cut : p0.last_cut);
+            const float* sc = reinterpret_cast<const float*>(tile + (cut ? (up ? p1.tail : p0.tail) : at + EB * K));
+            float acc = 0.f;
+#pragma unroll 4
+            for (int j = s - R * S; j < e - R * S; ++j) acc += item_dot<K, F8, MMA>(tile, at, sc, j);
+            piece(R, s, e, acc);
+            s = e;
+        }
+        pipe_release(consumed);
+    }
+    QW_TL_MARK(END);
+}
+
+// A matrix-vector phase over rows [lo, hi) of this block's slice (rows_phase_whole or
+// rows_phase_items, as the build's layout says); `load(v)` stages its input vector (v: the
+// warp's registers, Vec<K>, or NoVec) and returns the factor of every dot product.
+template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
+__device__ __forceinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
+                                           Load load, Pre pre, Emit emit) {
+    if constexpr (SPLIT) rows_phase_items<K, PAIRS, F8>(a, consumed, n_rows, load, pre, emit);
+    else rows_phase_whole<K, PAIRS, F8>(a, consumed, n_rows, load, pre, emit);
 }
 }  // namespace

@@ -29,10 +29,59 @@ __device__ __forceinline__ void block_range(int n, int& lo, int& hi) {
     hi = r.y;
 }
 
-__device__ __forceinline__ int range_tiles(int n, int per_tile) {
+// Where a stage's items lie (mk_layout.cuh: a phase streams its block's slice of a matrix as
+// items of STEP columns). The stream's rows are the slice's n rows (PAIRS: 2n, the gate rows
+// then the up rows, each half its own part of the stream); a stage holds items [i0, i1). Each
+// part of it is one contiguous copy from the first item's columns to the last's (FP8 rows carry
+// their scales after their codes, so whole rows come with theirs, and so does a first row cut
+// at its start), plus, for an FP8 last row cut short, a copy of that row's scales after it.
+struct StagePart {
+    int first;      // the part's first row (in the part's slice), or -1: the stage has none
+    int base;       // the stage offset of that row's column 0 (below the stage for a cut row)
+    int last_cut;   // its last row if cut short (FP8: its scales are apart), else -1
+    int tail;       // the stage offset of those scales
+    long long src;  // the copy: byte offset in the matrix, from the part's first row in it
+    unsigned bytes, tail_bytes;
+    long long tail_src;
+    int dst;
+};
+
+template <int K, bool F8>
+__device__ __forceinline__ StagePart stage_part(int i0, int i1, int part, int n, int& dst) {
+    constexpr int S = steps(K), EB = F8 ? 1 : 2, SB = scale_bytes<F8>(K);
+    constexpr long long RB = row_bytes<F8>(K);
+    StagePart s{-1, 0, -1, 0, 0, 0u, 0u, 0, dst};
+    const int lo = max(i0, part * n * S) - part * n * S, hi = min(i1, (part + 1) * n * S) - part * n * S;
+    if (lo >= hi) return s;
+    const int ra = lo / S, c0 = (lo % S) * STEP, rt = (hi - 1) / S;
+    const int c1 = min(K, ((hi - 1) % S + 1) * STEP);
+    s.first = ra;
+    s.base = dst - EB * c0;
+    s.src = ra * RB + EB * c0;
+    s.bytes = static_cast<unsigned>((rt - ra) * RB + EB * (c1 - c0) + (c1 == K ? SB : 0));
+    if (F8 && c1 < K) {
+        s.last_cut = rt;
+        s.tail = dst + static_cast<int>(s.bytes);
+        s.tail_src = rt * RB + EB * K;
+        s.tail_bytes = SB;
+    }
+    dst += static_cast<int>(s.bytes + s.tail_bytes);
+    return s;
+}
+
+// Stages of a matrix phase over n_rows rows of K columns (PAIRS: gate/up), for this block:
+// runs of items (SPLIT), or whole rows (a gate/up pair together) as many as a stage takes.
+template <int K, bool F8, bool PAIRS>
+__device__ __forceinline__ int matrix_tiles(int n_rows) {
     int lo, hi;
-    block_range(n, lo, hi);
-    return (hi - lo + per_tile - 1) / per_tile;
+    block_range(n_rows, lo, hi);
+    if constexpr (SPLIT) {
+        const int items = (hi - lo) * steps(K) * (PAIRS ? 2 : 1);
+        return (items + items_per_stage<F8>(K) - 1) / items_per_stage<F8>(K);
+    } else {
+        constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+        return (hi - lo + PER - 1) / PER;
+    }
 }
 
 // Flash-decoding geometry for `len` keys: chunks of whole stages, at most `most` per kv head.
@@ -66,11 +115,12 @@ struct Cursor {
     int f, layer, phase, t, count;
 };
 
-// The bytes of the cursor's tile: one or two contiguous ranges (the second at `offset1`).
+// The bytes of the cursor's tile: up to four contiguous ranges, each to its stage offset (a
+// matrix stage: each part's run and its cut row's scales; attention: keys and values). Fixed
+// slots, unused ones 0 bytes, so that the producer keeps them in registers.
 struct TileSource {
-    const void* src0;
-    const void* src1;
-    unsigned bytes0, bytes1, offset1;
+    const void* src[4];
+    unsigned bytes[4], dst[4];
     bool weights;
 };
 
@@ -96,17 +146,17 @@ __device__ __forceinline__ MegaLayer* layer_table() {
 }
 
 __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
-    if (layer == a.num_layers) return range_tiles(qw::vocab, rows_per_stage<false>(qw::hidden));
+    if (layer == a.num_layers) return matrix_tiles<qw::hidden, false, false>(qw::vocab);
     switch (phase) {
-        case QKV: return range_tiles(QKV_ROWS, rows_per_stage(qw::hidden));
+        case QKV: return matrix_tiles<qw::hidden, qw::fp8, false>(QKV_ROWS);
         case ATTN: {
             if (QW_MK_SKIP & 2) return 0;
             const int len = producer.pos0 + f + 1;
             return attn_tiles(attn_geom(len, a.splits), len);
         }
-        case OPROJ: return range_tiles(qw::hidden, rows_per_stage(qw::q_size));
-        case GATEUP: return range_tiles(qw::intermediate, PAIRS_PER_STAGE);
-        default: return range_tiles(qw::hidden, rows_per_stage(qw::intermediate));
+        case OPROJ: return matrix_tiles<qw::q_size, qw::fp8, false>(qw::hidden);
+        case GATEUP: return matrix_tiles<qw::hidden, qw::fp8, true>(qw::intermediate);
+        default: return matrix_tiles<qw::intermediate, qw::fp8, false>(qw::hidden);
     }
 }
 
@@ -130,39 +180,60 @@ __device__ bool advance(const MegaArgs& a) {
     return true;
 }
 
+__device__ __forceinline__ void set_copy(TileSource& s, int slot, const void* src, unsigned bytes,
+                                         int dst) {
+    s.src[slot] = src;
+    s.bytes[slot] = bytes;
+    s.dst[slot] = static_cast<unsigned>(dst);
+}
+
+// Stage t of a matrix phase over n_rows rows of w (PAIRS: the up rows follow the gate rows, `up`
+// rows further in w): its run of items (SPLIT) or its whole rows.
+template <int K, bool F8, bool PAIRS>
+__device__ __forceinline__ void matrix_source(TileSource& s, int t, const void* w, int n_rows,
+                                              int up = 0) {
+    constexpr long long RB = row_bytes<F8>(K);
+    int lo, hi;
+    block_range(n_rows, lo, hi);
+    if constexpr (!SPLIT) {  // whole rows: the gate rows of a stage, then its up rows
+        constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+        const int r0 = lo + t * PER, r1 = min(hi, r0 + PER);
+        const unsigned bytes = static_cast<unsigned>((r1 - r0) * RB);
+        set_copy(s, 0, static_cast<const unsigned char*>(w) + r0 * RB, bytes, 0);
+        if (PAIRS)
+            set_copy(s, 2, static_cast<const unsigned char*>(w) + (up + r0) * RB, bytes,
+                     static_cast<int>(PER * RB));
+        return;
+    }
+    const int n = hi - lo, total = n * steps(K) * (PAIRS ? 2 : 1);
+    const int i0 = t * items_per_stage<F8>(K), i1 = min(total, i0 + items_per_stage<F8>(K));
+    int dst = 0;
+#pragma unroll
+    for (int part = 0; part < (PAIRS ? 2 : 1); ++part) {
+        const StagePart p = stage_part<K, F8>(i0, i1, part, n, dst);
+        const unsigned char* m = static_cast<const unsigned char*>(w) + (lo + part * up) * RB;
+        set_copy(s, 2 * part, m + p.src, p.first < 0 ? 0u : p.bytes, p.dst);
+        set_copy(s, 2 * part + 1, m + p.tail_src, p.first < 0 ? 0u : p.tail_bytes, p.tail);
+    }
+}
+
 __device__ TileSource tile_source(const MegaArgs& a) {
     const Cursor c = producer.c;
-    TileSource s{nullptr, nullptr, 0, 0, 0, true};
-    int lo, hi;
-    // n rows of k columns, each `bytes` long, `per` to a stage
-    auto rows = [&](const void* w, int n, long long bytes, int per) {
-        block_range(n, lo, hi);
-        const int r0 = lo + c.t * per, r1 = min(hi, r0 + per);
-        s.src0 = static_cast<const unsigned char*>(w) + r0 * bytes;
-        s.bytes0 = static_cast<unsigned>((r1 - r0) * bytes);
-    };
-    auto linear = [&](const unsigned char* w, int n, int k) {
-        rows(w, n, row_bytes<qw::fp8>(k), rows_per_stage(k));
-    };
+    TileSource s{{}, {0u, 0u, 0u, 0u}, {}, true};
+    using qw::hidden;
     if (c.layer == a.num_layers) {
-        rows(a.lm_head, qw::vocab, row_bytes<false>(qw::hidden), rows_per_stage<false>(qw::hidden));
+        matrix_source<hidden, false, false>(s, c.t, a.lm_head, qw::vocab);
         return s;
     }
     const MegaLayer& L = layer_table()[c.layer];
     switch (c.phase) {
-        case QKV: linear(L.qkv, QKV_ROWS, qw::hidden); break;
-        case OPROJ: linear(L.o, qw::hidden, qw::q_size); break;
-        case DOWN: linear(L.down, qw::hidden, qw::intermediate); break;
-        case GATEUP: {
-            constexpr long long RB = row_bytes<qw::fp8>(qw::hidden);
-            block_range(qw::intermediate, lo, hi);
-            const int r0 = lo + c.t * PAIRS_PER_STAGE, r1 = min(hi, r0 + PAIRS_PER_STAGE);
-            s.src0 = L.gate_up + r0 * RB;
-            s.src1 = L.gate_up + (qw::intermediate + r0) * RB;
-            s.bytes0 = s.bytes1 = static_cast<unsigned>((r1 - r0) * RB);
-            s.offset1 = static_cast<unsigned>(PAIRS_PER_STAGE * RB);
+        case QKV: matrix_source<hidden, qw::fp8, false>(s, c.t, L.qkv, QKV_ROWS); break;
+        case OPROJ: matrix_source<qw::q_size, qw::fp8, false>(s, c.t, L.o, hidden); break;
+        case DOWN: matrix_source<qw::intermediate, qw::fp8, false>(s, c.t, L.down, hidden); break;
+        case GATEUP:
+            matrix_source<hidden, qw::fp8, true>(s, c.t, L.gate_up, qw::intermediate,
+                                                 qw::intermediate);
             break;
-        }
         default: {  // ATTN: find the item and the stage within it
             const int len = producer.pos0 + c.f + 1;
             const AttnGeom g = attn_geom(len, a.splits);
@@ -175,10 +246,8 @@ __device__ TileSource tile_source(const MegaArgs& a) {
                     const int k0 = (item % g.splits) * g.chunk + t * KEYS;
                     const int n = min(KEYS, keys - t * KEYS);
                     const long long off = (static_cast<long long>(kvh) * a.capacity + k0) * HD;
-                    s.src0 = L.k_cache + off;
-                    s.src1 = L.v_cache + off;
-                    s.bytes0 = s.bytes1 = static_cast<unsigned>(n * HD * 2);
-                    s.offset1 = KEYS * HD * 2;
+                    set_copy(s, 0, L.k_cache + off, static_cast<unsigned>(n * HD * 2), 0);
+                    set_copy(s, 2, L.v_cache + off, static_cast<unsigned>(n * HD * 2), KEYS * HD * 2);
                     s.weights = false;
                     break;
                 }
@@ -201,21 +270,19 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
     if (lane == 0 && more) {
         const TileSource s = tile_source(a);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
+            const unsigned total = s.bytes[0] + s.bytes[1] + s.bytes[2] + s.bytes[3];
             // (the consumers' generic reads and writes of this stage before the copy's writes)
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                         "r"(s.bytes0 + s.bytes1)
+                         "r"(total)
                          : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                "%2, [%3];" ::"r"(smem_u32(dst)),
-                "l"(s.src0), "r"(s.bytes0), "r"(bar)
-                : "memory");
-            if (s.bytes1)
-                asm volatile(
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (s.bytes[i])
+                    asm volatile(
                     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
-                    "[%1], %2, [%3];" ::"r"(smem_u32(dst + s.offset1)),
-                    "l"(s.src1), "r"(s.bytes1), "r"(bar)
+                    "[%1], %2, [%3];" ::"r"(smem_u32(dst + s.dst[i])),
+                    "l"(s.src[i]), "r"(s.bytes[i]), "r"(bar)
                     : "memory");
         } else {
             asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -225,10 +292,11 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
     if (more) {
         const TileSource s = tile_source(a);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
-            for (unsigned off = lane * 16; off < s.bytes0; off += 32 * 16)
-                cp_async_16(dst + off, static_cast<const unsigned char*>(s.src0) + off, 16);
-            for (unsigned off = lane * 16; off < s.bytes1; off += 32 * 16)
-                cp_async_16(dst + s.offset1 + off, static_cast<const unsigned char*>(s.src1) + off, 16);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                for (unsigned off = lane * 16; off < s.bytes[i]; off += 32 * 16)
+                    cp_async_16(dst + s.dst[i] + off, static_cast<const unsigned char*>(s.src[i]) + off,
+                                16);
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
     }

@@ -31,12 +31,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
-    parser.add_argument("--stages", type=int, help="the stage ring's depth (default: the layout's)")
+    parser.add_argument("--stages", help="the stage ring's depth, or DEPTHxBYTES its depth and "
+                                          "stage size (default: the layout's)")
     parser.add_argument("--shared", type=int,
                         help="lay the megakernel out for this much shared memory a block "
                              "(101376: an RTX 4090's)")
     args = parser.parse_args()
     positions = parse_sizes(args.positions, "--positions")
+    stages = None
+    if args.stages:
+        count, _, size = args.stages.partition("x")
+        stages = (int(count), int(size)) if size else int(count)
     settings = BenchSettings(prompts=(1,), positions=positions, steps=args.steps,
                              repeats=args.repeats)
     for name in args.configs.split(","):
@@ -45,7 +50,7 @@ def main() -> None:
         for consumer in args.consumers.split(","):
             engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
                                 decode="megakernel", megakernel_consumer=consumer,
-                                megakernel_stages=args.stages,
+                                megakernel_stages=stages,
                                 megakernel_shared=args.shared)
             try:
                 result = measure_engine(engine, settings, name, "random")

@@ -5,6 +5,7 @@ No GPU is needed, only NVRTC; without it these tests skip and say why.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -20,9 +21,17 @@ from qwenchat.engine.cuda.compiler import (
     kernel_defines,
 )
 from qwenchat.engine.cuda.engine import COMPILE_ORDER, SM90_KERNELS, plan_kernels
-from qwenchat.engine.cuda.megakernel import fp8_on_tensor_cores, megakernel_layout
+from qwenchat.engine.cuda.megakernel import (
+    MEGAKERNEL_SPLIT_STATIC_SHARED,
+    MEGAKERNEL_STATIC_SHARED,
+    SPLIT_BELOW_FILL,
+    fp8_on_tensor_cores,
+    megakernel_layout,
+    stage_fill,
+)
 from qwenchat.engine.cuda.sources import cuda_src_dir
 from qwenchat.errors import BackendUnavailable, QwenchatError
+from qwenchat.model import fp8
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.presets import PRESETS
 
@@ -424,19 +433,84 @@ def test_fp8_rows_go_to_the_tensor_cores_where_the_gpu_converts_fp8():
         plan_kernels(config, "fp8", gpu_shape("sm_90"), megakernel_consumer="tc")
 
 
-def test_fp8_vectors_staged_as_f16_fit_8b_on_a_99_kb_card_and_keep_the_h100_ring():
-    # The matrix phases' input vectors take 2 bytes a value instead of 4: the union region
-    # shrinks, the ring keeps the depth measured best on the H100, and 8B FP8 now fits the
-    # megakernel of a 99 KB card (RTX 4090) at all.
-    for name, stages in (("qwen3-8b", 4), ("qwen3-14b", 4), ("qwen3-32b", 3)):
+def test_stages_hold_parts_of_rows_where_whole_rows_fill_them_poorly_or_do_not_fit():
+    # Whole rows where they fill a stage well (measured faster there), parts of rows where
+    # they do not (4B and 14B bf16) or cannot fit at all: every size and format decodes in the
+    # megakernel on an H100 (32B bf16, its 100 KB SwiGLU vector beside three 31 KB stages),
+    # and on a 99 KB card (RTX 4090) FP8 up to 14B, whose 17.5 KB down rows no stage there
+    # holds whole, and bf16 up to 8B.
+    def plan(name, fmt, arch="sm_90"):
+        return megakernel_layout(PRESETS[name], *GPUS[arch], fmt, fmt == "fp8" and arch >= "sm_89")
+
+    split = {("qwen3-4b", "bf16"), ("qwen3-14b", "bf16"), ("qwen3-32b", "bf16")}
+    for name in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"):
+        for fmt in ("bf16", "fp8"):
+            layout = plan(name, fmt)
+            assert not isinstance(layout, str), (name, fmt, layout)
+            assert layout.split == ((name, fmt) in split), (name, fmt)
+            assert layout.stages >= 3 and layout.stage_bytes >= 31 * 1024, (name, fmt)
+            whole = stage_fill(PRESETS[name], layout, fmt) if not layout.split else None
+            assert whole is None or whole >= SPLIT_BELOW_FILL or fmt == "fp8", (name, fmt)
+    assert (plan("qwen3-32b", "bf16").stages, plan("qwen3-32b", "bf16").stage_bytes) == (3, 31744)
+    assert dict(plan("qwen3-14b", "bf16").defines(PRESETS["qwen3-14b"]))["QW_MK_SPLIT"] == 1
+    assert "QW_MK_SPLIT" not in dict(plan("qwen3-8b", "bf16").defines(PRESETS["qwen3-8b"]))
+    # FP8's f16 vectors shrink the union region; the ring keeps the depth measured best.
+    for name in ("qwen3-8b", "qwen3-32b"):
         fma = megakernel_layout(PRESETS[name], *GPUS["sm_90"], "fp8", False)
-        mma = megakernel_layout(PRESETS[name], *GPUS["sm_90"], "fp8", True)
-        assert fma.stages == mma.stages == stages and mma.stage_bytes == fma.stage_bytes
+        mma = plan(name, "fp8")
+        assert (fma.stages, fma.stage_bytes) == (mma.stages, mma.stage_bytes)
         assert mma.fixed < fma.fixed and mma.f8_mma and not fma.f8_mma
-    assert "shared memory" in megakernel_layout(PRESETS["qwen3-8b"], *GPUS["sm_89"], "fp8", False)
-    small = megakernel_layout(PRESETS["qwen3-8b"], *GPUS["sm_89"], "fp8", True)
-    assert (small.stages, small.stage_bytes) == (2, 16384)
-    assert 24 * 1024 + small.fixed + 2 * 16384 <= GPUS["sm_89"][0]
+    card = GPUS["sm_89"]
+    for name, fmt, parts in (("qwen3-4b", "fp8", False), ("qwen3-8b", "fp8", False),
+                             ("qwen3-14b", "fp8", True), ("qwen3-4b", "bf16", True),
+                             ("qwen3-8b", "bf16", True)):
+        small = plan(name, fmt, "sm_89")
+        assert not isinstance(small, str) and small.stages >= 2 and small.split == parts, name
+        static = MEGAKERNEL_SPLIT_STATIC_SHARED if parts else MEGAKERNEL_STATIC_SHARED
+        assert static + small.fixed + small.stages * small.stage_bytes <= card[0]
+    down_row = fp8.linear_bytes((1, PRESETS["qwen3-14b"].intermediate_size), "fp8")
+    assert plan("qwen3-14b", "fp8", "sm_89").stage_bytes < down_row
+    for name, fmt in (("qwen3-14b", "bf16"), ("qwen3-32b", "fp8")):  # their vectors do not fit
+        assert "shared memory" in plan(name, fmt, "sm_89")
+
+
+def test_stage_fill_is_the_least_filled_phase_with_whole_rows():
+    # 14B bf16 on an H100: a 34 KB down row alone in a 64 KB stage; 8B: three 8 KB Q/K/V rows
+    # of a 32 KB stage and one 24 KB down row in it.
+    h100 = GPUS["sm_90"]
+    wide = megakernel_layout(PRESETS["qwen3-14b"], *h100, "bf16")
+    whole = dataclasses.replace(wide, stage_bytes=65536, split=False)
+    assert stage_fill(PRESETS["qwen3-14b"], whole, "bf16") == pytest.approx(34816 / 65536)
+    eight = megakernel_layout(PRESETS["qwen3-8b"], *h100, "bf16")
+    assert stage_fill(PRESETS["qwen3-8b"], eight, "bf16") == pytest.approx(0.75)
+
+
+def static_shared(cubin: bytes, kernel: str) -> int:
+    """The static shared memory of `kernel` in an ELF cubin: its .nv.shared section's size."""
+    import struct
+
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    size, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * size) for i in range(count)]
+    table = sections[names][4]
+    for section in sections:
+        name = cubin[table + section[0]:cubin.index(b"\0", table + section[0])].decode()
+        if name == f".nv.shared.{kernel}":
+            return section[5]
+    raise AssertionError(f"no .nv.shared.{kernel} section")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("weights", "split"), [("bf16", True), ("fp8", False)])
+def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(weights, split):
+    # The layout gives the dynamic part all but MEGAKERNEL_STATIC_SHARED (whole rows) or
+    # MEGAKERNEL_SPLIT_STATIC_SHARED (parts of rows); 32B's static part is the largest (its
+    # attention groups of 8 heads; with parts of rows, its row table).
+    plan = plan_kernels(PRESETS["qwen3-32b"], weights, gpu_shape("sm_90"))
+    assert plan.megakernel_layout.split is split
+    cubin = compile_source("megakernel.cu", "sm_90", dict(plan.megakernel.defines))
+    static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
+    assert 16 * 1024 < static_shared(cubin, "decode_megakernel") <= static
 
 
 @needs_nvrtc
@@ -452,7 +526,8 @@ def test_a_layout_whose_union_region_is_not_the_kernels_does_not_compile():
 
 def test_the_megakernel_can_be_laid_out_for_less_shared_memory_than_the_gpu_has():
     # An H100 running the layout of an RTX 4090 (99 KB a block): 8B FP8 in two 16 KB stages,
-    # 8B bf16 on the graph, as on that card; never more than the GPU has.
+    # 8B bf16 in two 10 KB ones holding parts of rows (its float vectors take more), 14B bf16
+    # on the graph, as on that card; never more than the GPU has.
     h100 = gpu_shape("sm_90")
     fp8 = plan_kernels(PRESETS["qwen3-8b"], "fp8", h100, megakernel_shared=101_376)
     assert fp8.decode == "megakernel"
@@ -460,7 +535,9 @@ def test_the_megakernel_can_be_laid_out_for_less_shared_memory_than_the_gpu_has(
     assert fp8.megakernel_layout == expected
     assert (fp8.megakernel_layout.stages, fp8.megakernel_layout.stage_bytes) == (2, 16384)
     bf16 = plan_kernels(PRESETS["qwen3-8b"], "bf16", h100, megakernel_shared=101_376)
-    assert bf16.decode == "layered" and "101,376" in bf16.why_layered
+    assert (bf16.megakernel_layout.stages, bf16.megakernel_layout.stage_bytes) == (2, 10240)
+    wide = plan_kernels(PRESETS["qwen3-14b"], "bf16", h100, megakernel_shared=101_376)
+    assert wide.decode == "layered" and "101,376" in wide.why_layered
     for wrong in (232_449, 1024):
         with pytest.raises(QwenchatError, match=f"must be 49,152 to 232,448 bytes on this GPU; "
                                                 f"got {wrong:,}"):

@@ -4,6 +4,8 @@ only)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -27,22 +29,35 @@ RTX_4090_SHARED = 101_376  # opt-in shared memory a block on an RTX 4090 (sm_89)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-0.6b fp8",
-                                        "qwen3-4b fp8", "qwen3-8b fp8 99KB"])
+                                        "qwen3-4b fp8", "qwen3-8b fp8 99KB", "qwen3-4b bf16 99KB",
+                                        "qwen3-14b fp8 99KB 8"])
 def shape_engine(request):
-    """A CUDA engine on seeded random weights of a real shape (every layer), megakernel on. FP8:
-    the megakernel dots them on the tensor cores (H100), the graph on the CUDA cores. 99KB: the
-    megakernel laid out for an RTX 4090's shared memory (two 16 KB stages), as it runs there."""
+    """A CUDA engine on seeded random weights of a real shape (every layer, or the first N),
+    megakernel on. FP8: the megakernel dots them on the tensor cores (H100), the graph on the
+    CUDA cores. 99KB: the megakernel laid out for an RTX 4090's shared memory, as it runs
+    there: two 16 KB stages of whole rows (8B FP8), or stages that hold parts of rows (4B bf16:
+    15 KB; 14B FP8: 13 KB, less than one of its 17.5 KB down rows). 4B bf16 on the H100 streams
+    parts of rows too (its whole rows fill a stage to 62%)."""
     from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.engine.cuda.megakernel import megakernel_layout
     from qwenchat.model.presets import PRESETS
     from qwenchat.model.random_weights import RandomWeights
 
-    name, weight_format, small = [*request.param.split(), "bf16", ""][:3]
+    name, *rest = request.param.split()
+    weight_format = rest[0] if rest else "bf16"
+    small = "99KB" in rest
+    layers = rest[-1] if rest and rest[-1].isdigit() else ""
     config = PRESETS[name]
+    if layers:
+        config = dataclasses.replace(config, num_hidden_layers=int(layers))
     weights = RandomWeights(config, seed=0, weight_format=weight_format)
     engine = CudaEngine(config, weights, ctx=2048, decode="megakernel",
                         megakernel_shared=RTX_4090_SHARED if small else None)
     if small:
-        assert (engine.mk_stages, engine.mk_stage_bytes) == (2, 16384)
+        assert engine.mk_layout == megakernel_layout(config, RTX_4090_SHARED,
+                                                     engine.device.sm_count, weight_format,
+                                                     weight_format == "fp8")
+        assert engine.mk_stages == 2 and engine.mk_stage_bytes <= 16384
     assert engine.decode == "megakernel"
     yield engine
     engine.close()

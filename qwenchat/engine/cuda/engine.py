@@ -118,7 +118,8 @@ class KernelPlan:
 
 def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                  decode: str = "auto", prefill_kernels: str = "auto",
-                 megakernel_skip: Sequence[str] = (), megakernel_stages: int | None = None,
+                 megakernel_skip: Sequence[str] = (),
+                 megakernel_stages: int | tuple[int, int] | None = None,
                  megakernel_timeline: int = 0, megakernel_consumer: str = "auto",
                  megakernel_shared: int | None = None) -> KernelPlan:
     """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
@@ -182,7 +183,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         notice: Callable[[str], None] = lambda _: None,
         decode: str = "auto",
         megakernel_skip: Sequence[str] = (),
-        megakernel_stages: int | None = None,
+        megakernel_stages: int | tuple[int, int] | None = None,
         prefill_kernels: str = "auto",
         progress: Callable[[str], None] | None = None,
         megakernel_timeline: int = 0,

@@ -27,7 +27,8 @@ from qwenchat.sampling.params import SamplingParams
 
 MEGAKERNEL_THREADS = 512
 MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV stream
-MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: ~16 KB)
+MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: ~16-22 KB)
+MEGAKERNEL_SPLIT_STATIC_SHARED = 27 * 1024  # with parts of rows (their row table: ~20-26.5 KB)
 MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's radix bins
 MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
 MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
@@ -76,6 +77,7 @@ class MegakernelLayout:
     blocks: int  # one per SM
     lm_rows: int  # LM-head rows per block
     f8_mma: bool = False  # FP8 rows on the tensor cores, their input vectors staged as f16
+    split: bool = False  # stages hold parts of rows (runs of 256-column items)
 
     def defines(self, config: Qwen3Config,
                 weight_format: str = "bf16") -> dict[str, int | float]:
@@ -87,6 +89,8 @@ class MegakernelLayout:
                        QW_MK_HOST_UNION=union)
         if weight_format == "fp8":
             defines["QW_MK_F8_MMA"] = int(self.f8_mma)
+        if self.split:
+            defines["QW_MK_SPLIT"] = 1
         return defines
 
 
@@ -104,14 +108,65 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     """The megakernel's layout on a GPU with this much opt-in shared memory per block and
     this many SMs, for linear layers in `weight_format` (FP8: dotted on the tensor cores with
     `f8_mma`, see fp8_on_tensor_cores), or why it cannot run there (then the per-op graph
-    decodes)."""
+    decodes).
+
+    Two ways to stream the weights (QW_MK_SPLIT in mk_layout.cuh): whole rows, each consumer
+    warp holding a segment of the input vector in registers; or stages that hold parts of
+    rows (runs of 256-column items), the vector in shared memory. Whole rows measured faster
+    wherever they fill the stages well (docs/perf.md, 2026-11-26: 0.6B-1.7B and 8B bf16, every
+    FP8 size); parts of rows are taken where whole rows fill a stage to less than
+    SPLIT_BELOW_FILL (4B and 14B bf16) or do not fit at all (32B bf16 on an H100, 14B FP8 and
+    8B bf16 on a 99 KB card)."""
+    f8_mma = f8_mma and weight_format == "fp8"
+    whole = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=False)
+    if isinstance(whole, str) or (not f8_mma and stage_fill(cfg, whole, weight_format)
+                                  < SPLIT_BELOW_FILL):
+        split = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=True)
+        if not isinstance(split, str) or isinstance(whole, str):
+            return split
+    return whole
+
+
+SPLIT_BELOW_FILL = 0.65  # whole rows fill a stage less: stream parts of rows (measured)
+
+
+def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -> float:
+    """How full the least-filled matrix phase keeps a stage with whole rows (rows_per_stage in
+    mk_layout.cuh): a warp segment of the vector per 1,024 columns, up to 15 warps, so many
+    row groups, and a stage takes as many rows as keep the most rows per round of them."""
+    consumers = MEGAKERNEL_THREADS // 32 - 1
+
+    def rows(fit: int, groups: int, step: int = 1) -> int:
+        best, best_rate = 0, 0
+        for r in range(step, fit * step + 1, step):
+            rate = r * 1024 // -(-r // groups)
+            if rate >= best_rate:
+                best, best_rate = r, rate
+        return best
+
+    def fill(k: int, fmt: str, pairs: bool = False) -> float:
+        row = fp8.linear_bytes((1, k), fmt) * (2 if pairs else 1)
+        groups = consumers // min(-(-k // 1024), consumers)
+        if fmt == "fp8" and layout.f8_mma:
+            groups *= 2
+        n = rows(layout.stage_bytes // row * (2 if pairs else 1), groups, 2 if pairs else 1)
+        return n * row / (2 if pairs else 1) / layout.stage_bytes
+
+    return min(fill(cfg.hidden_size, weight_format), fill(cfg.q_size, weight_format),
+               fill(cfg.intermediate_size, weight_format),
+               fill(cfg.hidden_size, weight_format, pairs=True), fill(cfg.hidden_size, "bf16"))
+
+
+def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_format: str,
+            f8_mma: bool, split: bool) -> MegakernelLayout | str:
+    """megakernel_layout for one way of streaming the weights."""
+    static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
     stage = MEGAKERNEL_STAGE_BYTES
     blocks = min(sm_count, 512)  # one block per SM (its scratch holds 512)
     # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
     # input vector, the warps' attention partial sums, the block's LM-head logits and the
     # sampler's histograms; then the table of layer pointers.
     lm_rows = math.ceil(cfg.vocab_size / blocks)
-    f8_mma = f8_mma and weight_format == "fp8"
     widths = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
     # The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to
     # whole 256-column steps (VEC_BYTES in mk_layout.cuh).
@@ -128,29 +183,47 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     # only counts where it makes the megakernel fit at all (a 99 KB card). Deeper rings were
     # measured slower on the H100 (docs/perf.md: 32B FP8 at 4 stages 6% below 3, 8B at 5
     # 2% below 4).
-    room = shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed_bytes(4 * max(widths))
-    if room // stage < 3:
-        stage //= 2  # smaller GPUs: more, smaller stages
-    # A stage holds a whole row of every matrix (a gate/up pair together), in the weights'
-    # format; the LM head's rows stay bf16.
-    row = partial(fp8.linear_bytes, weight_format=weight_format)
-    widest_row = max(2 * row((1, cfg.hidden_size)), row((1, cfg.q_size)),
-                     row((1, cfg.intermediate_size)), 2 * cfg.hidden_size,
-                     4 * cfg.head_dim * 32)
-    while stage < widest_row:
-        stage *= 2
-    count = min(16, room // stage)
-    if count < 2:
-        count = min(16, (shared_per_block - MEGAKERNEL_STATIC_SHARED - fixed) // stage)
-    if count < 2:
-        # 32B's SwiGLU vector (100 KB) and two 64 KB bf16 stages do not fit in one block's
-        # 227 KB (its FP8 rows fit 32 KB stages).
-        need = MEGAKERNEL_STATIC_SHARED + fixed + 2 * stage
+    room = shared_per_block - static - fixed_bytes(4 * max(widths))
+    # Attention needs a key and a value row in a stage for each consumer warp.
+    least = -(-4 * cfg.head_dim * (MEGAKERNEL_THREADS // 32 - 1) // 1024) * 1024
+    if split:  # a stage holds any run of items: its size needs no whole row
+        count = min(16, room // stage)
+        if count < 3:
+            if room // 3 >= 3 * stage // 4:  # three stages a little smaller (32B on an H100)
+                stage = room // 3 // 1024 * 1024
+            else:
+                stage //= 2  # smaller GPUs: more, smaller stages
+            count = min(16, room // stage)
+        if count < 2:
+            room = shared_per_block - static - fixed
+            count = min(16, room // stage)
+        if count < 2:
+            stage, count = room // 2 // 1024 * 1024, 2  # two smaller stages
+        fits = stage >= least
+    else:
+        if room // stage < 3:
+            stage //= 2  # smaller GPUs: more, smaller stages
+        # A stage holds a whole row of every matrix (a gate/up pair together), in the
+        # weights' format; the LM head's rows stay bf16.
+        row = partial(fp8.linear_bytes, weight_format=weight_format)
+        widest_row = max(2 * row((1, cfg.hidden_size)), row((1, cfg.q_size)),
+                         row((1, cfg.intermediate_size)), 2 * cfg.hidden_size, least)
+        while stage < widest_row:
+            stage *= 2
+        count = min(16, room // stage)
+        if count < 2:
+            count = min(16, (shared_per_block - static - fixed) // stage)
+        fits = count >= 2
+        least = stage
+    if not fits:
+        need = static + fixed + 2 * least
         return (f"the decode megakernel needs {need:,} bytes of shared memory "
                 f"per block for this model and the GPU has {shared_per_block:,}")
     if math.ceil(cfg.hidden_size / blocks) > 512:
         return "this model is too wide for the decode megakernel on this GPU"
-    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, f8_mma)
+    if split and math.ceil(cfg.intermediate_size / blocks) > 512:  # PAIR_ROWS in mk_layout.cuh
+        return "this model's MLP is too wide for the decode megakernel on this GPU"
+    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, f8_mma, split)
 
 
 def megakernel_unusable(config: Qwen3Config, device: GpuShape,
@@ -168,20 +241,22 @@ def megakernel_unusable(config: Qwen3Config, device: GpuShape,
 
 def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
                      layout: MegakernelLayout, skip: Sequence[str] = (),
-                     stages: int | None = None, timeline: int = 0
+                     stages: int | tuple[int, int] | None = None, timeline: int = 0
                      ) -> tuple[MegakernelLayout, KernelBuild]:
     """The megakernel's build for its layout on this GPU (and the layout it is built for).
 
     The stage ring takes what shared memory the device allows per block, less the static
     part and the sampler's histograms; `skip` leaves parts out (timing variants only: the
-    tokens are then wrong), `stages` overrides the ring depth (experiments) and `timeline` > 0
+    tokens are then wrong), `stages` overrides the ring depth, or (count, bytes) its depth and
+    stage size (experiments) and `timeline` > 0
     records that many phases of a launch in every block (tests/step_timeline.py)."""
     unknown = sorted(set(skip) - set(MEGAKERNEL_PARTS))
     if unknown:
         raise QwenchatError(f"unknown megakernel part {unknown[0]!r}; "
                             f"known: {', '.join(MEGAKERNEL_PARTS)}")
     if stages:
-        layout = dataclasses.replace(layout, stages=stages)
+        count, size = stages if isinstance(stages, tuple) else (stages, layout.stage_bytes)
+        layout = dataclasses.replace(layout, stages=count, stage_bytes=size)
     defines = dict(layout.defines(config, weight_format),
                    QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
     if timeline:
