@@ -1,10 +1,13 @@
-"""The megakernel's FP8 consumers side by side: a benchmark, not a test (CUDA only).
+"""Megakernel decode speeds side by side: a benchmark, not a test (CUDA only).
 
 Decodes random weights of real shapes with the tensor-core FP8 consumer ("auto") and the
 CUDA-core one ("fma") in one process, on one GPU, through the bench's own decode measurement,
-so the numbers are comparable with `qwenchat bench` and with each other:
+so the numbers are comparable with `qwenchat bench` and with each other; or (one consumer)
+several sizes, another ring (`--stages 4` or `--stages 8x16384`) or the layout of a GPU with
+less shared memory (`--shared 101376`, an RTX 4090's):
 
     python tests/consumer_compare.py --configs qwen3-0.6b,qwen3-8b --positions 1,4096
+    python tests/consumer_compare.py --weights bf16 --consumers auto --configs qwen3-14b
 
 Each cell is tok/s (median of `--repeats` runs of `--steps` greedy steps) and the share of the
 copy bandwidth that the bytes read per step reach.
