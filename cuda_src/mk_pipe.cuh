@@ -2,6 +2,7 @@
 // read it, refilled into a ring of shared-memory stages by bulk asynchronous copies.
 #pragma once
 #include "mk_tagged.cuh"
+#include "mk_timeline.cuh"
 
 namespace {
 using namespace mk;
@@ -359,7 +360,9 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 // Waits for stage `consumed` of the stream (its "full" barrier) and returns it.
 __device__ __forceinline__ const unsigned char* pipe_wait(unsigned consumed) {
     const int stage = consumed % STAGES;
+    QW_TL_CLOCK(t0);
     mbar_wait(smem_u32(stage_bars + stage), (consumed / STAGES) & 1);
+    QW_TL_WAITED(t0);
     return stage_mem + stage * STAGE;
 }
 
@@ -375,10 +378,13 @@ __device__ __forceinline__ void pipe_release(unsigned& consumed) {
 // The producer warp's turn at stage `consumed`: once every consumer has released it, refill it
 // with the stream's next tile (the one STAGES ahead).
 __device__ __forceinline__ void pipe_produce(const MegaArgs& a, unsigned& consumed) {
+    QW_TL_CLOCK(t0);
     if ((threadIdx.x & 31) == 0)
         mbar_wait(smem_u32(free_bars + consumed % STAGES), (consumed / STAGES) & 1);
     __syncwarp();
+    QW_TL_CLOCK(t1);
     issue(a);
+    QW_TL_PRODUCED(t0, t1);
     ++consumed;
 }
 

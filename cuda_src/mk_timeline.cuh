@@ -1,8 +1,11 @@
 // The step timeline (tests/step_timeline.py): with QW_MK_TIMELINE = N > 0 the megakernel
 // records, for each of a launch's first N phases and each block, when the phase started, when
 // its input vector had arrived, when its first stage of weights (or keys) was in shared memory,
-// and when its last consumer warp was done (globaltimer, ns). With QW_MK_TIMELINE = 0 (every
-// real run) the hooks expand to nothing and the kernel is the same to the byte.
+// and when its last consumer warp was done (globaltimer, ns); and, while the block's warps were
+// in that phase, how many stages the producer warp issued, the SM cycles (clock64) it spent
+// issuing them and waiting for consumers to free them, and the cycles warp 0 waited for
+// stages to fill. With QW_MK_TIMELINE = 0 (every real run) the hooks expand to nothing and the
+// kernel is the same to the byte.
 #pragma once
 #include "mk_layout.cuh"
 
@@ -16,11 +19,14 @@ namespace mk_timeline {
 enum Kind : unsigned { QKV = 0, ATTENTION = 1, O_PROJ = 2, GATE_UP = 3, DOWN = 4, LM_HEAD = 5,
                        SAMPLE = 6 };
 enum Mark { START = 0, INPUT = 1, WEIGHTS = 2, END = 3 };
+enum Cycles { ISSUE = 0, FREE_WAIT = 1, FULL_WAIT = 2 };
 struct Record {
     unsigned long long t[4];  // by Mark; 0: not reached
     unsigned kind;
-    unsigned pad[7];
+    unsigned stages;               // stages the producer issued while in this phase
+    unsigned long long cycles[3];  // by Cycles
 };
+static_assert(sizeof(Record) == 64, "mirrored by TIMELINE_RECORD in megakernel.py");
 }  // namespace mk_timeline
 
 // [phase][block] records; the host sets it (cuModuleGetGlobal) and zeroes them.
@@ -65,8 +71,29 @@ __device__ __forceinline__ void mark(unsigned phase, Mark m, unsigned kind = 0) 
     r->t[m] = now();
     if (m == START) r->kind = kind;
 }
+
+// Lane 0 of a warp: adds `cycles` (and `stages`) to the record of the phase the warp is in.
+__device__ __forceinline__ void add(Cycles c, long long cycles, unsigned stages = 0u) {
+    const unsigned phase = warp_phase[threadIdx.x >> 5] - 1u;
+    if (phase >= QW_MK_TIMELINE || (threadIdx.x & 31) != 0) return;
+    Record* r = qw_timeline + phase * gridDim.x + blockIdx.x;
+    r->cycles[c] += static_cast<unsigned long long>(cycles);
+    r->stages += stages;
+}
 }  // namespace mk_timeline
 
+#define QW_TL_CLOCK(var) const long long var = clock64()
+// The producer's turn at a stage: waited from t0 to t1 for it to be free, then issued it.
+#define QW_TL_PRODUCED(t0, t1)                                           \
+    do {                                                                 \
+        mk_timeline::add(mk_timeline::FREE_WAIT, (t1) - (t0));           \
+        mk_timeline::add(mk_timeline::ISSUE, clock64() - (t1), 1u);      \
+    } while (0)
+// Warp 0 waited from t0 for a stage to fill.
+#define QW_TL_WAITED(t0)                                                          \
+    do {                                                                          \
+        if ((threadIdx.x >> 5) == 0) mk_timeline::add(mk_timeline::FULL_WAIT, clock64() - (t0)); \
+    } while (0)
 #define QW_TL_INIT() mk_timeline::init()
 #define QW_TL_ENTER(kind)                                 \
     const unsigned tl_phase_ = mk_timeline::enter();      \
@@ -75,6 +102,9 @@ __device__ __forceinline__ void mark(unsigned phase, Mark m, unsigned kind = 0) 
 #define QW_TL_MARK_IF(cond, m) \
     if (cond) mk_timeline::mark(tl_phase_, mk_timeline::m)
 #else
+#define QW_TL_CLOCK(var)
+#define QW_TL_PRODUCED(t0, t1)
+#define QW_TL_WAITED(t0)
 #define QW_TL_INIT()
 #define QW_TL_ENTER(kind)
 #define QW_TL_MARK(m)

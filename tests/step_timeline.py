@@ -9,7 +9,10 @@ phase (pale from its start until its input had arrived, then solid until it was 
 where its first stage of weights (or keys) was ready, and the critical path in red (each
 phase's last block to finish, which the next phase's input waits for). An SVG is always
 written; a PNG as well where matplotlib is installed. A table of where the step's time goes,
-per kind of phase, is printed.
+per kind of phase, is printed, and one of the stage pipeline: per kind, the stages a block's
+producer warp issued, the SM cycles each took it to issue, and the shares of the phases' time
+that the producer spent issuing and waiting for free stages and that warp 0 spent waiting for
+full ones (cycles at `--clock-ghz`, the SM clock under load).
 
     python tests/step_timeline.py --config qwen3-0.6b --position 1 --zoom 10 --out tl-0.6b
 """
@@ -112,6 +115,30 @@ def summary(analysis: dict) -> list[dict]:
     return rows
 
 
+def pipeline(step: np.ndarray, clock_ghz: float) -> list[dict]:
+    """The stage pipeline per kind of phase, over every block: stages issued a phase (mean),
+    producer cycles a stage issued (median over the blocks' phases that issued any), and the
+    shares of the phases' time (start to end) spent issuing, waiting for a free stage (the
+    producer) and waiting for a full one (warp 0)."""
+    rows = []
+    kinds = step["kind"].max(axis=1)
+    for k, kind in enumerate(TIMELINE_KINDS):
+        sel = step[kinds == k]
+        if not len(sel):
+            continue
+        done = (sel["start"] > 0) & (sel["end"] > sel["start"])
+        cycles = (sel["end"].astype(np.float64) - sel["start"]) * clock_ghz
+        spent = cycles[done].sum()
+        issued = sel["stages"][done]
+        per = sel["issue"][done][issued > 0] / issued[issued > 0]
+        rows.append({"phase": kind, "stages": float(issued.mean()),
+                     "issue_cycles_per_stage": float(np.median(per)) if len(per) else None,
+                     "issuing": float(sel["issue"][done].sum() / spent) if spent else None,
+                     "free_wait": float(sel["free_wait"][done].sum() / spent) if spent else None,
+                     "full_wait": float(sel["full_wait"][done].sum() / spent) if spent else None})
+    return rows
+
+
 def write_svg(step: np.ndarray, analysis: dict, title: str, path: Path) -> None:
     blocks, width, row_h, left, top = step.shape[1], 1600.0, 4.0, 60.0, 40.0
     scale = width / analysis["step_ns"]
@@ -209,12 +236,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--zoom", type=int, default=None, metavar="LAYER",
                         help="also draw this layer's five phases alone (NAME-layerN.png/svg)")
+    parser.add_argument("--clock-ghz", type=float, default=1.98,
+                        help="the SM clock the pipeline table converts cycles at (H100 SXM: "
+                             "1.98)")
     parser.add_argument("--out", type=Path, default=Path("step-timeline"),
                         help="file name without suffix: .svg, .png and .json are written")
     args = parser.parse_args()
     step, described = record_step(args.config, args.quantize, args.position, args.steps)
     analysis = analyse(step)
     rows = summary(analysis)
+    stages = pipeline(step, args.clock_ghz)
     stragglers = Counter(p["straggler"] for p in analysis["phases"]).most_common(5)
     def named(suffix: str) -> Path:  # (with_suffix would eat "0.6b" in a name)
         return args.out.parent / (args.out.name + suffix)
@@ -222,7 +253,7 @@ def main() -> None:
     write_svg(step, analysis, described, named(".svg"))
     png = write_png(step, analysis, described, named(".png"))
     named(".json").write_text(json.dumps(
-        {"described": described, "summary": rows, "stragglers": stragglers,
+        {"described": described, "summary": rows, "pipeline": stages, "stragglers": stragglers,
          "phases": analysis["phases"]}, indent=1))
     if args.zoom is not None:
         layer = step[5 * args.zoom : 5 * args.zoom + 5]
@@ -241,6 +272,15 @@ def main() -> None:
         print(f"{r['phase']:>10} {r['count']:>4} {r['share']:>6.1%} {fmt(r['span_us']):>8} "
               f"{fmt(r['input_wait_us']):>11} {fmt(r['weights_after_input_us']):>14}")
     print("most frequent last blocks (block, phases):", stragglers)
+    print(f"{'phase':>10} {'stages':>7} {'cycles/issue':>13} {'issuing':>8} {'free wait':>10} "
+          f"{'full wait':>10}   (producer; warp 0)")
+    for r in stages:
+        def pct(v: float | None) -> str:
+            return "–" if v is None else f"{v:.1%}"
+
+        per = r["issue_cycles_per_stage"]
+        print(f"{r['phase']:>10} {r['stages']:>7.1f} {'–' if per is None else f'{per:.0f}':>13} "
+              f"{pct(r['issuing']):>8} {pct(r['free_wait']):>10} {pct(r['full_wait']):>10}")
 
 
 if __name__ == "__main__":

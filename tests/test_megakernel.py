@@ -157,7 +157,8 @@ def reply_tokens(engine, steps: int) -> list[int]:
 def test_a_timeline_build_records_every_phase_of_every_block_in_order_and_same_tokens():
     """QW_MK_TIMELINE stamps each phase of each block (tests/step_timeline.py draws them):
     every block's phases start, get their input and end in order, a step's phases come in the
-    model's order, and the tokens are those of the plain build."""
+    model's order, the stage pipeline's counts add up, and the tokens are those of the plain
+    build."""
     import dataclasses
 
     from qwenchat.engine.cuda.engine import CudaEngine
@@ -189,3 +190,10 @@ def test_a_timeline_build_records_every_phase_of_every_block_in_order_and_same_t
     assert has_input[[k != "sample" for k in kinds]].mean() > 0.5
     assert ((start <= inp) & (inp <= end))[has_input].all()
     assert (np.diff(start, axis=0) >= 0).all()  # each block's phases one after another
+    # The pipeline's counts: every stage of the launch's stream was issued by a producer in
+    # some phase, each with some cycles spent; warp 0 never waited longer than a phase lasted.
+    matrix = [k in ("qkv", "o_proj", "gate_up", "down", "lm_head") for k in kinds]
+    assert records["stages"][matrix].sum(axis=0).min() > 0
+    issued = records["stages"] > 0
+    assert (records["issue"][issued] > 0).all() and not records["issue"][~issued].any()
+    assert (records["full_wait"] <= (end - start) * 3).all()  # cycles at most ~2 GHz x ns

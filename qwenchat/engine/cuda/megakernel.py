@@ -39,9 +39,12 @@ MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watch
 MEGAKERNEL_TIMEOUT_S = 30.0
 MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth and more
 # One phase of one block in a timeline build (struct Record in mk_timeline.cuh): globaltimer
-# ns at its start, input, first weights and end (0: not reached), and what the phase was.
+# ns at its start, input, first weights and end (0: not reached), what the phase was, and while
+# the block was in it: stages the producer issued, SM cycles it spent issuing them and waiting
+# for free stages, and cycles warp 0 waited for full ones.
 TIMELINE_RECORD = np.dtype([("start", "<u8"), ("input", "<u8"), ("weights", "<u8"),
-                            ("end", "<u8"), ("kind", "<u4"), ("pad", "<u4", 7)])
+                            ("end", "<u8"), ("kind", "<u4"), ("stages", "<u4"),
+                            ("issue", "<u8"), ("free_wait", "<u8"), ("full_wait", "<u8")])
 TIMELINE_KINDS = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "sample")
 
 
