@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     parser.add_argument("--stages", help="the stage ring's depth, or DEPTHxBYTES its depth and "
                                           "stage size (default: the layout's)")
+    parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"),
+                        help="what the stages hold (default: as the layout chooses)")
     parser.add_argument("--shared", type=int,
                         help="lay the megakernel out for this much shared memory a block "
                              "(101376: an RTX 4090's)")
@@ -54,7 +56,8 @@ def main() -> None:
             engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
                                 decode="megakernel", megakernel_consumer=consumer,
                                 megakernel_stages=stages,
-                                megakernel_shared=args.shared)
+                                megakernel_shared=args.shared,
+                                megakernel_rows=args.rows)
             try:
                 result = measure_engine(engine, settings, name, "random")
             finally:
@@ -63,13 +66,15 @@ def main() -> None:
             if args.json:
                 print(json.dumps({"config": name, "weights": args.weights, "consumer": consumer,
                                   "stages": args.stages, "shared": args.shared,
+                                  "rows": args.rows,
                                   "decode": {p: {"tok_s": t, "of_copy": f}
                                              for p, (t, f) in cells.items()}}), flush=True)
                 continue
             row = "".join(f"  @{p}: {t:8.1f} tok/s {100 * (f or 0):5.1f}% of copy"
                           for p, (t, f) in cells.items())
             tag = " ".join(([f"stages={args.stages}"] if args.stages else [])
-                           + ([f"shared={args.shared}"] if args.shared else []))
+                           + ([f"shared={args.shared}"] if args.shared else [])
+                           + ([f"rows={args.rows}"] if args.rows != "auto" else []))
             print(f"{name:<11} {args.weights:<5} {consumer:<5}{row} {tag}", flush=True)
 
 

@@ -10,7 +10,8 @@ Small enough for racecheck to finish in about two minutes on an H100:
     compute-sanitizer --tool racecheck python tests/megakernel_sanitize.py
 
 `--weights fp8` checks the FP8 consumer (on the tensor cores from sm_89), `--shared 101376`
-the layout of a 99 KB card (two 16 KB stages), `--consumer fma` the CUDA-core FP8 consumer.
+the layout of a 99 KB card (two 16 KB stages), `--consumer fma` the CUDA-core FP8 consumer,
+`--rows parts` stages that hold parts of rows (the layout takes whole rows at this width).
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ def main() -> None:
     parser.add_argument("--consumer", default="auto", choices=("auto", "fma"))
     parser.add_argument("--shared", type=int, help="lay the megakernel out for this much "
                                                    "shared memory a block")
+    parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"))
     args = parser.parse_args()
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
                                  intermediate_size=768, vocab_size=4096,
                                  num_attention_heads=4, num_key_value_heads=2)
     weights = RandomWeights(config, seed=0, weight_format=args.weights)
     engine = CudaEngine(config, weights, ctx=512, decode="megakernel",
-                        megakernel_consumer=args.consumer, megakernel_shared=args.shared)
+                        megakernel_consumer=args.consumer, megakernel_shared=args.shared,
+                        megakernel_rows=args.rows)
     try:
         if engine.decode != "megakernel":
             raise SystemExit("the megakernel cannot run on this GPU: nothing to check")
@@ -48,9 +51,9 @@ def main() -> None:
                         presence_penalty=0.5, frequency_penalty=0.2)
         top_p = reply(engine, prompt, 32, seed=1, temperature=1.0, top_p=0.95, top_k=0)
         layout = engine.mk_layout
-        print(f"{args.weights}, {layout.stages} x {layout.stage_bytes} B stages, FP8 on the "
-              f"tensor cores: {layout.f8_mma}; greedy {greedy[:8]} sampled {sampled[:8]} "
-              f"top-p {top_p[:8]}")
+        print(f"{args.weights}, {layout.stages} x {layout.stage_bytes} B stages, parts of rows: "
+              f"{layout.split}, FP8 on the tensor cores: {layout.f8_mma}; greedy {greedy[:8]} "
+              f"sampled {sampled[:8]} top-p {top_p[:8]}")
     finally:
         engine.close()
 

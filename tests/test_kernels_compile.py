@@ -474,6 +474,21 @@ def test_stages_hold_parts_of_rows_where_whole_rows_fill_them_poorly_or_do_not_f
         assert "shared memory" in plan(name, fmt, "sm_89")
 
 
+def test_how_stages_hold_rows_can_be_forced_and_an_unknown_way_is_refused():
+    h100 = gpu_shape("sm_90")
+    small = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", h100)
+    parts = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", h100, megakernel_rows="parts")
+    assert not small.megakernel_layout.split and parts.megakernel_layout.split
+    assert dict(parts.megakernel.defines)["QW_MK_SPLIT"] == 1
+    wide = plan_kernels(PRESETS["qwen3-14b"], "bf16", h100, megakernel_rows="whole")
+    assert not wide.megakernel_layout.split and wide.megakernel_layout.stage_bytes == 65536
+    too_wide = plan_kernels(PRESETS["qwen3-32b"], "bf16", h100, megakernel_rows="whole")
+    assert too_wide.decode == "layered" and "shared memory" in too_wide.why_layered
+    with pytest.raises(QwenchatError, match="unknown megakernel rows 'half'; known: auto, "
+                                            "whole, parts"):
+        plan_kernels(PRESETS["qwen3-0.6b"], "bf16", h100, megakernel_rows="half")
+
+
 def test_stage_fill_is_the_least_filled_phase_with_whole_rows():
     # 14B bf16 on an H100: a 34 KB down row alone in a 64 KB stage; 8B: three 8 KB Q/K/V rows
     # of a 32 KB stage and one 24 KB down row in it.

@@ -30,14 +30,16 @@ RTX_4090_SHARED = 101_376  # opt-in shared memory a block on an RTX 4090 (sm_89)
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-0.6b fp8",
                                         "qwen3-4b fp8", "qwen3-8b fp8 99KB", "qwen3-4b bf16 99KB",
-                                        "qwen3-14b fp8 99KB 8"])
+                                        "qwen3-14b fp8 99KB 8", "qwen3-0.6b bf16 parts",
+                                        "qwen3-4b fp8 parts"])
 def shape_engine(request):
     """A CUDA engine on seeded random weights of a real shape (every layer, or the first N),
     megakernel on. FP8: the megakernel dots them on the tensor cores (H100), the graph on the
     CUDA cores. 99KB: the megakernel laid out for an RTX 4090's shared memory, as it runs
     there: two 16 KB stages of whole rows (8B FP8), or stages that hold parts of rows (4B bf16:
     15 KB; 14B FP8: 13 KB, less than one of its 17.5 KB down rows). 4B bf16 on the H100 streams
-    parts of rows too (its whole rows fill a stage to 62%)."""
+    parts of rows too (its whole rows fill a stage to 62%); "parts" forces them where the layout
+    would take whole rows."""
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.engine.cuda.megakernel import megakernel_layout
     from qwenchat.model.presets import PRESETS
@@ -47,17 +49,20 @@ def shape_engine(request):
     weight_format = rest[0] if rest else "bf16"
     small = "99KB" in rest
     layers = rest[-1] if rest and rest[-1].isdigit() else ""
+    rows = "parts" if "parts" in rest else "auto"
     config = PRESETS[name]
     if layers:
         config = dataclasses.replace(config, num_hidden_layers=int(layers))
     weights = RandomWeights(config, seed=0, weight_format=weight_format)
     engine = CudaEngine(config, weights, ctx=2048, decode="megakernel",
-                        megakernel_shared=RTX_4090_SHARED if small else None)
+                        megakernel_shared=RTX_4090_SHARED if small else None,
+                        megakernel_rows=rows)
     if small:
         assert engine.mk_layout == megakernel_layout(config, RTX_4090_SHARED,
                                                      engine.device.sm_count, weight_format,
                                                      weight_format == "fp8")
         assert engine.mk_stages == 2 and engine.mk_stage_bytes <= 16384
+    assert engine.mk_layout.split or rows == "auto"
     assert engine.decode == "megakernel"
     yield engine
     engine.close()

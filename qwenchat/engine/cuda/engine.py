@@ -121,11 +121,13 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                  megakernel_skip: Sequence[str] = (),
                  megakernel_stages: int | tuple[int, int] | None = None,
                  megakernel_timeline: int = 0, megakernel_consumer: str = "auto",
-                 megakernel_shared: int | None = None) -> KernelPlan:
+                 megakernel_shared: int | None = None,
+                 megakernel_rows: str = "auto") -> KernelPlan:
     """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
     and prefills with the Hopper kernels on sm_90. `megakernel_shared` lays the megakernel out
     for that much shared memory a block instead of the GPU's (at most the GPU's): 101,376
-    runs an H100 as an RTX 4090 would lay it out."""
+    runs an H100 as an RTX 4090 would lay it out. `megakernel_rows` "whole" or "parts" forces
+    how its stages hold the weight rows (megakernel_layout; tests and comparisons)."""
     shared = device.max_shared_per_block_optin
     if megakernel_shared is not None:
         if not MEGAKERNEL_MIN_SHARED <= megakernel_shared <= shared:
@@ -138,7 +140,8 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     hopper_gemm = hopper and prefill_kernels != "portable"
     hopper_attention = hopper_gemm and config.head_dim in (64, 128)
     layout = megakernel_layout(config, shared, device.sm_count, weight_format,
-                               fp8_on_tensor_cores(device.arch, megakernel_consumer))
+                               fp8_on_tensor_cores(device.arch, megakernel_consumer),
+                               megakernel_rows)
     why = megakernel_unusable(config, device, layout)
     chosen = "layered" if why or decode == "layered" else "megakernel"
     build = None
@@ -189,13 +192,14 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         megakernel_timeline: int = 0,
         megakernel_consumer: str = "auto",
         megakernel_shared: int | None = None,
+        megakernel_rows: str = "auto",
     ):
         """`notice` gets what the user should know (a kernel compile starting, a fallback);
         `progress` a line as each kernel compile ends. `megakernel_timeline` > 0 builds a
         megakernel that records that many phases of each launch (tests/step_timeline.py);
         `megakernel_consumer` "fma" keeps FP8 rows off the tensor cores (comparisons);
-        `megakernel_shared` lays the megakernel out for less shared memory than the GPU has
-        (plan_kernels)."""
+        `megakernel_shared` lays the megakernel out for less shared memory than the GPU has,
+        `megakernel_rows` forces whole rows or parts of rows in its stages (plan_kernels)."""
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
@@ -220,7 +224,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
         plan = plan_kernels(config, self.weight_format, self.device, decode, prefill_kernels,
                             megakernel_skip, megakernel_stages, megakernel_timeline,
-                            megakernel_consumer, megakernel_shared)
+                            megakernel_consumer, megakernel_shared, megakernel_rows)
         self.mk_timeline_phases = megakernel_timeline
         if plan.why_layered and decode == "megakernel":
             notice(f"{plan.why_layered}: decoding layer by layer")

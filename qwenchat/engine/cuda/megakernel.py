@@ -35,6 +35,7 @@ MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND i
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
 MEGAKERNEL_MIN_SHARED = 48 * 1024  # a layout for less shared memory a block is not offered
 MEGAKERNEL_CONSUMERS = ("auto", "fma")  # how FP8 rows are dotted (fp8_on_tensor_cores)
+MEGAKERNEL_ROWS = ("auto", "whole", "parts")  # what a stage holds (megakernel_layout)
 MEGAKERNEL_LAUNCH_SECONDS = 0.05  # work per launch, far below any display watchdog
 MEGAKERNEL_TIMEOUT_S = 30.0
 MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth and more
@@ -107,7 +108,8 @@ def fp8_on_tensor_cores(arch: str, consumer: str = "auto") -> bool:
 
 
 def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
-                      weight_format: str = "bf16", f8_mma: bool = False) -> MegakernelLayout | str:
+                      weight_format: str = "bf16", f8_mma: bool = False,
+                      rows: str = "auto") -> MegakernelLayout | str:
     """The megakernel's layout on a GPU with this much opt-in shared memory per block and
     this many SMs, for linear layers in `weight_format` (FP8: dotted on the tensor cores with
     `f8_mma`, see fp8_on_tensor_cores), or why it cannot run there (then the per-op graph
@@ -119,8 +121,14 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     wherever they fill the stages well (docs/perf.md, 2026-11-26: 0.6B-1.7B and 8B bf16, every
     FP8 size); parts of rows are taken where whole rows fill a stage to less than
     SPLIT_BELOW_FILL (4B and 14B bf16) or do not fit at all (32B bf16 on an H100, 14B FP8 and
-    8B bf16 on a 99 KB card)."""
+    8B bf16 on a 99 KB card). `rows` "whole" or "parts" takes that way whatever the fill
+    (tests and comparisons)."""
+    if rows not in MEGAKERNEL_ROWS:
+        raise QwenchatError(f"unknown megakernel rows {rows!r}; "
+                            f"known: {', '.join(MEGAKERNEL_ROWS)}")
     f8_mma = f8_mma and weight_format == "fp8"
+    if rows != "auto":
+        return _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, rows == "parts")
     whole = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=False)
     if isinstance(whole, str) or (not f8_mma and stage_fill(cfg, whole, weight_format)
                                   < SPLIT_BELOW_FILL):
