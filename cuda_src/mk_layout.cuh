@@ -50,10 +50,11 @@ constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
 constexpr bool SPLIT = QW_MK_SPLIT != 0;
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // FP8 rows on the tensor cores (mk_matvec.cuh), which needs the e4m3 -> f16x2 conversion of
-// sm_89 and later; their input vectors are staged as f16, padded with zeros to whole 256-column
-// steps.
+// sm_89 and later; their input vectors are staged as f16, padded with zeros to whole steps.
 constexpr bool F8_MMA = qw::fp8 && QW_MK_F8_MMA != 0;
-__host__ __device__ constexpr int f8_steps(int k) { return (k + 255) / 256; }
+// 256-column steps: the FP8 tensor-core consumer's unit, and (SPLIT) a stage's item.
+constexpr int STEP = 256;
+__host__ __device__ constexpr int steps(int k) { return (k + STEP - 1) / STEP; }
 
 // Whole rows (SPLIT = 0): each consumer warp holds one segment of a phase's input vector in
 // registers (CPL 16-byte chunks per lane), NSEG segments cover K, and CWARPS / NSEG row groups
@@ -112,8 +113,6 @@ static_assert(SPLIT || STAGE_PARTS * STAGES <= 4096, "the stages' partial sums f
 // codes (256 bytes). A stage holds a run of whole items regardless of where rows end, so every
 // stage of a phase but its last is full, whatever the row width; each consumer warp takes a
 // fixed share of a stage's items, and the input vector stays in shared memory.
-constexpr int STEP = 256;
-__host__ __device__ constexpr int steps(int k) { return (k + STEP - 1) / STEP; }
 // Bytes of a row's block scales (with their padding; 0 for bf16) and of an item's weights.
 template <bool F8>
 __host__ __device__ constexpr int scale_bytes(int k) {
@@ -189,7 +188,7 @@ constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
 // or (after the LM head's input vector, which warps may still be reading while others write
 // logits) the block's LM-head logits, or (block 0, sampling) the radix histograms.
 constexpr int VEC_BYTES =
-    F8_MMA ? 2 * 256 * cmax(cmax(f8_steps(qw::hidden), f8_steps(qw::q_size)), f8_steps(qw::intermediate))
+    F8_MMA ? 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate))
            : 4 * VEC_FLOATS;
 constexpr int UNION_BYTES =
     (cmax(cmax(HIST_BYTES, VEC_BYTES),

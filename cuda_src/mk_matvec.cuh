@@ -61,10 +61,23 @@ __device__ __forceinline__ float2 take_pair(const tagged_t* src, const bf16_t* r
 }
 
 // Loads a K-vector that other blocks are writing with `tag` (or, with `row`, a bf16 embedding
-// row) into vec_buf() with the whole block, returning the sum of squares when asked.
-template <int K>
+// row) into vec_buf() as floats with the whole block, returning the sum of squares when asked.
+// NORM: each value times its norm weight from `norm` (SPLIT's normed vectors: the 1/rms comes
+// at the end, Σ w·(x·g)/rms = (1/rms)·Σ w·(x·g)); the weights are loaded before the wait,
+// since they do not depend on it.
+template <int K, bool NORM = false>
 __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t* row, unsigned tag,
-                                              bool squares, bool wait = true) {
+                                              bool squares, bool wait = true,
+                                              const bf16_t* norm = nullptr) {
+    constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
+    unsigned g[NORM ? NQ : 1];
+    if constexpr (NORM) {
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+            const int i = threadIdx.x + q * THREADS;
+            g[q] = i < K / 2 ? __ldg(reinterpret_cast<const unsigned*>(norm) + i) : 0u;
+        }
+    }
     float* buf = vec_buf();
     float ss = 0.f;
     // Warps leave a phase one by one (no barrier between its stages): the slowest may still be
@@ -72,10 +85,23 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     __syncthreads();
     // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
     // 128-byte lines).
-    for (int i = threadIdx.x; i < K / 2; i += THREADS) {
-        const float2 e = take_pair(src, row, i, tag, wait);
-        *reinterpret_cast<float2*>(buf + 2 * i) = e;
-        ss += e.x * e.x + e.y * e.y;
+    if constexpr (NORM) {
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+            const int i = threadIdx.x + q * THREADS;
+            if (i < K / 2) {
+                const float2 e = take_pair(src, row, i, tag, wait);
+                *reinterpret_cast<float2*>(buf + 2 * i) =
+                    make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
+                ss += e.x * e.x + e.y * e.y;
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < K / 2; i += THREADS) {
+            const float2 e = take_pair(src, row, i, tag, wait);
+            *reinterpret_cast<float2*>(buf + 2 * i) = e;
+            ss += e.x * e.x + e.y * e.y;
+        }
     }
     if (squares) {
         ss = warp_sum(ss);
@@ -88,56 +114,6 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
         for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
     }
     return total;
-}
-
-// The K-vector that other blocks are writing with `tag` (or, layer 0, a bf16 embedding row),
-// times the norm weights `norm` with NORM, as floats in vec_buf(), loaded by the whole block.
-// Returns what a row's dot product with it is multiplied by: 1/rms of the vector for a norm
-// (Σ w·(x·g)/rms = (1/rms)·Σ w·(x·g), so the norm needs only one scalar at the end), else 1.
-template <int K, bool NORM>
-__device__ __forceinline__ float stage_f32(const tagged_t* src, const bf16_t* row, unsigned tag,
-                                           const bf16_t* norm, float eps, bool wait = true) {
-    constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
-    float2* buf = reinterpret_cast<float2*>(vec_buf());
-    unsigned g[NORM ? NQ : 1];
-    if constexpr (NORM) {
-#pragma unroll
-        for (int q = 0; q < NQ; ++q) {  // the norm weights before the wait: they do not depend on it
-            const int i = threadIdx.x + q * THREADS;
-            g[q] = i < K / 2 ? __ldg(reinterpret_cast<const unsigned*>(norm) + i) : 0u;
-        }
-    }
-    // Warps leave a phase one by one (no barrier between its stages): the slowest may still be
-    // reading the last phase's vector here, or its squares.
-    __syncthreads();
-    float ss = 0.f;
-    // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
-    // 128-byte lines).
-#pragma unroll(NORM ? NQ : 1)
-    for (int q = 0; q < NQ; ++q) {
-        const int i = threadIdx.x + q * THREADS;
-        if (i < K / 2) {
-            const float2 e = take_pair(src, row, i, tag, wait);
-            if constexpr (NORM) {
-                ss += e.x * e.x + e.y * e.y;
-                buf[i] = make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
-            } else {
-                buf[i] = e;
-            }
-        }
-    }
-    if constexpr (NORM) {
-        ss = warp_sum(ss);
-        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
-    }
-    __syncthreads();
-    float total = 0.f;
-    if constexpr (NORM) {
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) total += warp_sums[w];
-        return rsqrtf(total / K + eps);
-    }
-    return 1.f;
 }
 
 __shared__ float warp_maxes[WARPS];
@@ -198,7 +174,7 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
             buf[i] = h;
         }
     }
-    for (int i = K / 2 + threadIdx.x; i < f8_steps(K) * 128; i += THREADS) buf[i] = 0u;
+    for (int i = K / 2 + threadIdx.x; i < steps(K) * 128; i += THREADS) buf[i] = 0u;
     __syncthreads();
     return (norm ? rsqrtf(total / K + eps) : 1.f) / s;
 }
@@ -345,7 +321,7 @@ template <int K, bool MMA = F8_MMA>
 __device__ __forceinline__ float load_normed(NoVec, const tagged_t* src, const bf16_t* row,
                                              unsigned tag, const bf16_t* w, float eps) {
     if constexpr (MMA) return stage_f16<K>(src, row, tag, w, eps);
-    else return stage_f32<K, true>(src, row, tag, w, eps);
+    else return rsqrtf(stage_vector<K, true>(src, row, tag, true, true, w) / K + eps);
 }
 
 // (SPLIT) A float vector other blocks are writing with `tag` as the phase's input vector. Returns the
@@ -354,7 +330,8 @@ template <int K, bool MMA = F8_MMA>
 __device__ __forceinline__ float load_plain(NoVec, const tagged_t* src, unsigned tag,
                                             bool wait = true) {
     if constexpr (MMA) return stage_f16<K>(src, nullptr, tag, nullptr, 0.f, wait);
-    else return stage_f32<K, false>(src, nullptr, tag, nullptr, 0.f, wait);
+    stage_vector<K>(src, nullptr, tag, false, wait);
+    return 1.f;
 }
 
 // The lane's share of the dot product of item j (columns STEP j ..) of a row with the input
@@ -445,7 +422,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
         return;
     }
     // The MMA consumer's share of the columns: 256-column steps [j0, j1) of the segment.
-    const int j0 = seg * f8_steps(K) / NSEG, j1 = (seg + 1) * f8_steps(K) / NSEG;
+    const int j0 = seg * steps(K) / NSEG, j1 = (seg + 1) * steps(K) / NSEG;
     for (int r0 = lo; r0 < hi; r0 += PER) {
         const int n = min(PER, hi - r0);
         const int slot = consumed % STAGES;

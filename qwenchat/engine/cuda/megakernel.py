@@ -210,7 +210,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
             count = min(16, room // stage)
         if count < 2:
             stage, count = room // 2 // 1024 * 1024, 2  # two smaller stages
-        fits = stage >= least
+        fits, smallest = stage >= least, least
     else:
         if room // stage < 3:
             stage //= 2  # smaller GPUs: more, smaller stages
@@ -224,10 +224,9 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         count = min(16, room // stage)
         if count < 2:
             count = min(16, (shared_per_block - static - fixed) // stage)
-        fits = count >= 2
-        least = stage
+        fits, smallest = count >= 2, stage
     if not fits:
-        need = static + fixed + 2 * least
+        need = static + fixed + 2 * smallest
         return (f"the decode megakernel needs {need:,} bytes of shared memory "
                 f"per block for this model and the GPU has {shared_per_block:,}")
     if math.ceil(cfg.hidden_size / blocks) > 512:
