@@ -29,6 +29,11 @@
 #ifndef QW_MK_SPLIT
 #define QW_MK_SPLIT 0
 #endif
+// Columns of a row that one consumer warp dots, for FP8 rows on the tensor cores (whose input
+// vector is in shared memory, so a segment's length costs no registers); the host decides.
+#ifndef QW_MK_MMA_SEG
+#define QW_MK_MMA_SEG 1024
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
 #define QW_MK_TMA 1
 #else
@@ -59,16 +64,21 @@ __host__ __device__ constexpr int steps(int k) { return (k + STEP - 1) / STEP; }
 // Whole rows (SPLIT = 0): each consumer warp holds one segment of a phase's input vector in
 // registers (CPL 16-byte chunks per lane), NSEG segments cover K, and CWARPS / NSEG row groups
 // take the rows of a stage in turn; a row's segment sums are added in a fixed order.
+// FP8 rows on the tensor cores (F8 and F8_MMA) take segments of QW_MK_MMA_SEG columns instead:
+// their vector is in shared memory.
 __host__ __device__ constexpr int chunks(int k) { return k / 8; }
+template <bool F8 = false>
 __host__ __device__ constexpr int nseg(int k) {
-    return (k + 1023) / 1024 < CWARPS ? (k + 1023) / 1024 : CWARPS;
+    constexpr int SEG = F8 && F8_MMA ? QW_MK_MMA_SEG : 1024;
+    return (k + SEG - 1) / SEG < CWARPS ? (k + SEG - 1) / SEG : CWARPS;
 }
 __host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
-__host__ __device__ constexpr int groups(int k) { return CWARPS / nseg(k); }
+template <bool F8 = false>
+__host__ __device__ constexpr int groups(int k) { return CWARPS / nseg<F8>(k); }
 // The FP8 tensor-core consumer: each warp of a row group takes two rows at once.
 template <bool F8>
 __host__ __device__ constexpr int round_rows(int k) {
-    return (F8 && F8_MMA ? 2 : 1) * groups(k);
+    return (F8 && F8_MMA ? 2 : 1) * groups<F8>(k);
 }
 // Of `fit` rows (at most), how many a stage takes: the most rows per round of the row groups
 // (a stage's time is its rounds), the larger count on a tie.
@@ -96,11 +106,11 @@ constexpr int STAGE_OUTS =
               cmax(rows_per_stage(qw::intermediate), rows_per_stage<false>(qw::hidden))),
          PAIRS_PER_STAGE);
 constexpr int STAGE_PARTS =
-    cmax(cmax(cmax(rows_per_stage(qw::hidden) * nseg(qw::hidden),
-                   rows_per_stage(qw::q_size) * nseg(qw::q_size)),
-              cmax(rows_per_stage(qw::intermediate) * nseg(qw::intermediate),
+    cmax(cmax(cmax(rows_per_stage(qw::hidden) * nseg<qw::fp8>(qw::hidden),
+                   rows_per_stage(qw::q_size) * nseg<qw::fp8>(qw::q_size)),
+              cmax(rows_per_stage(qw::intermediate) * nseg<qw::fp8>(qw::intermediate),
                    rows_per_stage<false>(qw::hidden) * nseg(qw::hidden))),
-         2 * PAIRS_PER_STAGE * nseg(qw::hidden));
+         2 * PAIRS_PER_STAGE * nseg<qw::fp8>(qw::hidden));
 static_assert(SPLIT || (rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
                         rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
                         rows_per_stage<false>(qw::hidden) >= 1),
@@ -164,6 +174,7 @@ constexpr int RING_ROWS =
 constexpr int PAIR_ROWS = 512;  // gate/up rows a block may own (their pairs' table)
 
 static_assert(STAGE % 128 == 0, "stages are 128-byte aligned");
+static_assert(QW_MK_MMA_SEG % STEP == 0, "FP8 tensor-core segments are whole 256-column steps");
 static_assert(!SPLIT || (items_per_stage<qw::fp8>(qw::hidden) >= 1 &&
                          items_per_stage<qw::fp8>(qw::q_size) >= 1 &&
                          items_per_stage<qw::fp8>(qw::intermediate) >= 1 &&

@@ -399,7 +399,7 @@ template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typ
 __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consumed, int n_rows,
                                               Load load, Pre pre, Emit emit) {
     constexpr bool MMA = F8 && F8_MMA;  // two rows a warp on the tensor cores (f8_pair_dot)
-    constexpr int NSEG = nseg(K), GROUPS = CWARPS / NSEG;
+    constexpr int NSEG = nseg<F8>(K), GROUPS = CWARPS / NSEG;
     constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
     constexpr int ARRIVALS = NSEG * (PAIRS ? 2 : 1);  // the pieces of one output
     constexpr long long RB = row_bytes<F8>(K);
@@ -544,30 +544,31 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
             emit(lo + R, sum * scale, 0.f, pre(lo + R));
         }
     };
-    // The warp's items [s, e) of stream row R, its lanes' sums in acc.
+    // The warp's items [s, e) of stream row R, its lanes' sums in acc. The row table's
+    // entries are written and read with (integer) atomics, relaxed: the fences and the count
+    // order them; so no plain access to them races another, which is what compute-sanitizer's
+    // racecheck can check (it does not follow a hand-over by fence and count).
     auto piece = [&](int R, int s, int e, float acc) {
         const float d = warp_sum(acc);
         if (e - s == S) {
             if (lane == 0) row_done(R, d);
             return;
         }
-        volatile float* parts = row_parts + (R % RR) * S;
-        for (int q = lane; q < e - s; q += 32) parts[s - R * S + q] = q == 0 ? d : 0.f;
+        unsigned* parts = reinterpret_cast<unsigned*>(row_parts) + (R % RR) * S;
+        for (int q = lane; q < e - s; q += 32)
+            atomicExch(parts + s - R * S + q, __float_as_uint(q == 0 ? d : 0.f));
         __syncwarp();
         unsigned last = 0u;
         if (lane == 0) {
             __threadfence_block();  // the piece before its count
             last = atomicAdd(&row_counts[R % RR], static_cast<unsigned>(e - s)) + (e - s) == S;
-            if (last) {
-                row_counts[R % RR] = 0u;
-                __threadfence_block();  // the other pieces after their counts
-            }
+            if (last) row_counts[R % RR] = 0u;
         }
         last = __shfl_sync(0xffffffffu, last, 0);
-        __syncwarp();
         if (!last) return;
+        __threadfence_block();  // the other pieces after their counts
         float sum = 0.f;
-        for (int q = lane; q < S; q += 32) sum += parts[q];
+        for (int q = lane; q < S; q += 32) sum += __uint_as_float(atomicOr(parts + q, 0u));
         sum = warp_sum(sum);
         if (lane == 0) row_done(R, sum);
     };

@@ -3,7 +3,7 @@
 Decodes random weights of real shapes with the tensor-core FP8 consumer ("auto") and the
 CUDA-core one ("fma") in one process, on one GPU, through the bench's own decode measurement,
 so the numbers are comparable with `qwenchat bench` and with each other; or (one consumer)
-several sizes, another ring (`--stages 4` or `--stages 8x16384`) or the layout of a GPU with
+several sizes, other rings (`--stages 4` or `--stages 4x32768,3x50688`) or the layout of a GPU with
 less shared memory (`--shared 101376`, an RTX 4090's):
 
     python tests/consumer_compare.py --configs qwen3-0.6b,qwen3-8b --positions 1,4096
@@ -16,6 +16,7 @@ copy bandwidth that the bytes read per step reach.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 from qwenchat.bench import BenchSettings, measure_engine, parse_sizes
@@ -35,7 +36,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     parser.add_argument("--stages", help="the stage ring's depth, or DEPTHxBYTES its depth and "
-                                          "stage size (default: the layout's)")
+                                          "stage size; several, comma-separated, are measured "
+                                          "in turn (default: the layout's)")
     parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"),
                         help="what the stages hold (default: as the layout chooses)")
     parser.add_argument("--shared", type=int,
@@ -43,16 +45,18 @@ def main() -> None:
                              "(101376: an RTX 4090's)")
     args = parser.parse_args()
     positions = parse_sizes(args.positions, "--positions")
-    stages = None
+    rings: list[tuple[str | None, int | tuple[int, int] | None]] = [(None, None)]
     if args.stages:
-        count, _, size = args.stages.partition("x")
-        stages = (int(count), int(size)) if size else int(count)
+        rings = []
+        for ring in args.stages.split(","):
+            count, _, size = ring.partition("x")
+            rings.append((ring, (int(count), int(size)) if size else int(count)))
     settings = BenchSettings(prompts=(1,), positions=positions, steps=args.steps,
                              repeats=args.repeats)
     for name in args.configs.split(","):
         config = PRESETS[name]
         weights = RandomWeights(config, seed=0, weight_format=args.weights)
-        for consumer in args.consumers.split(","):
+        for consumer, (ring, stages) in itertools.product(args.consumers.split(","), rings):
             engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
                                 decode="megakernel", megakernel_consumer=consumer,
                                 megakernel_stages=stages,
@@ -65,14 +69,14 @@ def main() -> None:
             cells = {d.position: (d.tok_s, d.copy_fraction) for d in result.decode}
             if args.json:
                 print(json.dumps({"config": name, "weights": args.weights, "consumer": consumer,
-                                  "stages": args.stages, "shared": args.shared,
+                                  "stages": ring, "shared": args.shared,
                                   "rows": args.rows,
                                   "decode": {p: {"tok_s": t, "of_copy": f}
                                              for p, (t, f) in cells.items()}}), flush=True)
                 continue
             row = "".join(f"  @{p}: {t:8.1f} tok/s {100 * (f or 0):5.1f}% of copy"
                           for p, (t, f) in cells.items())
-            tag = " ".join(([f"stages={args.stages}"] if args.stages else [])
+            tag = " ".join(([f"stages={ring}"] if ring else [])
                            + ([f"shared={args.shared}"] if args.shared else [])
                            + ([f"rows={args.rows}"] if args.rows != "auto" else []))
             print(f"{name:<11} {args.weights:<5} {consumer:<5}{row} {tag}", flush=True)

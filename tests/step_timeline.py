@@ -39,13 +39,15 @@ COLOURS = {"qkv": "#4e79a7", "attention": "#f28e2b", "o_proj": "#59a14f", "gate_
 SAMPLE = TIMELINE_KINDS.index("sample")
 
 
-def record_step(config_name: str, quantize: str, position: int, steps: int) -> tuple:
+def record_step(config_name: str, quantize: str, position: int, steps: int,
+                rows: str = "auto", stages: int | tuple[int, int] | None = None) -> tuple:
     """(the records of the last whole step [phase][block], the engine's description)."""
     config = PRESETS[config_name]
     weights = RandomWeights(config, weight_format="fp8" if quantize == "fp8" else "bf16")
     per_step = 5 * config.num_hidden_layers + 2
     engine = CudaEngine(config, weights, ctx=position + steps + 64, decode="megakernel",
-                        megakernel_timeline=per_step * steps + 1)
+                        megakernel_timeline=per_step * steps + 1, megakernel_rows=rows,
+                        megakernel_stages=stages)
     try:
         rng = np.random.default_rng(0)
         engine.prefill([int(i) for i in rng.integers(0, config.vocab_size, max(1, position))])
@@ -54,8 +56,10 @@ def record_step(config_name: str, quantize: str, position: int, steps: int) -> t
                                   frozenset(), seed=0)
         list(engine.generate(request))
         records = engine.megakernel_timeline()
+        layout = engine.mk_layout
         described = (f"{config_name} {engine.weight_format}, position {position}, "
-                     f"{engine.mk_blocks} blocks, {engine.device_name}")
+                     f"{engine.mk_blocks} blocks, {layout.stages} x {layout.stage_bytes} B "
+                     f"stages{', parts of rows' if layout.split else ''}, {engine.device_name}")
     finally:
         engine.close()
     used = records[(records["start"] > 0).any(axis=1)]
@@ -239,13 +243,22 @@ def main() -> None:
     parser.add_argument("--clock-ghz", type=float, default=1.98,
                         help="the SM clock the pipeline table converts cycles at (H100 SXM: "
                              "1.98)")
+    parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"),
+                        help="what the stages hold (default: as the layout chooses)")
+    parser.add_argument("--stages", help="the stage ring's depth, or DEPTHxBYTES its depth and "
+                                          "stage size (default: the layout's)")
     parser.add_argument("--out", type=Path, default=Path("step-timeline"),
                         help="file name without suffix: .svg, .png and .json are written")
     args = parser.parse_args()
-    step, described = record_step(args.config, args.quantize, args.position, args.steps)
+    stages = None
+    if args.stages:
+        count, _, size = args.stages.partition("x")
+        stages = (int(count), int(size)) if size else int(count)
+    step, described = record_step(args.config, args.quantize, args.position, args.steps,
+                                  args.rows, stages)
     analysis = analyse(step)
     rows = summary(analysis)
-    stages = pipeline(step, args.clock_ghz)
+    ring = pipeline(step, args.clock_ghz)
     stragglers = Counter(p["straggler"] for p in analysis["phases"]).most_common(5)
     def named(suffix: str) -> Path:  # (with_suffix would eat "0.6b" in a name)
         return args.out.parent / (args.out.name + suffix)
@@ -253,7 +266,7 @@ def main() -> None:
     write_svg(step, analysis, described, named(".svg"))
     png = write_png(step, analysis, described, named(".png"))
     named(".json").write_text(json.dumps(
-        {"described": described, "summary": rows, "pipeline": stages, "stragglers": stragglers,
+        {"described": described, "summary": rows, "pipeline": ring, "stragglers": stragglers,
          "phases": analysis["phases"]}, indent=1))
     if args.zoom is not None:
         layer = step[5 * args.zoom : 5 * args.zoom + 5]
@@ -274,7 +287,7 @@ def main() -> None:
     print("most frequent last blocks (block, phases):", stragglers)
     print(f"{'phase':>10} {'stages':>7} {'cycles/issue':>13} {'issuing':>8} {'free wait':>10} "
           f"{'full wait':>10}   (producer; warp 0)")
-    for r in stages:
+    for r in ring:
         def pct(v: float | None) -> str:
             return "–" if v is None else f"{v:.1%}"
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gpu_shapes import GPUS, gpu_shape
+from gpu_shapes import GPUS, H100_BANDWIDTH, H200_BANDWIDTH, gpu_shape
 
 from qwenchat.engine.cuda import compiler
 from qwenchat.engine.cuda.compiler import (
@@ -448,18 +448,38 @@ def test_stages_hold_parts_of_rows_where_whole_rows_fill_them_poorly_or_do_not_f
             layout = plan(name, fmt)
             assert not isinstance(layout, str), (name, fmt, layout)
             assert layout.split == ((name, fmt) in split), (name, fmt)
-            assert layout.stages >= 3 and layout.stage_bytes >= 31 * 1024, (name, fmt)
+            assert layout.stages >= (2 if fmt == "fp8" else 3), (name, fmt)
+            assert layout.stage_bytes >= 31 * 1024, (name, fmt)
             whole = stage_fill(PRESETS[name], layout, fmt) if not layout.split else None
             assert whole is None or whole >= SPLIT_BELOW_FILL or fmt == "fp8", (name, fmt)
     assert (plan("qwen3-32b", "bf16").stages, plan("qwen3-32b", "bf16").stage_bytes) == (3, 31744)
     assert dict(plan("qwen3-14b", "bf16").defines(PRESETS["qwen3-14b"]))["QW_MK_SPLIT"] == 1
     assert "QW_MK_SPLIT" not in dict(plan("qwen3-8b", "bf16").defines(PRESETS["qwen3-8b"]))
-    # FP8's f16 vectors shrink the union region; the ring keeps the depth measured best.
-    for name in ("qwen3-8b", "qwen3-32b"):
-        fma = megakernel_layout(PRESETS[name], *GPUS["sm_90"], "fp8", False)
-        mma = plan(name, "fp8")
-        assert (fma.stages, fma.stage_bytes) == (mma.stages, mma.stage_bytes)
-        assert mma.fixed < fma.fixed and mma.f8_mma and not fma.f8_mma
+    # FP8 on the tensor cores (its f16 vectors need no more of the union region) keeps the
+    # 32 KB ring on an H100, as does the CUDA-core consumer. On an H200 (more bandwidth a SM),
+    # from 1.7B up a warp dots 2,048-2,560 columns of a row, and a stage holds whole gate/up
+    # pairs of hidden-wide rows, at least ten of them, three stages (two for 32B, where three
+    # would hold eight).
+    for name in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"):
+        cfg = PRESETS[name]
+        fma = megakernel_layout(cfg, *GPUS["sm_90"], "fp8", False, "auto", H200_BANDWIDTH)
+        h100 = megakernel_layout(cfg, *GPUS["sm_90"], "fp8", True, "auto", H100_BANDWIDTH)
+        mma = megakernel_layout(cfg, *GPUS["sm_90"], "fp8", True, "auto", H200_BANDWIDTH)
+        assert h100 == plan(name, "fp8") and (h100.stage_bytes, h100.mma_seg) == (32768, 1024)
+        assert mma.fixed <= fma.fixed and mma.f8_mma and not fma.f8_mma
+        assert (fma.stage_bytes, fma.mma_seg) == (32768, 1024)
+        assert 2048 <= mma.mma_seg <= 2560 and mma.mma_seg % 256 == 0, name
+        assert dict(mma.defines(cfg, "fp8"))["QW_MK_MMA_SEG"] == mma.mma_seg
+        row = fp8.linear_bytes((1, cfg.hidden_size), "fp8")
+        rows = mma.stage_bytes // row
+        assert rows >= 10 and rows % 2 == 0 and mma.stage_bytes - rows * row < 128, name
+        assert mma.stages == (2 if name == "qwen3-32b" else 3), name
+        room = GPUS["sm_90"][0] - MEGAKERNEL_STATIC_SHARED - mma.fixed
+        assert mma.stages * mma.stage_bytes <= room, name
+    small = megakernel_layout(PRESETS["qwen3-0.6b"], *GPUS["sm_90"], "fp8", True, "auto",
+                              H200_BANDWIDTH)
+    assert small == plan("qwen3-0.6b", "fp8") and small.mma_seg == 1024
+    assert "QW_MK_MMA_SEG" not in dict(small.defines(PRESETS["qwen3-0.6b"], "fp8"))
     card = GPUS["sm_89"]
     for name, fmt, parts in (("qwen3-4b", "fp8", False), ("qwen3-8b", "fp8", False),
                              ("qwen3-14b", "fp8", True), ("qwen3-4b", "bf16", True),
@@ -516,13 +536,18 @@ def static_shared(cubin: bytes, kernel: str) -> int:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(("weights", "split"), [("bf16", True), ("fp8", False)])
-def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(weights, split):
+@pytest.mark.parametrize(("weights", "split", "bandwidth"),
+                         [("bf16", True, H100_BANDWIDTH), ("fp8", False, H100_BANDWIDTH),
+                          ("fp8", False, H200_BANDWIDTH)])
+def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(weights, split,
+                                                                             bandwidth):
     # The layout gives the dynamic part all but MEGAKERNEL_STATIC_SHARED (whole rows) or
     # MEGAKERNEL_SPLIT_STATIC_SHARED (parts of rows); 32B's static part is the largest (its
-    # attention groups of 8 heads; with parts of rows, its row table).
-    plan = plan_kernels(PRESETS["qwen3-32b"], weights, gpu_shape("sm_90"))
+    # attention groups of 8 heads; with parts of rows, its row table). On an H200 its FP8
+    # rows take two 62 KB stages and 2,560-column warp segments.
+    plan = plan_kernels(PRESETS["qwen3-32b"], weights, gpu_shape("sm_90", bandwidth=bandwidth))
     assert plan.megakernel_layout.split is split
+    assert plan.megakernel_layout.mma_seg == (2560 if bandwidth == H200_BANDWIDTH else 1024)
     cubin = compile_source("megakernel.cu", "sm_90", dict(plan.megakernel.defines))
     static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
     assert 16 * 1024 < static_shared(cubin, "decode_megakernel") <= static

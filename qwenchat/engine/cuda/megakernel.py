@@ -69,6 +69,7 @@ class GpuShape(Protocol):
     sm_count: int
     max_shared_per_block_optin: int
     cooperative_launch: bool
+    memory_bandwidth: float  # peak bytes/s (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class MegakernelLayout:
     lm_rows: int  # LM-head rows per block
     f8_mma: bool = False  # FP8 rows on the tensor cores, their input vectors staged as f16
     split: bool = False  # stages hold parts of rows (runs of 256-column items)
+    mma_seg: int = 1024  # (f8_mma, whole rows) columns of a row that one consumer warp dots
 
     def defines(self, config: Qwen3Config,
                 weight_format: str = "bf16") -> dict[str, int | float]:
@@ -95,6 +97,8 @@ class MegakernelLayout:
             defines["QW_MK_F8_MMA"] = int(self.f8_mma)
         if self.split:
             defines["QW_MK_SPLIT"] = 1
+        if self.f8_mma and self.mma_seg != 1024:
+            defines["QW_MK_MMA_SEG"] = self.mma_seg
         return defines
 
 
@@ -109,7 +113,7 @@ def fp8_on_tensor_cores(arch: str, consumer: str = "auto") -> bool:
 
 def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
                       weight_format: str = "bf16", f8_mma: bool = False,
-                      rows: str = "auto") -> MegakernelLayout | str:
+                      rows: str = "auto", bandwidth: float = 0.0) -> MegakernelLayout | str:
     """The megakernel's layout on a GPU with this much opt-in shared memory per block and
     this many SMs, for linear layers in `weight_format` (FP8: dotted on the tensor cores with
     `f8_mma`, see fp8_on_tensor_cores), or why it cannot run there (then the per-op graph
@@ -122,14 +126,19 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     FP8 size); parts of rows are taken where whole rows fill a stage to less than
     SPLIT_BELOW_FILL (4B and 14B bf16) or do not fit at all (32B bf16 on an H100, 14B FP8 and
     8B bf16 on a 99 KB card). `rows` "whole" or "parts" takes that way whatever the fill
-    (tests and comparisons)."""
+    (tests and comparisons). `bandwidth` is the GPU's peak memory bandwidth (bytes/s; 0:
+    unknown): where each SM gets at least MMA_RING_BANDWIDTH of it, FP8 rows on the tensor
+    cores take the wider ring of _mma_ring."""
     if rows not in MEGAKERNEL_ROWS:
         raise QwenchatError(f"unknown megakernel rows {rows!r}; "
                             f"known: {', '.join(MEGAKERNEL_ROWS)}")
     f8_mma = f8_mma and weight_format == "fp8"
+    wide = f8_mma and bandwidth / sm_count >= MMA_RING_BANDWIDTH
     if rows != "auto":
-        return _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, rows == "parts")
-    whole = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=False)
+        return _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, rows == "parts",
+                       wide)
+    whole = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=False,
+                    wide=wide)
     if isinstance(whole, str) or (not f8_mma and stage_fill(cfg, whole, weight_format)
                                   < SPLIT_BELOW_FILL):
         split = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=True)
@@ -157,8 +166,9 @@ def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -
 
     def fill(k: int, fmt: str, pairs: bool = False) -> float:
         row = fp8.linear_bytes((1, k), fmt) * (2 if pairs else 1)
-        groups = consumers // min(-(-k // 1024), consumers)
-        if fmt == "fp8" and layout.f8_mma:
+        mma = fmt == "fp8" and layout.f8_mma
+        groups = consumers // min(-(-k // (layout.mma_seg if mma else 1024)), consumers)
+        if mma:
             groups *= 2
         n = rows(layout.stage_bytes // row * (2 if pairs else 1), groups, 2 if pairs else 1)
         return n * row / (2 if pairs else 1) / layout.stage_bytes
@@ -169,7 +179,7 @@ def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -
 
 
 def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_format: str,
-            f8_mma: bool, split: bool) -> MegakernelLayout | str:
+            f8_mma: bool, split: bool, wide: bool = False) -> MegakernelLayout | str:
     """megakernel_layout for one way of streaming the weights."""
     static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
     stage = MEGAKERNEL_STAGE_BYTES
@@ -225,6 +235,11 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         if count < 2:
             count = min(16, (shared_per_block - static - fixed) // stage)
         fits, smallest = count >= 2, stage
+    seg = 1024
+    if wide and not split and cfg.hidden_size >= 2048:
+        wide = _mma_ring(cfg, shared_per_block - static - fixed)
+        if wide:
+            count, stage, seg = wide
     if not fits:
         need = static + fixed + 2 * smallest
         return (f"the decode megakernel needs {need:,} bytes of shared memory "
@@ -233,7 +248,37 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         return "this model is too wide for the decode megakernel on this GPU"
     if split and math.ceil(cfg.intermediate_size / blocks) > 512:  # PAIR_ROWS in mk_layout.cuh
         return "this model's MLP is too wide for the decode megakernel on this GPU"
-    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, f8_mma, split)
+    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, f8_mma, split, seg)
+
+
+MMA_SEG_MOST = 2560  # columns of a row a warp dots on the tensor cores, at most
+MMA_STAGE_ROWS = 10  # the fewest hidden-wide rows a stage of that ring must hold
+# Peak memory bandwidth a SM (bytes/s) from which FP8 rows take that ring: an H200 (4.8 TB/s,
+# 36 GB/s a SM), where the consumer bounds FP8 decode; not an H100 SXM (3.35 TB/s, 25 GB/s a
+# SM), where it measured 1-4% slower than the 32 KB ring (docs/perf.md, 2026-11-26).
+MMA_RING_BANDWIDTH = 30e9
+
+
+def _mma_ring(cfg: Qwen3Config, room: int) -> tuple[int, int, int] | None:
+    """(stages, stage bytes, segment columns) for FP8 rows on the tensor cores, or None to keep
+    the 32 KB ring: each warp dots a long segment of a row (half of a hidden-wide row from 4B
+    up) and a stage holds as many gate/up pairs of hidden-wide rows as three stages leave room
+    for (two, where three would hold fewer than MMA_STAGE_ROWS rows). A warp's fixed cost of a
+    row segment (its sums, the segments' meeting) then comes once per 2,048-2,560 columns
+    instead of 1,024, and more rows a stage keep the consumer warps busy: measured 9-14% faster
+    on 4B-32B on an H200, where the consumer bounds FP8 decode (docs/perf.md, 2026-11-26)."""
+    hidden = cfg.hidden_size
+    parts = -(-hidden // MMA_SEG_MOST)
+    seg = -(-hidden // parts // 256) * 256
+    row = fp8.linear_bytes((1, hidden), "fp8")
+    for count in (3, 2):
+        rows = room // count // row // 2 * 2
+        stage = -(-rows * row // 128) * 128
+        widest = max(fp8.linear_bytes((1, cfg.intermediate_size), "fp8"),
+                     fp8.linear_bytes((1, cfg.q_size), "fp8"), 2 * hidden)
+        if rows >= MMA_STAGE_ROWS and stage >= widest and count * stage <= room:
+            return count, stage, seg
+    return None
 
 
 def megakernel_unusable(config: Qwen3Config, device: GpuShape,

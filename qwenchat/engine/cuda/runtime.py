@@ -104,6 +104,14 @@ class Device:
             _ATTR.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)
         self.cooperative_launch = bool(
             self._attribute(_ATTR.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH))
+        # The memory's peak bandwidth (bytes/s: two transfers a clock over the bus), or 0
+        # where the driver does not say.
+        try:
+            clock_khz = self._attribute(_ATTR.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+            bus_bits = self._attribute(_ATTR.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+        except (AttributeError, CudaError):
+            clock_khz = bus_bits = 0
+        self.memory_bandwidth = 2.0 * clock_khz * 1000 * bus_bits / 8
 
     def _attribute(self, attribute: Any) -> int:
         return int(check(driver.cuDeviceGetAttribute(attribute, self.handle),
