@@ -18,7 +18,9 @@ import numpy as np
 
 from qwenchat.errors import ContextFullError, UsageError
 from qwenchat.model.config import Qwen3Config
+from qwenchat.sampling.lookup import PromptLookup
 from qwenchat.sampling.params import LiveParams, SamplingParams
+from qwenchat.sampling.speculative import AdaptiveK
 
 
 class StopReason(str, Enum):
@@ -29,6 +31,16 @@ class StopReason(str, Enum):
 
 
 @dataclass
+class SpeculationStats:
+    """A reply's speculation so far: target passes that verified proposals, tokens proposed,
+    and of those, tokens kept."""
+
+    passes: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+@dataclass
 class GenerateRequest:
     """What one reply needs besides the cache: live parameters and when to stop."""
 
@@ -36,6 +48,9 @@ class GenerateRequest:
     eos_ids: frozenset[int]
     seed: int  # used while params.current.seed is None
     cancel: threading.Event = field(default_factory=threading.Event)
+    # Prompt lookup: propose up to this many tokens a step and verify them in one pass
+    # (engines that can score several tokens at once; 0: off).
+    speculate: int = 0
 
 
 class Generation:
@@ -118,6 +133,22 @@ class CacheBookkeeping:
         None when the engine had already stopped on a cancel."""
         raise NotImplementedError
 
+    def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
+                          seed: int, step: int) -> tuple[list[int], np.ndarray]:
+        """Run `fed` and the proposal through the model in one pass (the cache grows by all
+        of them) and verify the proposal (sampling.speculative.verify): (the kept tokens and
+        the one that ends the pass, the pass's rows of logits). Engines that cannot score
+        several tokens at once leave this out, and speculation is off on them."""
+        raise NotImplementedError
+
+    def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
+        """After a pass: keep the cache up to `position`, with `logits` as the last position's
+        (what `emitted`'s last token was drawn from), and count `emitted` for the penalties."""
+        raise NotImplementedError
+
+    def _speculates(self) -> bool:
+        return type(self)._speculative_pass is not CacheBookkeeping._speculative_pass
+
     def _steps(self, request: GenerateRequest) -> Iterator[int]:
         # The last token sampled is never run through the model: the cache holds the reply
         # minus its last token, which is what the next turn's prompt starts with anyway.
@@ -125,6 +156,8 @@ class CacheBookkeeping:
             raise RuntimeError("generate needs the logits of a prefilled position")
         self._begin_reply(request)
         try:
+            if request.speculate > 0 and self._speculates():
+                return (yield from self._speculative_loop(request))
             return (yield from self._reply_loop(request))
         finally:
             self._end_reply()
@@ -152,9 +185,62 @@ class CacheBookkeeping:
             if request.cancel.is_set():
                 return StopReason.CANCELLED
 
+    def _speculative_loop(self, request: GenerateRequest) -> Iterator[int]:
+        """The reply loop with prompt lookup: each step proposes up to k tokens (the context's
+        own continuation, PromptLookup), runs them with the fed token in one pass and keeps
+        what verify keeps, so the reply is plain decoding's token for token. A pass that would
+        run past EOS, max_tokens or the cache's end stops on the token where plain decoding
+        stops, and the cache keeps exactly the kept tokens."""
+        step, token = 0, None
+        self.speculation = stats = SpeculationStats()
+        lookup = PromptLookup()
+        lookup.reset(self._tokens)
+        adapt = AdaptiveK(request.speculate)
+        while True:
+            params = request.params.current
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            seed = request.seed if params.seed is None else params.seed
+            k = min(adapt.k, self.capacity - self.position - 1)
+            if params.max_tokens is not None:
+                k = min(k, params.max_tokens - step - 1)
+            proposal = lookup.propose(k) if token is not None else []
+            if proposal:
+                start = self.position
+                kept, rows = self._speculative_pass(token, proposal, params, seed, step)
+                adapt.update(len(proposal), len(kept) - 1)
+                n = next((j + 1 for j, t in enumerate(kept) if t in request.eos_ids
+                          or start + j + 1 >= self.capacity), len(kept))
+                stats.passes += 1
+                stats.proposed += len(proposal)
+                stats.accepted += min(n, len(kept) - 1)  # (the proposals emitted)
+                emitted = kept[:n]
+                self._rewind(start + n, rows[n - 1], emitted)
+            else:
+                token = self._next_token(token, params, seed, step)
+                if token is None:
+                    return StopReason.CANCELLED
+                emitted = [token]
+            token = emitted[-1]
+            for t in emitted:
+                step += 1
+                yield t
+                lookup.extend([t])
+            if token in request.eos_ids:
+                return StopReason.EOS
+            if params.max_tokens is not None and step >= params.max_tokens:
+                return StopReason.MAX_TOKENS
+            if self.position >= self.capacity:
+                return StopReason.CONTEXT_FULL
+            if request.cancel.is_set():
+                return StopReason.CANCELLED
+
     def __init__(self, capacity: int):
         self._capacity = capacity
         self._tokens: list[int] = []
+        self.speculation = SpeculationStats()
 
     @property
     def position(self) -> int:

@@ -13,6 +13,7 @@ from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.sampler import sample_token
+from qwenchat.sampling.speculative import verify
 
 ATTENTION_SCORE_BUDGET = 32 * 1024 * 1024  # float32 scores held at once while attending
 
@@ -134,6 +135,18 @@ class ReferenceEngine(CacheBookkeeping):
         token = sample_token(self._logits, params, seed, step, self._tokens, self._reply_counts)
         self._reply_counts[token] += 1
         return token
+
+    def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
+                          seed: int, step: int) -> tuple[list[int], np.ndarray]:
+        context = list(self._tokens)
+        rows = self._forward([fed, *proposal], all_positions=True)
+        kept = verify(rows, proposal, params, seed, step, context, self._reply_counts)
+        return kept, rows
+
+    def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
+        del self._tokens[position:]  # (the cache arrays past it are written over later)
+        self._logits = logits
+        self._reply_counts.update(emitted)
 
     def _forward(self, ids: list[int], all_positions: bool = False) -> np.ndarray:
         cfg = self.config

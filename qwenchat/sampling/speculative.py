@@ -1,0 +1,124 @@
+"""Speculative decoding's verification rule: which proposed tokens the target keeps.
+
+The target scores the k proposed tokens and one more in one pass (k + 1 rows of logits); each
+row is turned into the distribution the plain sampler would draw from at that step, with the
+penalties counting the tokens kept before it, exactly as plain decoding would have them.
+
+- A proposal without a distribution (prompt lookup, or any proposer under greedy decoding) is
+  one-hot: the step draws its token as plain decoding does, from the same uniform number, and
+  keeps the proposal if the draw is the proposal. Accepting with probability p(d) and else
+  drawing from p without d is that same rule, so the reply is plain decoding's, token for token.
+- A draft model's sampled proposal d ~ q is kept with probability min(1, p(d) / q(d)) (its own
+  uniform number), else the step draws from max(p - q, 0) normalised: the kept and drawn tokens
+  are distributed as p (speculative sampling), and the same seed gives the same tokens.
+
+The first token not kept ends the pass; if all k are kept, the last row gives one more token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from qwenchat.sampling.params import SamplingParams
+from qwenchat.sampling.sampler import (
+    apply_penalties,
+    filtered_distribution,
+    sample_token,
+    splitmix64,
+    uniform,
+)
+
+# The uniform streams a reply's seed gives besides the plain draws (uniform(seed, step)): the
+# acceptance tests and the draft model's own draws.
+ACCEPT_STREAM = 0x243F6A8885A308D3
+DRAFT_STREAM = 0x13198A2E03707344
+
+
+def stream_uniform(stream: int, seed: int, step: int) -> float:
+    """A uniform number in [0, 1) of another stream than the plain draws', for `step`."""
+    return uniform(splitmix64(seed ^ stream), step)
+
+
+def target_distribution(logits: np.ndarray, params: SamplingParams, context_ids: Sequence[int],
+                        reply_counts: Mapping[int, int]) -> np.ndarray:
+    """The whole-vocabulary distribution the plain sampler draws from at this step (float64;
+    greedy: one-hot at the penalised argmax)."""
+    penalised = apply_penalties(logits, params, context_ids, reply_counts)
+    p = np.zeros(penalised.shape[0], dtype=np.float64)
+    if params.greedy:
+        p[int(np.argmax(penalised))] = 1.0
+        return p
+    order, probs = filtered_distribution(penalised, params)
+    p[order] = probs
+    return p
+
+
+def draw_from(p: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from a whole-vocabulary distribution, most likely tokens first (as
+    the plain sampler orders its candidates; ties by id)."""
+    support = np.flatnonzero(p > 0)
+    order = support[np.argsort(-p[support], kind="stable")]
+    cumulative = np.cumsum(p[order])
+    index = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+    return int(order[min(index, order.size - 1)])
+
+
+def draft_token(logits: np.ndarray, params: SamplingParams, seed: int, step: int,
+                context_ids: Sequence[int], reply_counts: Mapping[int, int]
+                ) -> tuple[int, np.ndarray]:
+    """A draft model's proposal at `step` and the distribution q it was drawn from (its own
+    stream of uniform numbers; greedy: its argmax, q one-hot)."""
+    q = target_distribution(logits, params, context_ids, reply_counts)
+    return draw_from(q, stream_uniform(DRAFT_STREAM, seed, step)), q
+
+
+def verify(logits: np.ndarray, proposal: Sequence[int], params: SamplingParams, seed: int,
+           step: int, context_ids: Sequence[int], reply_counts: Mapping[int, int],
+           draft_probs: np.ndarray | None = None) -> list[int]:
+    """The tokens a target pass keeps: `logits` [k + 1, vocab] scored after the context, after
+    each of the k `proposal` tokens in turn; `step` is the reply's step of the first;
+    `reply_counts` the reply's tokens so far (for the penalties). `draft_probs` [k, vocab]: the
+    draft model's q for each proposal (None: one-hot proposals). Returns the kept proposals and
+    the token that ends the pass: 1 to k + 1 tokens."""
+    k = len(proposal)
+    if logits.shape[0] != k + 1:
+        raise ValueError(f"{k} proposed tokens need {k + 1} rows of logits; got {logits.shape[0]}")
+    counts = Counter(reply_counts)
+    out: list[int] = []
+    for i in range(k + 1):
+        if i == k or draft_probs is None or params.greedy:
+            token = sample_token(logits[i], params, seed, step + i, context_ids, counts)
+            out.append(token)
+            if i == k or token != proposal[i]:
+                return out
+        else:
+            p = target_distribution(logits[i], params, context_ids, counts)
+            q, d = draft_probs[i], int(proposal[i])
+            if stream_uniform(ACCEPT_STREAM, seed, step + i) * q[d] < p[d]:
+                token = d
+            else:
+                residual = np.maximum(p - q, 0.0)
+                token = draw_from(residual if residual.sum() > 0 else p, uniform(seed, step + i))
+                out.append(token)
+                return out
+            out.append(token)
+        counts[token] += 1
+    return out
+
+
+class AdaptiveK:
+    """How many tokens to propose next: one more after a pass that kept them all, one more
+    than were kept after one that did not (between 1 and `most`)."""
+
+    def __init__(self, most: int):
+        if most < 1:
+            raise ValueError(f"speculation proposes at least 1 token a step; got {most}")
+        self.most = most
+        self.k = most
+
+    def update(self, proposed: int, kept: int) -> None:
+        grown = self.k + 1 if kept >= proposed else kept + 1
+        self.k = max(1, min(self.most, grown))

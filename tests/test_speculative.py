@@ -1,0 +1,249 @@
+"""Speculative decoding: the prompt-lookup proposer, the verification rule, and the reference
+engine's reply loop with them (plain decoding's tokens, cache and stops)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from tiny_model import tiny_config
+
+from qwenchat.engine.base import GenerateRequest, StopReason
+from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.model.config import Qwen3Config
+from qwenchat.model.random_weights import RandomWeights
+from qwenchat.sampling.lookup import PromptLookup
+from qwenchat.sampling.params import LiveParams, SamplingParams
+from qwenchat.sampling.sampler import sample_token
+from qwenchat.sampling.speculative import (
+    AdaptiveK,
+    draft_token,
+    draw_from,
+    target_distribution,
+    verify,
+)
+
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=0.5,
+                         frequency_penalty=0.2, repetition_penalty=1.1)
+GREEDY = SamplingParams(temperature=0.0, presence_penalty=1.5)
+
+
+def naive_lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The proposer's rule, by brute force."""
+    end = len(tokens)
+    for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
+        tail = tokens[end - n:]
+        for start in range(end - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                extended = list(tokens)
+                for i in range(start + n, start + n + k):
+                    extended.append(extended[i])
+                return extended[start + n:start + n + k]
+    return []
+
+
+def test_lookup_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_tail():
+    lookup = PromptLookup(max_ngram=3)
+    lookup.reset([5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7])
+    # "5 6 7" occurred at the start, followed by 8; "6 7" later, followed by 9: the longest wins.
+    assert lookup.propose(3) == [8, 1, 6]
+    repeating = PromptLookup(max_ngram=2)
+    repeating.reset([1, 2, 3, 4, 3, 4])
+    assert repeating.propose(5) == [3, 4, 3, 4, 3]  # "3 4" two back: the period goes on
+    lookup.extend([4])
+    assert lookup.propose(2) == []  # 4 never occurred before
+    lookup.extend([6])
+    # "4 6" never occurred; "6" last occurred in the "5 6 7" before the 4.
+    assert lookup.propose(2) == [7, 4]
+    assert lookup.propose(0) == []
+
+
+def test_lookup_indexed_as_it_grows_proposes_what_a_search_of_the_whole_context_finds():
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(0, 6, 400)]
+    grown = PromptLookup(max_ngram=4, min_ngram=2)
+    for end in range(1, len(tokens) + 1):
+        grown.extend(tokens[end - 1:end])
+        expected = naive_lookup(tokens[:end], 5, 4, 2)
+        assert grown.propose(5) == expected, end
+        if end % 97 == 0:
+            fresh = PromptLookup(max_ngram=4, min_ngram=2)
+            fresh.reset(tokens[:end])
+            assert fresh.propose(5) == expected
+
+
+def test_lookup_refuses_an_empty_range_of_ngram_lengths():
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(max_ngram=1, min_ngram=2)
+
+
+def plain_reply(rows: np.ndarray, params: SamplingParams, seed: int, context: list[int]
+                ) -> list[int]:
+    """Plain decoding over fixed rows of logits: a token per row, the penalties counting the
+    reply so far."""
+    counts: Counter[int] = Counter()
+    out = []
+    for step, row in enumerate(rows):
+        token = sample_token(row, params, seed, step, context, counts)
+        out.append(token)
+        counts[token] += 1
+    return out
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_one_hot_proposals_keep_plain_decodings_tokens_exactly(params):
+    # Target rows that do not depend on the tokens (so plain decoding over them is well
+    # defined), proposals right for a while and then wrong: every pass keeps plain decoding's
+    # tokens, whatever was proposed.
+    rng = np.random.default_rng(1)
+    rows = rng.normal(0, 3, (64, 50)).astype(np.float32)
+    context = [1, 2, 3]
+    for seed in range(20):
+        plain = plain_reply(rows, params, seed, context)
+        out: list[int] = []
+        while len(out) < len(rows):
+            k = int(rng.integers(0, 6))
+            k = min(k, len(rows) - len(out) - 1)
+            right = int(rng.integers(0, k + 1))
+            proposal = plain[len(out):len(out) + right] + [
+                (t + 1) % 50 for t in plain[len(out) + right:len(out) + k]]
+            kept = verify(rows[len(out):len(out) + k + 1], proposal, params, seed, len(out),
+                          context, Counter(out))
+            assert kept == plain[len(out):len(out) + len(kept)]
+            assert len(kept) == min(right, k) + 1
+            out += kept
+        assert out == plain
+
+
+def test_a_draft_models_proposals_keep_the_targets_distribution():
+    # Speculative sampling: whatever the draft's q, the first and second tokens a pass gives
+    # are distributed as the target's p. Over 40,000 seeds (fixed, so the test is
+    # deterministic), each token's share is within 5 standard errors of p: a correct rule fails
+    # this with probability ~1e-5 for a fresh choice of seeds.
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+    target = np.log(np.array([0.35, 0.25, 0.2, 0.1, 0.06, 0.04]))
+    draft = np.log(np.array([0.1, 0.4, 0.05, 0.3, 0.1, 0.05]))
+    second = np.log(np.array([0.05, 0.15, 0.5, 0.1, 0.1, 0.1]))
+    p = target_distribution(target, params, [], {})
+    p2 = target_distribution(second, params, [], {})
+    n = 40_000
+    first_tokens, second_tokens = np.zeros(6), np.zeros(6)
+    accepted = 0
+    for seed in range(n):
+        d0, q0 = draft_token(draft, params, seed, 0, [], {})
+        d1, q1 = draft_token(draft, params, seed, 1, [], {})
+        kept = verify(np.stack([target, second, target]), [d0, d1], params, seed, 0, [], {},
+                      np.stack([q0, q1]))
+        first_tokens[kept[0]] += 1
+        if len(kept) > 1:  # the first was kept: the second is drawn as p2, as plain would
+            second_tokens[kept[1]] += 1
+            accepted += 1
+    for counts, probs, total in ((first_tokens, p, n), (second_tokens, p2, accepted)):
+        share = counts / total
+        error = np.sqrt(probs * (1 - probs) / total)
+        assert np.all(np.abs(share - probs) < 5 * error), (share, probs)
+    # The acceptance rate is sum(min(p, q)), as speculative sampling promises.
+    q = target_distribution(draft, params, [], {})
+    assert accepted / n == pytest.approx(np.minimum(p, q).sum(), abs=0.01)
+
+
+def test_the_same_seed_gives_the_same_pass():
+    rng = np.random.default_rng(2)
+    rows = rng.normal(0, 2, (4, 30)).astype(np.float32)
+    draft = rng.normal(0, 2, 30).astype(np.float32)
+    proposals = [draft_token(draft, SAMPLED, 7, s, [], {}) for s in range(3)]
+    runs = [verify(rows, [d for d, _ in proposals], SAMPLED, 7, 0, [], {},
+                   np.stack([q for _, q in proposals])) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_verify_needs_a_row_of_logits_per_proposal_and_one_more():
+    with pytest.raises(ValueError, match="3 proposed tokens need 4 rows"):
+        verify(np.zeros((3, 8), np.float32), [1, 2, 3], GREEDY, 0, 0, [], {})
+
+
+def test_draw_from_follows_the_plain_samplers_order_of_candidates():
+    p = np.array([0.0, 0.5, 0.2, 0.3])
+    assert [draw_from(p, u) for u in (0.0, 0.49, 0.51, 0.79, 0.81, 0.999)] == [1, 1, 3, 3, 2, 2]
+
+
+# ------------------------------------------------------------------ the reference engine's loop
+TINY = Qwen3Config.from_dict(tiny_config(vocab_size=96))
+
+
+def run(engine: ReferenceEngine, prompt: list[int], params: SamplingParams, speculate: int,
+        eos: frozenset[int] = frozenset()) -> tuple[list[int], StopReason]:
+    engine.truncate(0)
+    engine.prefill(prompt)
+    generation = engine.generate(GenerateRequest(LiveParams(params), eos, seed=5,
+                                                 speculate=speculate))
+    return list(generation), generation.stop_reason
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return ReferenceEngine(TINY, RandomWeights(TINY, seed=3), ctx=512)
+
+
+PROMPT = [7, 8, 9, 10, 11, 7, 8, 9, 12, 13, 7, 8, 9, 10, 11, 3]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=200),
+                                    SamplingParams(temperature=0.9, top_k=8, top_p=0.95,
+                                                   presence_penalty=0.3, frequency_penalty=0.1,
+                                                   repetition_penalty=1.05, max_tokens=200)],
+                         ids=["greedy", "sampled"])
+def test_prompt_lookup_replies_are_plain_decodings_tokens_and_cache(tiny_engine, params):
+    plain, plain_stop = run(tiny_engine, PROMPT, params, 0)
+    plain_k = tiny_engine._k[:, :, :tiny_engine.position].copy()
+    plain_logits, plain_position = tiny_engine.last_logits(), tiny_engine.position
+    fast, fast_stop = run(tiny_engine, PROMPT, params, 6)
+    assert fast == plain and fast_stop == plain_stop == StopReason.MAX_TOKENS
+    stats = tiny_engine.speculation
+    assert stats.passes > 0 and 0 < stats.accepted <= stats.proposed  # it did speculate
+    # The cache holds what plain decoding's does (the verify passes run several tokens at
+    # once, so its floats may differ in the last bits), and the last logits are the same.
+    assert tiny_engine.position == plain_position
+    np.testing.assert_allclose(tiny_engine._k[:, :, :plain_position], plain_k, rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(tiny_engine.last_logits(), plain_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_speculative_reply_stops_on_the_token_plain_decoding_stops_on(tiny_engine):
+    greedy = SamplingParams(temperature=0.0, max_tokens=120)
+    plain, _ = run(tiny_engine, PROMPT, greedy, 0)
+    # EOS: a token the reply produces late, so that a pass runs over it.
+    eos = frozenset({plain[90]})
+    cut = plain.index(plain[90]) + 1
+    plain_eos, stop = run(tiny_engine, PROMPT, greedy, 0, eos)
+    position = tiny_engine.position
+    fast_eos, fast_stop = run(tiny_engine, PROMPT, greedy, 6, eos)
+    assert fast_eos == plain_eos == plain[:cut] and fast_stop == stop == StopReason.EOS
+    assert tiny_engine.position == position
+    # max_tokens inside what a pass would keep.
+    for limit in (1, 2, 37, 38, 39):
+        few = SamplingParams(temperature=0.0, max_tokens=limit)
+        assert run(tiny_engine, PROMPT, few, 6) == (plain[:limit], StopReason.MAX_TOKENS)
+    # The cache's end.
+    small = ReferenceEngine(TINY, RandomWeights(TINY, seed=3), ctx=len(PROMPT) + 45)
+    unlimited = SamplingParams(temperature=0.0)
+    plain_full = run(small, PROMPT, unlimited, 0)
+    assert plain_full[1] == StopReason.CONTEXT_FULL
+    assert run(small, PROMPT, unlimited, 6) == plain_full
+    assert small.position == small.capacity
+
+
+def test_adaptive_k_grows_after_full_passes_and_shrinks_to_what_was_kept():
+    adapt = AdaptiveK(5)
+    adapt.update(5, 1)
+    assert adapt.k == 2
+    adapt.update(2, 2)
+    assert adapt.k == 3
+    adapt.update(3, 0)
+    assert adapt.k == 1
+    for _ in range(9):
+        adapt.update(adapt.k, adapt.k)
+    assert adapt.k == 5
+    with pytest.raises(ValueError, match="at least 1"):
+        AdaptiveK(0)
