@@ -11,6 +11,8 @@ from tiny_model import tiny_config
 
 from qwenchat.engine.base import GenerateRequest, StopReason
 from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.engine.speculate import DraftProposer
+from qwenchat.errors import UsageError
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.random_weights import RandomWeights
 from qwenchat.sampling.lookup import PromptLookup
@@ -247,3 +249,51 @@ def test_adaptive_k_grows_after_full_passes_and_shrinks_to_what_was_kept():
     assert adapt.k == 5
     with pytest.raises(ValueError, match="at least 1"):
         AdaptiveK(0)
+
+
+# ------------------------------------------------------------------ a draft model's proposals
+def run_draft(engine: ReferenceEngine, draft: ReferenceEngine, params: SamplingParams,
+              seed: int = 5) -> list[int]:
+    engine.truncate(0)
+    engine.prefill(PROMPT)
+    proposer = DraftProposer(draft, engine.config.vocab_size)
+    return list(engine.generate(GenerateRequest(LiveParams(params), frozenset(), seed=seed,
+                                                speculate=4, proposer=proposer)))
+
+
+def test_greedy_with_a_draft_model_is_plain_greedy(tiny_engine):
+    greedy = SamplingParams(temperature=0.0, max_tokens=80)
+    plain, _ = run(tiny_engine, PROMPT, greedy, 0)
+    position = tiny_engine.position
+    other = ReferenceEngine(TINY, RandomWeights(TINY, seed=4), ctx=512)  # a poor draft
+    assert run_draft(tiny_engine, other, greedy) == plain
+    assert tiny_engine.position == position and tiny_engine.speculation.passes > 0
+    # The draft's cache follows the reply: before the last pass's proposals (at most 3 of the
+    # 4 ran through it), it holds the reply's own tokens.
+    held = len(other.tokens) - 3
+    assert held > len(PROMPT) and other.tokens[:held] == (PROMPT + plain)[:held]
+    same = ReferenceEngine(TINY, RandomWeights(TINY, seed=3), ctx=512)  # the target itself
+    assert run_draft(tiny_engine, same, greedy) == plain
+    stats = tiny_engine.speculation
+    assert stats.accepted == stats.proposed  # its argmax is the target's every time
+
+
+def test_sampling_with_a_draft_is_repeatable_and_keeps_what_a_perfect_draft_proposes(
+        tiny_engine):
+    sampled = SamplingParams(temperature=0.9, top_k=8, top_p=0.95, max_tokens=60)
+    other = ReferenceEngine(TINY, RandomWeights(TINY, seed=4), ctx=512)
+    first = run_draft(tiny_engine, other, sampled, seed=11)
+    assert len(first) == 60
+    assert run_draft(tiny_engine, other, sampled, seed=11) == first
+    same = ReferenceEngine(TINY, RandomWeights(TINY, seed=3), ctx=512)
+    run_draft(tiny_engine, same, sampled, seed=11)
+    stats = tiny_engine.speculation
+    # q = p (up to the batched pass's rounding): min(1, p/q) keeps (nearly) every proposal.
+    assert stats.passes > 0 and stats.accepted >= 0.95 * stats.proposed
+
+
+def test_a_draft_with_another_vocabulary_is_refused_in_one_line(tiny_engine):
+    wide = Qwen3Config.from_dict(tiny_config(vocab_size=128))
+    draft = ReferenceEngine(wide, RandomWeights(wide), ctx=64)
+    with pytest.raises(UsageError, match="vocabulary has 128 tokens and the model's 96"):
+        DraftProposer(draft, tiny_engine.config.vocab_size)

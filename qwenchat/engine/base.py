@@ -16,9 +16,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from qwenchat.engine.speculate import LookupProposer, Proposer
 from qwenchat.errors import ContextFullError, UsageError
 from qwenchat.model.config import Qwen3Config
-from qwenchat.sampling.lookup import PromptLookup
 from qwenchat.sampling.params import LiveParams, SamplingParams
 from qwenchat.sampling.speculative import AdaptiveK
 
@@ -48,9 +48,11 @@ class GenerateRequest:
     eos_ids: frozenset[int]
     seed: int  # used while params.current.seed is None
     cancel: threading.Event = field(default_factory=threading.Event)
-    # Prompt lookup: propose up to this many tokens a step and verify them in one pass
-    # (engines that can score several tokens at once; 0: off).
+    # Speculative decoding: propose up to this many tokens a step and verify them in one pass
+    # (engines that can score several tokens at once; 0: off), proposed by `proposer`
+    # (engine.speculate; None: prompt lookup).
     speculate: int = 0
+    proposer: Proposer | None = None
 
 
 class Generation:
@@ -134,11 +136,13 @@ class CacheBookkeeping:
         raise NotImplementedError
 
     def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
-                          seed: int, step: int) -> tuple[list[int], np.ndarray]:
+                          seed: int, step: int, draft_probs: np.ndarray | None
+                          ) -> tuple[list[int], np.ndarray]:
         """Run `fed` and the proposal through the model in one pass (the cache grows by all
-        of them) and verify the proposal (sampling.speculative.verify): (the kept tokens and
-        the one that ends the pass, the pass's rows of logits). Engines that cannot score
-        several tokens at once leave this out, and speculation is off on them."""
+        of them) and verify the proposal (sampling.speculative.verify, with the draft's
+        distributions if any): (the kept tokens and the one that ends the pass, the pass's
+        rows of logits). Engines that cannot score several tokens at once leave this out,
+        and speculation is off on them."""
         raise NotImplementedError
 
     def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
@@ -186,15 +190,16 @@ class CacheBookkeeping:
                 return StopReason.CANCELLED
 
     def _speculative_loop(self, request: GenerateRequest) -> Iterator[int]:
-        """The reply loop with prompt lookup: each step proposes up to k tokens (the context's
-        own continuation, PromptLookup), runs them with the fed token in one pass and keeps
-        what verify keeps, so the reply is plain decoding's token for token. A pass that would
+        """The reply loop with a proposer: each step proposes up to k tokens, runs them with
+        the fed token in one pass and keeps what verify keeps. With one-hot proposals (prompt
+        lookup, or greedy decoding) the reply is plain decoding's token for token; with a
+        draft model's sampled ones it is distributed as plain decoding's. A pass that would
         run past EOS, max_tokens or the cache's end stops on the token where plain decoding
         stops, and the cache keeps exactly the kept tokens."""
         step, token = 0, None
         self.speculation = stats = SpeculationStats()
-        lookup = PromptLookup()
-        lookup.reset(self._tokens)
+        proposer = request.proposer or LookupProposer()
+        proposer.start(self._tokens)
         adapt = AdaptiveK(request.speculate)
         while True:
             params = request.params.current
@@ -206,10 +211,12 @@ class CacheBookkeeping:
             k = min(adapt.k, self.capacity - self.position - 1)
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - step - 1)
-            proposal = lookup.propose(k) if token is not None else []
+            proposal, draft_probs = (proposer.propose(k, params, seed, step)
+                                     if token is not None and k > 0 else ([], None))
             if proposal:
                 start = self.position
-                kept, rows = self._speculative_pass(token, proposal, params, seed, step)
+                kept, rows = self._speculative_pass(token, proposal, params, seed, step,
+                                                    draft_probs)
                 adapt.update(len(proposal), len(kept) - 1)
                 n = next((j + 1 for j, t in enumerate(kept) if t in request.eos_ids
                           or start + j + 1 >= self.capacity), len(kept))
@@ -227,7 +234,7 @@ class CacheBookkeeping:
             for t in emitted:
                 step += 1
                 yield t
-                lookup.extend([t])
+                proposer.extend([t])
             if token in request.eos_ids:
                 return StopReason.EOS
             if params.max_tokens is not None and step >= params.max_tokens:

@@ -137,10 +137,12 @@ class ReferenceEngine(CacheBookkeeping):
         return token
 
     def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
-                          seed: int, step: int) -> tuple[list[int], np.ndarray]:
+                          seed: int, step: int, draft_probs: np.ndarray | None
+                          ) -> tuple[list[int], np.ndarray]:
         context = list(self._tokens)
         rows = self._forward([fed, *proposal], all_positions=True)
-        kept = verify(rows, proposal, params, seed, step, context, self._reply_counts)
+        kept = verify(rows, proposal, params, seed, step, context, self._reply_counts,
+                      draft_probs)
         return kept, rows
 
     def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:

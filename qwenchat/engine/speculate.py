@@ -1,0 +1,105 @@
+"""What proposes tokens for speculative decoding: the context's own continuation (prompt
+lookup), or a smaller draft model with the target's vocabulary, run by an engine of its own.
+
+A proposer follows one reply: `start` with the context before it, `extend` with each token the
+reply emits, and `propose(k, ...)` for up to k tokens, with the distribution each was drawn
+from (None: the proposals are one-hot, which verification then keeps exactly as plain decoding
+would draw them).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from qwenchat.errors import UsageError
+from qwenchat.sampling.lookup import PromptLookup
+from qwenchat.sampling.params import SamplingParams
+from qwenchat.sampling.speculative import draft_token
+
+if TYPE_CHECKING:
+    from qwenchat.engine.base import Engine
+
+
+class Proposer(Protocol):
+    def start(self, context: Sequence[int]) -> None: ...
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, k: int, params: SamplingParams, seed: int, step: int
+                ) -> tuple[list[int], np.ndarray | None]: ...
+
+
+class LookupProposer:
+    """Prompt lookup (sampling.lookup.PromptLookup): no second model, one-hot proposals."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.lookup = PromptLookup(max_ngram)
+
+    def start(self, context: Sequence[int]) -> None:
+        self.lookup.reset(context)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.lookup.extend(tokens)
+
+    def propose(self, k: int, params: SamplingParams, seed: int, step: int
+                ) -> tuple[list[int], None]:
+        return self.lookup.propose(k), None
+
+
+class DraftProposer:
+    """A draft model's proposals, each drawn from its own distribution q at that step (the
+    target's sampling parameters and penalties, the draft's stream of uniform numbers; greedy:
+    its argmax). Its engine's cache follows the reply: before each proposal it keeps what it
+    shares with the context and prefills the rest, so rejected proposals leave nothing."""
+
+    def __init__(self, engine: Engine, vocab_size: int):
+        if engine.config.vocab_size != vocab_size:
+            raise UsageError(f"the draft model's vocabulary has {engine.config.vocab_size:,} "
+                             f"tokens and the model's {vocab_size:,}: use a draft of the same "
+                             "family (every Qwen3 size shares one tokenizer)")
+        self.engine = engine
+        self.context: list[int] = []
+        self.reply: list[int] = []
+        self.counts: Counter[int] = Counter()
+
+    def start(self, context: Sequence[int]) -> None:
+        self.context, self.reply, self.counts = list(context), [], Counter()
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.reply.extend(tokens)
+        self.counts.update(tokens)
+
+    def propose(self, k: int, params: SamplingParams, seed: int, step: int
+                ) -> tuple[list[int], np.ndarray | None]:
+        if k <= 0:
+            return [], None
+        tokens = self.context + self.reply
+        self._follow(tokens)
+        counts = Counter(self.counts)
+        proposal: list[int] = []
+        probs = []
+        for i in range(k):
+            if i:
+                self.engine.prefill([proposal[-1]])
+            token, q = draft_token(self.engine.last_logits(), params, seed, step + i, tokens,
+                                   counts)
+            proposal.append(token)
+            probs.append(q)
+            counts[token] += 1
+        return proposal, np.stack(probs)
+
+    def _follow(self, tokens: list[int]) -> None:
+        """Make the draft's cache hold `tokens`, with the logits after the last."""
+        have = self.engine.tokens
+        common = 0
+        for a, b in zip(have, tokens, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # (at least the last token runs: its logits)
+        self.engine.truncate(common)
+        self.engine.prefill(tokens[common:])
