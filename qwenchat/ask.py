@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from qwenchat.engine import check_engine_flags, create_engine
+from qwenchat.engine.speculate import SPECULATE_MOST, check_speculate
 from qwenchat.errors import UsageError
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import check_text
@@ -33,6 +34,7 @@ class AskOptions:
     device: int = 0
     decode: str = "auto"
     quantize: str = "none"
+    speculate: str = "off"
 
 
 # Byte-order marks honoured on stdin: UTF-8's is dropped, UTF-16's (as Windows tools write)
@@ -77,6 +79,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize)
+    check_speculate(options.speculate)
     say = _stderr_line(err)
     load_started = time.perf_counter()
     # The tokenizer loads on its own thread while the engine compiles and uploads.
@@ -87,8 +90,13 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
                            quantize=options.quantize)
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
+    speculate = SPECULATE_MOST if options.speculate == "ngram" else 0
+    if speculate and not engine.can_speculate:
+        say(f"--speculate {options.speculate}: the {engine.name} backend does not verify "
+            "proposals yet; answering without speculation (--backend cpu speculates)")
+        speculate = 0
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
-                          system=options.system, thinking=options.think)
+                          system=options.system, thinking=options.think, speculate=speculate)
     writer = _JsonCollector() if options.as_json else _StreamWriter(out, options.show_thinking)
     stats = ReplyStats()
     for event in session.send(options.prompt):
@@ -114,10 +122,14 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
 def summary_line(stats: ReplyStats) -> str:
     rate = f"{stats.decode_tok_s:.1f} tok/s" if stats.decode_tok_s else "– tok/s"
     ttft = f"{stats.ttft_s * 1000:.0f} ms" if stats.ttft_s is not None else "–"
-    return (f"{stats.generated_tokens} tokens · {rate} · TTFT {ttft} · prompt "
+    line = (f"{stats.generated_tokens} tokens · {rate} · TTFT {ttft} · prompt "
             f"{stats.prompt_tokens} tokens ({stats.reused_tokens} reused) · "
             f"KV {stats.position}/{stats.capacity} · stop: {stats.stop_reason} · "
             f"seed {stats.seed}")
+    if stats.spec_proposed:
+        line += (f" · speculation: {stats.spec_accepted}/{stats.spec_proposed} proposed "
+                 f"tokens kept over {stats.spec_passes} passes")
+    return line
 
 
 def _stderr_line(err: TextIO) -> Callable[[str], None]:

@@ -51,6 +51,11 @@ class ReplyStats:
     capacity: int = 0
     stop_reason: str | None = None
     seed: int = 0
+    # Speculative decoding (0 while off): target passes that verified proposals, tokens
+    # proposed, and of those, tokens kept.
+    spec_passes: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -137,8 +142,11 @@ class ChatSession:
         params: LiveParams,
         system: str | None = None,
         thinking: bool = False,
+        speculate: int = 0,
     ):
         self.engine = engine
+        # Speculative decoding: propose up to this many tokens a step by prompt lookup (0: off).
+        self.speculate = speculate
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.params = params
@@ -238,7 +246,8 @@ class ChatSession:
         yield from self._prefill(ids[common:], stats, began, cancel)
         current = self.params.current
         stats.seed = current.seed if current.seed is not None else _fresh_seed()
-        request = GenerateRequest(self.params, self.eos_ids, stats.seed, cancel)
+        request = GenerateRequest(self.params, self.eos_ids, stats.seed, cancel,
+                                  speculate=self.speculate)
         reply = Reply(stats=stats)
         splitter = ThinkSplitter(self.tokenizer, self.thinking)
         first_at = last_report = 0.0
@@ -255,6 +264,7 @@ class ChatSession:
                 stats.generated_tokens += 1
                 stats.decode_s = at - first_at
                 stats.position = self.engine.position
+                _count_speculation(stats, self.engine)
                 if token not in self.eos_ids:
                     for piece in splitter.push(token):
                         _append(reply, piece)
@@ -274,6 +284,7 @@ class ChatSession:
                 for piece in splitter.finish():
                     _append(reply, piece)
             stats.position = self.engine.position
+            _count_speculation(stats, self.engine)
             reply.thinking = reply.thinking.rstrip("\n")
             self.messages.append(Message("assistant", reply.answer))
             self.last_reply = reply
@@ -332,6 +343,13 @@ class ChatSession:
             return False
         self.first_in_context += later_users[0]
         return True
+
+
+def _count_speculation(stats: ReplyStats, engine: Engine) -> None:
+    spec = getattr(engine, "speculation", None)  # (engines without it do not speculate)
+    if spec is not None:
+        stats.spec_passes, stats.spec_proposed = spec.passes, spec.proposed
+        stats.spec_accepted = spec.accepted
 
 
 def _append(reply: Reply, piece: TextPiece) -> None:

@@ -52,3 +52,20 @@ def test_prompt_combines_stdin_then_argument(argument, stdin, expected):
 def test_no_prompt_is_a_usage_error(argument, stdin):
     with pytest.raises(UsageError, match="no prompt"):
         combine_prompt(argument, stdin)
+
+
+def test_ask_with_speculation_on_an_engine_that_cannot_verify_says_so_once_and_answers(
+        monkeypatch, tiny_model_dir):
+    from fake_engine import fake_model
+
+    import qwenchat.ask as ask
+
+    model = fake_model(tiny_model_dir, "Short answer here.")
+    monkeypatch.setattr(ask, "create_engine", lambda *args, **kwargs: model.engine)
+    out, err = io.StringIO(), io.StringIO()
+    options = ask.AskOptions("Question?", str(tiny_model_dir), backend="cpu",
+                             overrides={"max_tokens": 8}, speculate="ngram")
+    assert ask.run_ask(options, out, err) == 0
+    [line] = err.getvalue().splitlines()
+    assert "--speculate ngram: the fake engine backend does not verify proposals" in line
+    assert out.getvalue().startswith("Short answer")

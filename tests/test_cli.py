@@ -336,3 +336,26 @@ def test_chat_runs_in_a_terminal_and_quits_with_ctrl_q(tiny_model_dir, isolated_
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
     assert (isolated_home / "data" / "qwenchat" / "history.sqlite3").is_file()
+
+
+def test_ask_with_prompt_lookup_answers_as_without_it(tiny_model_dir):
+    # A prompt that the reply can quote: lookup proposes, the reference engine verifies, and
+    # the answer is the plain greedy one.
+    quote = "def add(a, b):\n    return a + b\n" * 3
+    args = ["ask", "--backend", "cpu", "--model", str(tiny_model_dir), "--temperature", "0",
+            "--max-tokens", "60", "--json", f"Repeat this:\n{quote}"]
+    plain = json.loads(qwenchat(*args).stdout)
+    fast = qwenchat(*args, "--speculate", "ngram")
+    assert fast.returncode == 0, fast.stderr
+    record = json.loads(fast.stdout)
+    assert record["text"] == plain["text"] and record["generated_tokens"] == 60
+    assert plain["spec_proposed"] == 0
+    assert 0 < record["spec_accepted"] <= record["spec_proposed"] and record["spec_passes"] > 0
+    verbose = qwenchat(*args[:-2], "-v", "--speculate", "ngram", args[-1])
+    assert "proposed tokens kept over" in verbose.stderr
+
+
+def test_an_unknown_speculation_mode_is_one_error_line(tiny_model_dir):
+    result = qwenchat("ask", "--backend", "cpu", "--model", str(tiny_model_dir),
+                      "--speculate", "draft", "hi")
+    assert_one_error_line(result, 2, "--speculate must be one of off, ngram", "'draft'")

@@ -155,6 +155,25 @@ def test_send_streams_the_reply_as_markdown_and_saves_both_turns(tmp_path, tiny_
     assert messages[1].stats["stop_reason"] == "max_tokens"
 
 
+def test_prompt_lookup_in_the_chat_answers_as_without_it_and_counts_what_it_kept(
+        tmp_path, tiny_model_dir):
+    quote = "def add(a, b):\n    return a + b\n" * 3
+    app = make_app(tmp_path, reference_model(tiny_model_dir), speculate="ngram",
+                   overrides={"temperature": 0.0, "max_tokens": 40})
+
+    async def scenario(pilot, screen):
+        screen.prompt.text = f"Repeat this:\n{quote}"
+        await press_and_wait_for_reply(pilot, screen, "enter")
+        [_, reply] = screen.conversation.turns
+        assert reply.answer == greedy_answer(tiny_model_dir, [f"Repeat this:\n{quote}"], 40)
+        stats = screen.chat.session.last_reply.stats
+        assert 0 < stats.spec_accepted <= stats.spec_proposed
+        summary = str(reply.query_one(".summary").render())
+        assert f"kept {stats.spec_accepted}/{stats.spec_proposed} proposed" in summary
+
+    drive(app, scenario)
+
+
 def test_second_turn_reuses_the_kv_cache_and_the_status_bar_says_so(tmp_path, tiny_model_dir):
     app = make_app(tmp_path, reference_model(tiny_model_dir),
                    overrides={"temperature": 0.0, "max_tokens": 8})
@@ -1507,3 +1526,18 @@ def test_the_ui_rate_benchmark_runs_and_counts_every_token():
     assert report["alone_tokens"] == report["chat_tokens"] == 400
     assert report["chat_shows_tok_s"] > 0 and report["alone_tok_s"] > 0
     assert report["chat_summary"].startswith("400 tokens · ")
+
+
+def test_speculation_asked_of_an_engine_that_cannot_verify_says_so_and_answers_plainly(
+        tmp_path, tiny_model_dir):
+    model = fake_model(tiny_model_dir, "Short answer here.")
+    app = make_app(tmp_path, model, speculate="ngram")
+
+    async def scenario(pilot, screen):
+        await until(pilot, lambda: any("does not verify proposals" in str(t.render())
+                                       for t in screen.query(Toast)))
+        assert screen.speculate == 0 and screen.chat.session.speculate == 0
+        await send(pilot, screen, "Question about the fox")
+        assert "Short answer here." in replies(screen)[-1].answer
+
+    drive(app, scenario, notifications=True)

@@ -52,6 +52,10 @@ QuantizeOpt = Annotated[str, typer.Option(
     "--quantize", help="none, or fp8: quantize the linear layers to FP8 at load time (Qwen's "
     "128 x 128-block recipe), halving the bytes a decode step reads. FP8 checkpoints are "
     "always run in FP8.")]
+SpeculateOpt = Annotated[str, typer.Option(
+    "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
+    "where it occurred before (prompt lookup) and verify several a step; the reply is the "
+    "same, faster where it repeats its context. CPU backend for now.")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
 ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
 
@@ -140,6 +144,7 @@ def chat(
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
+    speculate: SpeculateOpt = "off",
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
                                              "lives in memory only.")] = False,
     debug: DebugOpt = False,
@@ -154,7 +159,7 @@ def chat(
         from qwenchat.tui.options import ChatOptions, check_chat_options, require_terminal
 
         options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
-                              quantize, history=not no_history, debug=debug)
+                              quantize, speculate, history=not no_history, debug=debug)
         check_chat_options(options)
         require_terminal()
         from qwenchat.tui.app import run_chat  # Textual loads only once the flags are good
@@ -190,6 +195,7 @@ def ask(
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
+    speculate: SpeculateOpt = "off",
     debug: DebugOpt = False,
 ) -> None:
     """Answer one prompt on stdout, streaming; pipe-friendly."""
@@ -204,7 +210,7 @@ def ask(
         check_overrides(overrides)
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
-                             verbose, ctx, overrides, device, decode, quantize)
+                             verbose, ctx, overrides, device, decode, quantize, speculate)
         return run_ask(options)
 
     run_guarded(action, debug)

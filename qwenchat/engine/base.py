@@ -92,6 +92,9 @@ class Engine(Protocol):
     @property
     def tokens(self) -> list[int]: ...
 
+    @property
+    def can_speculate(self) -> bool: ...
+
     def prefill(self, token_ids: Sequence[int]) -> None: ...
 
     def generate(self, request: GenerateRequest) -> Generation: ...
@@ -150,7 +153,9 @@ class CacheBookkeeping:
         (what `emitted`'s last token was drawn from), and count `emitted` for the penalties."""
         raise NotImplementedError
 
-    def _speculates(self) -> bool:
+    @property
+    def can_speculate(self) -> bool:
+        """Whether this engine verifies proposals (GenerateRequest.speculate)."""
         return type(self)._speculative_pass is not CacheBookkeeping._speculative_pass
 
     def _steps(self, request: GenerateRequest) -> Iterator[int]:
@@ -158,9 +163,10 @@ class CacheBookkeeping:
         # minus its last token, which is what the next turn's prompt starts with anyway.
         if not self._has_logits():
             raise RuntimeError("generate needs the logits of a prefilled position")
+        self.speculation = SpeculationStats()
         self._begin_reply(request)
         try:
-            if request.speculate > 0 and self._speculates():
+            if request.speculate > 0 and self.can_speculate:
                 return (yield from self._speculative_loop(request))
             return (yield from self._reply_loop(request))
         finally:
@@ -197,7 +203,7 @@ class CacheBookkeeping:
         run past EOS, max_tokens or the cache's end stops on the token where plain decoding
         stops, and the cache keeps exactly the kept tokens."""
         step, token = 0, None
-        self.speculation = stats = SpeculationStats()
+        stats = self.speculation
         proposer = request.proposer or LookupProposer()
         proposer.start(self._tokens)
         adapt = AdaptiveK(request.speculate)

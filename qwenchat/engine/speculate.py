@@ -23,6 +23,16 @@ from qwenchat.sampling.speculative import draft_token
 if TYPE_CHECKING:
     from qwenchat.engine.base import Engine
 
+SPECULATE_MODES = ("off", "ngram")
+SPECULATE_MOST = 7  # tokens proposed a step at most (the adaptive k's ceiling)
+
+
+def check_speculate(mode: str) -> None:
+    """Validate --speculate before anything is loaded."""
+    if mode not in SPECULATE_MODES:
+        raise UsageError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}; "
+                         f"got {mode!r}")
+
 
 class Proposer(Protocol):
     def start(self, context: Sequence[int]) -> None: ...

@@ -32,6 +32,7 @@ class Chat:
         record: ChatRecord | None = None,
         stored: list[StoredMessage] | None = None,
         warn: Callable[[str], None] = lambda _: None,
+        speculate: int = 0,
     ):
         self.store = store
         self.settings = settings
@@ -39,7 +40,7 @@ class Chat:
         self.stored = list(stored or [])  # the history's rows, one per session message
         self.session = ChatSession(model.engine, model.tokenizer, model.eos_ids,
                                    LiveParams(settings.params), system=system,
-                                   thinking=settings.thinking)
+                                   thinking=settings.thinking, speculate=speculate)
         self.session.messages = [Message(m.role, m.content) for m in self.stored]
         self._warn = warn
         self._last_warning = ""
@@ -50,11 +51,11 @@ class Chat:
 
     @classmethod
     def open(cls, store: ChatStore, model: LoadedModel, chat_id: int,
-             warn: Callable[[str], None] = lambda _: None) -> Chat:
+             warn: Callable[[str], None] = lambda _: None, speculate: int = 0) -> Chat:
         record = store.get_chat(chat_id)
         settings = ChatSettings.from_dict(model.directory, record.settings)
         return cls(store, model, settings, record.system_prompt, record,
-                   store.messages(chat_id), warn)
+                   store.messages(chat_id), warn, speculate)
 
     @property
     def title(self) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from qwenchat.ask import check_overrides
 from qwenchat.engine import check_engine_flags
+from qwenchat.engine.speculate import check_speculate
 from qwenchat.errors import UsageError
 from qwenchat.model.locate import looks_like_path, resolve_model
 
@@ -24,6 +25,7 @@ class ChatOptions:
     device: int = 0
     decode: str = "auto"  # the CUDA engine's decode path
     quantize: str = "none"  # "fp8": quantize the linear layers at load time
+    speculate: str = "off"  # "ngram": prompt lookup, verified several tokens a step
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
 
@@ -33,6 +35,7 @@ def check_chat_options(options: ChatOptions) -> None:
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize)
+    check_speculate(options.speculate)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.
     if looks_like_path(options.model) or Path(options.model).expanduser().exists():

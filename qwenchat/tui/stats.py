@@ -54,9 +54,13 @@ def stop_text(reason: str | None) -> str:
 
 
 def reply_summary(stats: ReplyStats) -> str:
-    """The line under every reply: tokens, speed, time to first token, why it ended."""
-    return (f"{stats.generated_tokens:,} tokens · {rate_text(stats.decode_tok_s)} tok/s · "
+    """The line under every reply: tokens, speed, time to first token, why it ended (and,
+    with speculation on, the proposed tokens kept)."""
+    line = (f"{stats.generated_tokens:,} tokens · {rate_text(stats.decode_tok_s)} tok/s · "
             f"TTFT {ttft_text(stats)} · {stop_text(stats.stop_reason)}")
+    if stats.spec_proposed:
+        line += f" · kept {stats.spec_accepted:,}/{stats.spec_proposed:,} proposed"
+    return line
 
 
 def stats_from_dict(stored: dict) -> ReplyStats:

@@ -28,6 +28,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header, Static
 
+from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.errors import QwenchatError, UsageError
 from qwenchat.sampling.params import parse_value
 from qwenchat.session import Event, ReplyStats
@@ -130,7 +131,15 @@ class ChatScreen(Screen[None]):
         self.model = model
         self.clock = clock
         settings = ChatSettings(model.directory, options.think, dict(options.overrides))
-        self.chat = Chat(store, model, settings, options.system, warn=self._warn)
+        # (an engine that cannot verify proposals answers without: on_mount says so)
+        self.speculate = (SPECULATE_MOST if options.speculate == "ngram"
+                          and model.engine.can_speculate else 0)
+        self._speculation_note = (
+            f"--speculate {options.speculate}: the {model.engine.name} backend does not verify "
+            "proposals yet; answering without speculation (--backend cpu speculates)"
+            if options.speculate != "off" and not self.speculate else "")
+        self.chat = Chat(store, model, settings, options.system, warn=self._warn,
+                         speculate=self.speculate)
         self.debug = options.debug
         self._reply: ActiveReply | None = None
         self._finishing = False  # a reply's last text is still going into its view
@@ -172,6 +181,8 @@ class ChatScreen(Screen[None]):
         self._status_idle(None)
         self.prompt.focus()
         self._prepare_next_turn()
+        if self._speculation_note:
+            self.notify(self._speculation_note, severity="warning", timeout=10)
 
     def on_unmount(self) -> None:
         self._quiet_gc.end()
@@ -463,13 +474,14 @@ class ChatScreen(Screen[None]):
         settings = ChatSettings(self.model.directory, self.chat.settings.thinking,
                                 dict(self.chat.settings.overrides))
         await self._switch_to(Chat(self.store, self.model, settings, self.chat.system,
-                                   warn=self._warn))
+                                   warn=self._warn, speculate=self.speculate))
 
     async def open_chat(self, chat_id: int) -> None:
         if not await self._when_idle(partial(self.open_chat, chat_id)):
             return
         try:
-            chat = Chat.open(self.store, self.model, chat_id, warn=self._warn)
+            chat = Chat.open(self.store, self.model, chat_id, warn=self._warn,
+                             speculate=self.speculate)
         except QwenchatError as exc:
             self.notify(str(exc), severity="error")
             return
