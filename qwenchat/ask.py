@@ -8,12 +8,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from qwenchat.engine import check_engine_flags, create_engine
-from qwenchat.engine.speculate import SPECULATE_MOST, check_speculate
+from qwenchat.engine.base import Engine
+from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer, check_speculate
 from qwenchat.errors import UsageError
-from qwenchat.model.loader import open_model
+from qwenchat.model.loader import Model, open_model
+from qwenchat.model.locate import looks_like_path, resolve_model
 from qwenchat.model.tokenizer import check_text
 from qwenchat.sampling.params import LiveParams, check_value, generation_defaults
 from qwenchat.session import ChatSession, Progress, ReplyStats, TextPiece, TurnsDropped
@@ -35,6 +38,7 @@ class AskOptions:
     decode: str = "auto"
     quantize: str = "none"
     speculate: str = "off"
+    draft: str | None = None  # a draft model's directory or hub id (speculative decoding)
 
 
 # Byte-order marks honoured on stdin: UTF-8's is dropped, UTF-16's (as Windows tools write)
@@ -79,7 +83,10 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize)
-    check_speculate(options.speculate)
+    check_speculate(options.speculate, options.draft)
+    draft = options.draft
+    if draft and (looks_like_path(draft) or Path(draft).expanduser().exists()):
+        resolve_model(draft)  # a wrong path fails before the model loads
     say = _stderr_line(err)
     load_started = time.perf_counter()
     # The tokenizer loads on its own thread while the engine compiles and uploads.
@@ -90,13 +97,18 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
                            quantize=options.quantize)
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
-    speculate = SPECULATE_MOST if options.speculate == "ngram" else 0
+    speculate = SPECULATE_MOST if options.speculate == "ngram" or options.draft else 0
+    proposer = None
     if speculate and not engine.can_speculate:
-        say(f"--speculate {options.speculate}: the {engine.name} backend does not verify "
-            "proposals yet; answering without speculation (--backend cpu speculates)")
+        flag = f"--draft {options.draft}" if options.draft else f"--speculate {options.speculate}"
+        say(f"{flag}: the {engine.name} backend does not verify proposals yet; answering "
+            "without speculation (--backend cpu speculates)")
         speculate = 0
+    elif options.draft:
+        proposer = open_draft(options.draft, model, engine, options, say)
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
-                          system=options.system, thinking=options.think, speculate=speculate)
+                          system=options.system, thinking=options.think, speculate=speculate,
+                          proposer=proposer)
     writer = _JsonCollector() if options.as_json else _StreamWriter(out, options.show_thinking)
     stats = ReplyStats()
     for event in session.send(options.prompt):
@@ -117,6 +129,21 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     if options.verbose:
         say(summary_line(stats))
     return 0
+
+
+def open_draft(spec: str, model: Model, engine: Engine, options: AskOptions,
+               say: Callable[[str], None]) -> DraftProposer:
+    """The draft model of `--draft`, on the target's backend and device with room for the
+    target's context; refused in one line unless its tokenizer is the target's."""
+    draft = open_model(spec)
+    if not draft.tokenizer.same_vocabulary(model.tokenizer):
+        raise UsageError(f"--draft {spec}: its tokenizer is not the model's ({model.spec}), so "
+                         "its tokens would mean other words; use a model of the same family "
+                         "(every Qwen3 size shares one tokenizer)")
+    draft_engine = create_engine(options.backend, draft.config, draft.checkpoint,
+                                 engine.capacity, device=options.device, notice=say,
+                                 decode=options.decode, quantize=options.quantize)
+    return DraftProposer(draft_engine, model.config.vocab_size)
 
 
 def summary_line(stats: ReplyStats) -> str:

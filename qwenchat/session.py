@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from qwenchat.engine.base import Engine, GenerateRequest, StopReason
+from qwenchat.engine.speculate import Proposer
 from qwenchat.errors import ContextFullError, UsageError
 from qwenchat.model.tokenizer import (
     Message,
@@ -143,10 +144,13 @@ class ChatSession:
         system: str | None = None,
         thinking: bool = False,
         speculate: int = 0,
+        proposer: Proposer | None = None,
     ):
         self.engine = engine
-        # Speculative decoding: propose up to this many tokens a step by prompt lookup (0: off).
+        # Speculative decoding: propose up to this many tokens a step (0: off), by `proposer`
+        # (None: prompt lookup).
         self.speculate = speculate
+        self.proposer = proposer
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.params = params
@@ -247,7 +251,7 @@ class ChatSession:
         current = self.params.current
         stats.seed = current.seed if current.seed is not None else _fresh_seed()
         request = GenerateRequest(self.params, self.eos_ids, stats.seed, cancel,
-                                  speculate=self.speculate)
+                                  speculate=self.speculate, proposer=self.proposer)
         reply = Reply(stats=stats)
         splitter = ThinkSplitter(self.tokenizer, self.thinking)
         first_at = last_report = 0.0

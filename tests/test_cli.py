@@ -359,3 +359,42 @@ def test_an_unknown_speculation_mode_is_one_error_line(tiny_model_dir):
     result = qwenchat("ask", "--backend", "cpu", "--model", str(tiny_model_dir),
                       "--speculate", "draft", "hi")
     assert_one_error_line(result, 2, "--speculate must be one of off, ngram", "'draft'")
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
+    """Another tiny model with the same tokenizer (a draft), and one with another tokenizer."""
+    from tiny_model import train_tokenizer
+
+    root = tmp_path_factory.mktemp("drafts")
+    return {"same": write_tiny_model(root / "same", tokenizer=tiny_tokenizer, seed=9,
+                                     num_hidden_layers=1),
+            "other": write_tiny_model(root / "other", tokenizer=train_tokenizer(300))}
+
+
+def test_ask_with_a_draft_model_answers_as_without_it(tiny_model_dir, draft_dirs):
+    quote = "def add(a, b):\n    return a + b\n" * 3
+    args = ["ask", "--backend", "cpu", "--model", str(tiny_model_dir), "--temperature", "0",
+            "--max-tokens", "40", "--json", f"Repeat this:\n{quote}"]
+    plain = json.loads(qwenchat(*args).stdout)
+    drafted = qwenchat(*args, "--draft", str(draft_dirs["same"]))
+    assert drafted.returncode == 0, drafted.stderr
+    record = json.loads(drafted.stdout)
+    assert record["text"] == plain["text"]
+    assert record["spec_passes"] > 0 and record["spec_accepted"] <= record["spec_proposed"]
+
+
+def test_a_draft_with_another_tokenizer_is_refused_in_one_line(tiny_model_dir, draft_dirs):
+    result = qwenchat("ask", "--backend", "cpu", "--model", str(tiny_model_dir), "--draft",
+                      str(draft_dirs["other"]), "hi")
+    assert_one_error_line(result, 2, "its tokenizer is not the model's", "same family")
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--draft", "Qwen/Qwen3-0.6B", "--speculate", "ngram"], ["two ways to propose"]),
+    (["--draft", "./no/such/draft"], ["no/such/draft"]),
+])
+def test_draft_flag_mistakes_are_one_error_line_before_any_model_loads(tiny_model_dir, flags,
+                                                                        needles):
+    result = qwenchat("ask", "--backend", "cpu", "--model", str(tiny_model_dir), *flags, "hi")
+    assert_one_error_line(result, 2, *needles)

@@ -56,6 +56,10 @@ SpeculateOpt = Annotated[str, typer.Option(
     "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
     "where it occurred before (prompt lookup) and verify several a step; the reply is the "
     "same, faster where it repeats its context. CPU backend for now.")]
+DraftOpt = Annotated[str | None, typer.Option(
+    "--draft", help="A smaller model of the same family (directory or hub id, e.g. "
+    "Qwen/Qwen3-0.6B) that proposes tokens for the model to verify several a step "
+    "(speculative decoding). CPU backend for now.")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
 ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
 
@@ -196,6 +200,7 @@ def ask(
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
     speculate: SpeculateOpt = "off",
+    draft: DraftOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Answer one prompt on stdout, streaming; pipe-friendly."""
@@ -210,7 +215,8 @@ def ask(
         check_overrides(overrides)
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
-                             verbose, ctx, overrides, device, decode, quantize, speculate)
+                             verbose, ctx, overrides, device, decode, quantize, speculate,
+                             draft)
         return run_ask(options)
 
     run_guarded(action, debug)

@@ -27,11 +27,14 @@ SPECULATE_MODES = ("off", "ngram")
 SPECULATE_MOST = 7  # tokens proposed a step at most (the adaptive k's ceiling)
 
 
-def check_speculate(mode: str) -> None:
-    """Validate --speculate before anything is loaded."""
+def check_speculate(mode: str, draft: str | None = None) -> None:
+    """Validate --speculate (and --draft beside it) before anything is loaded."""
     if mode not in SPECULATE_MODES:
         raise UsageError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}; "
                          f"got {mode!r}")
+    if draft is not None and mode != "off":
+        raise UsageError(f"--draft and --speculate {mode} are two ways to propose tokens: "
+                         "give one of them")
 
 
 class Proposer(Protocol):

@@ -111,6 +111,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Whether both map every token to the same id (a draft model's must be the target's)."""
+        return (self.vocab_size == other.vocab_size
+                and self._tok.get_vocab(with_added_tokens=True)
+                == other._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
