@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from qwenchat.engine import check_engine_flags, create_engine
-from qwenchat.engine.base import Engine
-from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer, check_speculate
+from qwenchat.engine.speculate import SPECULATE_MOST, check_speculate, open_draft
 from qwenchat.errors import UsageError
-from qwenchat.model.loader import Model, open_model
+from qwenchat.model.loader import open_model
 from qwenchat.model.locate import looks_like_path, resolve_model
 from qwenchat.model.tokenizer import check_text
 from qwenchat.sampling.params import LiveParams, check_value, generation_defaults
@@ -105,7 +104,8 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
             "without speculation (--backend cpu speculates)")
         speculate = 0
     elif options.draft:
-        proposer = open_draft(options.draft, model, engine, options, say)
+        proposer = open_draft(options.draft, model, engine, options.backend, options.device,
+                              options.decode, options.quantize, say)
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think, speculate=speculate,
                           proposer=proposer)
@@ -120,6 +120,8 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
             stats = event.stats
     if options.as_json:
         record = {"model": model.spec, "backend": engine.name, "weights": engine.weight_format,
+                  "speculate": ("draft" if proposer else options.speculate) if speculate
+                  else "off", "draft": options.draft if proposer else None,
                   "load_s": round(load_s, 4),
                   **writer.result(), **stats.as_dict(), "params": params.as_dict()}
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -129,21 +131,6 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     if options.verbose:
         say(summary_line(stats))
     return 0
-
-
-def open_draft(spec: str, model: Model, engine: Engine, options: AskOptions,
-               say: Callable[[str], None]) -> DraftProposer:
-    """The draft model of `--draft`, on the target's backend and device with room for the
-    target's context; refused in one line unless its tokenizer is the target's."""
-    draft = open_model(spec)
-    if not draft.tokenizer.same_vocabulary(model.tokenizer):
-        raise UsageError(f"--draft {spec}: its tokenizer is not the model's ({model.spec}), so "
-                         "its tokens would mean other words; use a model of the same family "
-                         "(every Qwen3 size shares one tokenizer)")
-    draft_engine = create_engine(options.backend, draft.config, draft.checkpoint,
-                                 engine.capacity, device=options.device, notice=say,
-                                 decode=options.decode, quantize=options.quantize)
-    return DraftProposer(draft_engine, model.config.vocab_size)
 
 
 def summary_line(stats: ReplyStats) -> str:

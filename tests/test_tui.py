@@ -1541,3 +1541,46 @@ def test_speculation_asked_of_an_engine_that_cannot_verify_says_so_and_answers_p
         assert "Short answer here." in replies(screen)[-1].answer
 
     drive(app, scenario, notifications=True)
+
+
+def test_a_draft_model_in_the_chat_answers_as_without_it(tmp_path, tiny_model_dir):
+    from qwenchat.engine.speculate import DraftProposer
+
+    model = reference_model(tiny_model_dir)
+    draft = reference_model(tiny_model_dir)  # (the model itself: every proposal is kept)
+    model.proposer = DraftProposer(draft.engine, model.engine.config.vocab_size)
+    app = make_app(tmp_path, model, draft="tiny-draft",
+                   overrides={"temperature": 0.0, "max_tokens": 30})
+
+    async def scenario(pilot, screen):
+        await send(pilot, screen, "Hello")
+        assert replies(screen)[-1].answer == greedy_answer(tiny_model_dir, ["Hello"], 30)
+        stats = screen.chat.session.last_reply.stats
+        assert stats.spec_passes > 0 and stats.spec_accepted == stats.spec_proposed
+        summary = str(replies(screen)[-1].query_one(".summary").render())
+        assert f"kept {stats.spec_accepted}/{stats.spec_proposed} proposed" in summary
+
+    drive(app, scenario)
+
+
+def test_the_loader_loads_a_draft_of_the_same_tokenizer_and_refuses_another(
+        tmp_path, tiny_model_dir, tiny_tokenizer):
+    from tiny_model import train_tokenizer, write_tiny_model
+
+    from qwenchat.errors import UsageError
+    from qwenchat.tui.loader import model_loader
+
+    steps: list[str] = []
+    same = write_tiny_model(tmp_path / "same", tokenizer=tiny_tokenizer, seed=9)
+    loaded = model_loader(ChatOptions(str(tiny_model_dir), backend="cpu", draft=str(same)))(
+        steps.append, steps.append, lambda _: None)
+    try:
+        assert loaded.proposer is not None and loaded.proposer.engine.config.vocab_size == \
+            loaded.engine.config.vocab_size
+        assert any(s.startswith("loading the draft model") for s in steps)
+    finally:
+        loaded.close()
+    other = write_tiny_model(tmp_path / "other", tokenizer=train_tokenizer(300))
+    with pytest.raises(UsageError, match="its tokenizer is not the model's"):
+        model_loader(ChatOptions(str(tiny_model_dir), backend="cpu", draft=str(other)))(
+            steps.append, steps.append, lambda _: None)

@@ -149,6 +149,7 @@ def chat(
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
     speculate: SpeculateOpt = "off",
+    draft: DraftOpt = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
                                              "lives in memory only.")] = False,
     debug: DebugOpt = False,
@@ -163,7 +164,8 @@ def chat(
         from qwenchat.tui.options import ChatOptions, check_chat_options, require_terminal
 
         options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
-                              quantize, speculate, history=not no_history, debug=debug)
+                              quantize, speculate, draft, history=not no_history,
+                              debug=debug)
         check_chat_options(options)
         require_terminal()
         from qwenchat.tui.app import run_chat  # Textual loads only once the flags are good

@@ -10,7 +10,7 @@ would draw them).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -22,6 +22,7 @@ from qwenchat.sampling.speculative import draft_token
 
 if TYPE_CHECKING:
     from qwenchat.engine.base import Engine
+    from qwenchat.model.loader import Model
 
 SPECULATE_MODES = ("off", "ngram")
 SPECULATE_MOST = 7  # tokens proposed a step at most (the adaptive k's ceiling)
@@ -105,6 +106,9 @@ class DraftProposer:
             counts[token] += 1
         return proposal, np.stack(probs)
 
+    def close(self) -> None:
+        self.engine.close()
+
     def _follow(self, tokens: list[int]) -> None:
         """Make the draft's cache hold `tokens`, with the logits after the last."""
         have = self.engine.tokens
@@ -116,3 +120,23 @@ class DraftProposer:
         common = min(common, len(tokens) - 1)  # (at least the last token runs: its logits)
         self.engine.truncate(common)
         self.engine.prefill(tokens[common:])
+
+
+def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: int,
+               decode: str, quantize: str, notice: Callable[[str], None],
+               progress: Callable[[str], None] | None = None) -> DraftProposer:
+    """The draft model `spec` (--draft) as a proposer for `model`, run by an engine on the same
+    backend and device with room for `engine`'s context; refused in one line unless its
+    tokenizer is the model's."""
+    from qwenchat.engine import create_engine
+    from qwenchat.model.loader import open_model
+
+    draft = open_model(spec, progress)
+    if not draft.tokenizer.same_vocabulary(model.tokenizer):
+        raise UsageError(f"--draft {spec}: its tokenizer is not the model's ({model.spec}), so "
+                         "its tokens would mean other words; use a model of the same family "
+                         "(every Qwen3 size shares one tokenizer)")
+    draft_engine = create_engine(backend, draft.config, draft.checkpoint, engine.capacity,
+                                 device=device, notice=notice, decode=decode,
+                                 quantize=quantize)
+    return DraftProposer(draft_engine, model.config.vocab_size)

@@ -40,7 +40,8 @@ class Chat:
         self.stored = list(stored or [])  # the history's rows, one per session message
         self.session = ChatSession(model.engine, model.tokenizer, model.eos_ids,
                                    LiveParams(settings.params), system=system,
-                                   thinking=settings.thinking, speculate=speculate)
+                                   thinking=settings.thinking, speculate=speculate,
+                                   proposer=model.proposer if speculate else None)
         self.session.messages = [Message(m.role, m.content) for m in self.stored]
         self._warn = warn
         self._last_warning = ""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwenchat.engine import Engine, create_engine
+from qwenchat.engine.speculate import DraftProposer, open_draft
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Tokenizer
 from qwenchat.tui.options import ChatOptions
@@ -24,6 +25,7 @@ class LoadedModel:
     engine: Engine
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
+    proposer: DraftProposer | None = None  # --draft: the draft model that proposes tokens
 
     @property
     def device_name(self) -> str:
@@ -33,6 +35,8 @@ class LoadedModel:
         """Free the engine's memory (its KV cache, and on a GPU its weights), from whichever
         thread quits (the CUDA engine makes its context current on that thread itself)."""
         self.engine.close()
+        if self.proposer is not None:
+            self.proposer.close()
 
 
 # A loader runs in a worker thread: `step` says what it starts doing now, `notice` reports
@@ -73,11 +77,17 @@ def model_loader(options: ChatOptions) -> Loader:
         engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
                                options.device, notice=engine_message, decode=options.decode,
                                quantize=options.quantize, progress=progress)
+        proposer = None
         try:
             tokenizer, eos_ids = model.tokenizer, model.eos_ids
+            if options.draft and engine.can_speculate:
+                step(f"loading the draft model {options.draft}")
+                proposer = open_draft(options.draft, model, engine, options.backend,
+                                      options.device, options.decode, options.quantize,
+                                      engine_message, progress)
         except BaseException:
             engine.close()
             raise
-        return LoadedModel(model.spec, model.directory, engine, tokenizer, eos_ids)
+        return LoadedModel(model.spec, model.directory, engine, tokenizer, eos_ids, proposer)
 
     return load

@@ -26,6 +26,7 @@ class ChatOptions:
     decode: str = "auto"  # the CUDA engine's decode path
     quantize: str = "none"  # "fp8": quantize the linear layers at load time
     speculate: str = "off"  # "ngram": prompt lookup, verified several tokens a step
+    draft: str | None = None  # a draft model that proposes instead
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
 
@@ -35,11 +36,12 @@ def check_chat_options(options: ChatOptions) -> None:
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize)
-    check_speculate(options.speculate)
+    check_speculate(options.speculate, options.draft)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.
-    if looks_like_path(options.model) or Path(options.model).expanduser().exists():
-        resolve_model(options.model)
+    for spec in (options.model, options.draft):
+        if spec and (looks_like_path(spec) or Path(spec).expanduser().exists()):
+            resolve_model(spec)
 
 
 def require_terminal() -> None:

@@ -132,12 +132,13 @@ class ChatScreen(Screen[None]):
         self.clock = clock
         settings = ChatSettings(model.directory, options.think, dict(options.overrides))
         # (an engine that cannot verify proposals answers without: on_mount says so)
-        self.speculate = (SPECULATE_MOST if options.speculate == "ngram"
-                          and model.engine.can_speculate else 0)
+        asked = options.speculate != "off" or options.draft is not None
+        self.speculate = SPECULATE_MOST if asked and model.engine.can_speculate else 0
+        flag = f"--draft {options.draft}" if options.draft else f"--speculate {options.speculate}"
         self._speculation_note = (
-            f"--speculate {options.speculate}: the {model.engine.name} backend does not verify "
-            "proposals yet; answering without speculation (--backend cpu speculates)"
-            if options.speculate != "off" and not self.speculate else "")
+            f"{flag}: the {model.engine.name} backend does not verify proposals yet; "
+            "answering without speculation (--backend cpu speculates)"
+            if asked and not self.speculate else "")
         self.chat = Chat(store, model, settings, options.system, warn=self._warn,
                          speculate=self.speculate)
         self.debug = options.debug
