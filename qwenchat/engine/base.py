@@ -218,7 +218,8 @@ class CacheBookkeeping:
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - step - 1)
             proposal, draft_probs = (proposer.propose(k, params, seed, step)
-                                     if token is not None and k > 0 else ([], None))
+                                     if token is not None and k > 0 and adapt.ready()
+                                     else ([], None))
             if proposal:
                 start = self.position
                 kept, rows = self._speculative_pass(token, proposal, params, seed, step,

@@ -110,15 +110,44 @@ def verify(logits: np.ndarray, proposal: Sequence[int], params: SamplingParams, 
 
 
 class AdaptiveK:
-    """How many tokens to propose next: one more after a pass that kept them all, one more
-    than were kept after one that did not (between 1 and `most`)."""
+    """How many tokens to propose next, and whether to propose at all.
+
+    k: one more after a pass that kept every proposal, one more than were kept after one that
+    did not (between 1 and `most`). Switch-off: when the last WINDOW passes kept less than
+    PAUSE_BELOW of what they proposed, speculation pauses for `pause` steps (8, doubling on
+    each pause in a row up to 256, back to 8 once a pass keeps something), then probes again
+    with one token. Only the proposals decide this, never timings, so a seed still gives one
+    reply.
+    """
+
+    WINDOW = 4
+    PAUSE_BELOW = 0.25
+    FIRST_PAUSE, LONGEST_PAUSE = 8, 256
 
     def __init__(self, most: int):
         if most < 1:
             raise ValueError(f"speculation proposes at least 1 token a step; got {most}")
         self.most = most
         self.k = most
+        self.pause = self.FIRST_PAUSE
+        self.paused = 0  # steps left without proposing
+        self._recent: list[tuple[int, int]] = []
+
+    def ready(self) -> bool:
+        """Whether this step proposes (a paused step counts down the pause)."""
+        if self.paused:
+            self.paused -= 1
+            return False
+        return True
 
     def update(self, proposed: int, kept: int) -> None:
         grown = self.k + 1 if kept >= proposed else kept + 1
         self.k = max(1, min(self.most, grown))
+        if kept:
+            self.pause = self.FIRST_PAUSE
+        self._recent = [*self._recent, (proposed, kept)][-self.WINDOW:]
+        if len(self._recent) == self.WINDOW:
+            total = sum(p for p, _ in self._recent)
+            if sum(k for _, k in self._recent) < self.PAUSE_BELOW * total:
+                self.paused, self.k, self._recent = self.pause, 1, []
+                self.pause = min(self.LONGEST_PAUSE, 2 * self.pause)
