@@ -151,6 +151,7 @@ class ChatSession:
         # (None: prompt lookup).
         self.speculate = speculate
         self.proposer = proposer
+        self._request: GenerateRequest | None = None  # the reply's, while one streams
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.params = params
@@ -188,6 +189,13 @@ class ChatSession:
             raise UsageError("nothing to regenerate: send a message first")
         text = self.messages.pop().content
         yield from self.send(text, cancel)
+
+    def set_speculate(self, most: int) -> None:
+        """Propose up to `most` tokens a step from now on (0: off), in a reply streaming now
+        too (its next step)."""
+        self.speculate = most
+        if self._request is not None:
+            self._request.speculate = most
 
     def clear(self) -> None:
         self.messages.clear()
@@ -252,6 +260,7 @@ class ChatSession:
         stats.seed = current.seed if current.seed is not None else _fresh_seed()
         request = GenerateRequest(self.params, self.eos_ids, stats.seed, cancel,
                                   speculate=self.speculate, proposer=self.proposer)
+        self._request = request
         reply = Reply(stats=stats)
         splitter = ThinkSplitter(self.tokenizer, self.thinking)
         first_at = last_report = 0.0
@@ -289,6 +298,7 @@ class ChatSession:
                     _append(reply, piece)
             stats.position = self.engine.position
             _count_speculation(stats, self.engine)
+            self._request = None
             reply.thinking = reply.thinking.rstrip("\n")
             self.messages.append(Message("assistant", reply.answer))
             self.last_reply = reply

@@ -371,3 +371,22 @@ def test_a_drafted_reply_is_distributed_as_a_plain_one(tiny_engine):
         a, b = plain[cell] / n, drafted[cell] / n
         error = np.sqrt((a * (1 - a) + b * (1 - b)) / n)
         assert abs(a - b) <= 5 * max(error, 1 / n), (cell, a, b)
+
+
+def test_speculation_switched_on_and_off_during_a_reply_changes_only_the_passes(tiny_engine):
+    greedy = SamplingParams(temperature=0.0, max_tokens=150)
+    plain, _ = run(tiny_engine, PROMPT, greedy, 0)
+    assert tiny_engine.speculation.passes == 0  # off: the plain loop's steps
+    tiny_engine.truncate(0)
+    tiny_engine.prefill(PROMPT)
+    request = GenerateRequest(LiveParams(greedy), frozenset(), seed=5)
+    reply, passes_at = [], {}
+    for token in tiny_engine.generate(request):
+        reply.append(token)
+        if len(reply) == 30:
+            request.speculate = 7  # switched on
+        if len(reply) == 100:
+            passes_at[100] = tiny_engine.speculation.passes
+            request.speculate = 0  # and off again
+    assert reply == plain
+    assert passes_at[100] > 0 and tiny_engine.speculation.passes == passes_at[100]

@@ -170,6 +170,11 @@ def test_prompt_lookup_in_the_chat_answers_as_without_it_and_counts_what_it_kept
         assert 0 < stats.spec_accepted <= stats.spec_proposed
         summary = str(reply.query_one(".summary").render())
         assert f"kept {stats.spec_accepted}/{stats.spec_proposed} proposed" in summary
+        # The status bar: tokens a pass of the model gave, and the share of proposals kept.
+        per_step = stats.generated_tokens / (stats.generated_tokens - stats.spec_accepted)
+        numbers = str(screen.query_one("#numbers").render())
+        assert f"{per_step:.2f} tok/step" in numbers and per_step > 1
+        assert f"{stats.spec_accepted / stats.spec_proposed:.0%} kept" in numbers
 
     drive(app, scenario)
 
@@ -1584,3 +1589,44 @@ def test_the_loader_loads_a_draft_of_the_same_tokenizer_and_refuses_another(
     with pytest.raises(UsageError, match="its tokenizer is not the model's"):
         model_loader(ChatOptions(str(tiny_model_dir), backend="cpu", draft=str(other)))(
             steps.append, steps.append, lambda _: None)
+
+
+def test_the_speculation_switch_turns_prompt_lookup_on_and_off_live(tmp_path, tiny_model_dir):
+    quote = "def add(a, b):\n    return a + b\n" * 3
+    app = make_app(tmp_path, reference_model(tiny_model_dir),
+                   overrides={"temperature": 0.0, "max_tokens": 40})
+
+    async def scenario(pilot, screen):
+        await pilot.press("ctrl+s")  # the sampler panel
+        switch = screen.query_one("#speculation")
+        assert not switch.value and screen.chat.session.speculate == 0
+        switch.toggle()
+        await until(pilot, lambda: screen.chat.session.speculate > 0)
+        screen.prompt.text = f"Repeat this:\n{quote}"
+        await press_and_wait_for_reply(pilot, screen, "enter")
+        stats = screen.chat.session.last_reply.stats
+        assert stats.spec_passes > 0
+        assert replies(screen)[-1].answer == greedy_answer(
+            tiny_model_dir, [f"Repeat this:\n{quote}"], 40)
+        switch.toggle()
+        await until(pilot, lambda: screen.chat.session.speculate == 0)
+        await send(pilot, screen, "Hello")
+        assert screen.chat.session.last_reply.stats.spec_passes == 0
+
+    drive(app, scenario)
+
+
+def test_the_speculation_switch_on_an_engine_that_cannot_verify_says_so_and_stays_off(
+        tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        await pilot.press("ctrl+s")
+        switch = screen.query_one("#speculation")
+        switch.toggle()
+        await until(pilot, lambda: any("does not verify proposals" in str(t.render())
+                                       for t in screen.query(Toast)))
+        await until(pilot, lambda: not switch.value)
+        assert screen.chat.session.speculate == 0
+
+    drive(app, scenario, notifications=True)

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from qwenchat.engine.speculate import LookupProposer, Proposer
+from qwenchat.engine.speculate import SPECULATE_MOST, LookupProposer, Proposer
 from qwenchat.errors import ContextFullError, UsageError
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import LiveParams, SamplingParams
@@ -49,8 +49,9 @@ class GenerateRequest:
     seed: int  # used while params.current.seed is None
     cancel: threading.Event = field(default_factory=threading.Event)
     # Speculative decoding: propose up to this many tokens a step and verify them in one pass
-    # (engines that can score several tokens at once; 0: off), proposed by `proposer`
-    # (engine.speculate; None: prompt lookup).
+    # (engines that can score several tokens at once; 0: off; read at every step, so it can
+    # be switched during a reply), proposed by `proposer` (engine.speculate; None: prompt
+    # lookup).
     speculate: int = 0
     proposer: Proposer | None = None
 
@@ -166,7 +167,7 @@ class CacheBookkeeping:
         self.speculation = SpeculationStats()
         self._begin_reply(request)
         try:
-            if request.speculate > 0 and self.can_speculate:
+            if self.can_speculate:  # (with speculate 0 it decodes as the plain loop does)
                 return (yield from self._speculative_loop(request))
             return (yield from self._reply_loop(request))
         finally:
@@ -206,7 +207,7 @@ class CacheBookkeeping:
         stats = self.speculation
         proposer = request.proposer or LookupProposer()
         proposer.start(self._tokens)
-        adapt = AdaptiveK(request.speculate)
+        adapt = AdaptiveK(SPECULATE_MOST)
         while True:
             params = request.params.current
             if request.cancel.is_set():
@@ -214,7 +215,7 @@ class CacheBookkeeping:
             if params.max_tokens is not None and step >= params.max_tokens:
                 return StopReason.MAX_TOKENS
             seed = request.seed if params.seed is None else params.seed
-            k = min(adapt.k, self.capacity - self.position - 1)
+            k = min(adapt.k, request.speculate, self.capacity - self.position - 1)
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - step - 1)
             proposal, draft_probs = (proposer.propose(k, params, seed, step)

@@ -48,19 +48,28 @@ class Proposer(Protocol):
 
 
 class LookupProposer:
-    """Prompt lookup (sampling.lookup.PromptLookup): no second model, one-hot proposals."""
+    """Prompt lookup (sampling.lookup.PromptLookup): no second model, one-hot proposals. The
+    context is indexed at the first proposal, so a reply that never asks for one (speculation
+    switched off) costs nothing."""
 
     def __init__(self, max_ngram: int = 3):
         self.lookup = PromptLookup(max_ngram)
+        self._unindexed: list[int] | None = []
 
     def start(self, context: Sequence[int]) -> None:
-        self.lookup.reset(context)
+        self._unindexed = list(context)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        self.lookup.extend(tokens)
+        if self._unindexed is None:
+            self.lookup.extend(tokens)
+        else:
+            self._unindexed.extend(tokens)
 
     def propose(self, k: int, params: SamplingParams, seed: int, step: int
                 ) -> tuple[list[int], None]:
+        if self._unindexed is not None:
+            self.lookup.reset(self._unindexed)
+            self._unindexed = None
         return self.lookup.propose(k), None
 
 

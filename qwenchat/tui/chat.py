@@ -41,7 +41,7 @@ class Chat:
         self.session = ChatSession(model.engine, model.tokenizer, model.eos_ids,
                                    LiveParams(settings.params), system=system,
                                    thinking=settings.thinking, speculate=speculate,
-                                   proposer=model.proposer if speculate else None)
+                                   proposer=model.proposer)
         self.session.messages = [Message(m.role, m.content) for m in self.stored]
         self._warn = warn
         self._last_warning = ""

@@ -53,6 +53,16 @@ def stop_text(reason: str | None) -> str:
     return f"stop: {(reason or 'unknown').replace('_', ' ')}"
 
 
+def speculation_text(stats: ReplyStats) -> str:
+    """With speculation on: tokens a pass of the model gave (every step that ran it, plain or
+    verifying proposals) and the share of proposed tokens kept; else empty."""
+    if not stats.spec_proposed:
+        return ""
+    runs = max(1, stats.generated_tokens - stats.spec_accepted)
+    return (f"{stats.generated_tokens / runs:.2f} tok/step · "
+            f"{stats.spec_accepted / stats.spec_proposed:.0%} kept")
+
+
 def reply_summary(stats: ReplyStats) -> str:
     """The line under every reply: tokens, speed, time to first token, why it ended (and,
     with speculation on, the proposed tokens kept)."""

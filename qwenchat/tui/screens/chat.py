@@ -649,16 +649,30 @@ class ChatScreen(Screen[None]):
         if event.on != self.chat.settings.thinking:
             self._set_thinking(event.on)
 
+    @on(SamplerPanel.SpeculationSwitched)
+    def _panel_speculation(self, event: SamplerPanel.SpeculationSwitched) -> None:
+        """Live, as the other controls: a reply streaming now speculates from its next step
+        (the reply itself is the same either way)."""
+        if event.on and not self.model.engine.can_speculate:
+            self.notify(f"the {self.model.engine.name} backend does not verify proposals yet "
+                        "(--backend cpu speculates)", severity="warning", timeout=6)
+            self._show_settings()
+            return
+        self.speculate = SPECULATE_MOST if event.on else 0
+        self.chat.session.set_speculate(self.speculate)
+
     def _show_settings(self) -> None:
         settings = self.chat.settings
-        self.sampler.show(settings.params, set(settings.overrides), settings.thinking)
+        self.sampler.show(settings.params, set(settings.overrides), settings.thinking,
+                          self.chat.session.speculate > 0)
 
     def _settings_line(self) -> str:
         settings = self.chat.settings
         values = [f"{label} {shown_value(getattr(settings.params, name))}"
                   f"{' •' if name in settings.overrides else ''}"
                   for name, label in LABELS.items()]
-        mode = f"thinking {'on' if settings.thinking else 'off'}"
+        mode = (f"thinking {'on' if settings.thinking else 'off'} · speculation "
+                f"{'on' if self.chat.session.speculate else 'off'}")
         return f"{mode} · {' · '.join(values)}  (• set by you)"
 
     # ------------------------------------------------------------------------------ status

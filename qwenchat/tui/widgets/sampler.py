@@ -45,11 +45,19 @@ class SamplerPanel(VerticalScroll):
             super().__init__()
             self.on = on
 
+    class SpeculationSwitched(Message):
+        def __init__(self, on: bool):
+            super().__init__()
+            self.on = on
+
     def __init__(self, id: str | None = None):
         super().__init__(id=id)
         # Held, not queried: values can be shown before the fields are mounted, or while the
         # screen is being torn down.
         self._switch = Switch(id="thinking", animate=False)
+        self._speculation = Switch(id="speculation", animate=False,
+                                   tooltip="speculative decoding: propose tokens and verify "
+                                   "several a step; the reply is the same")
         self._labels = {name: Label(label, id=f"label-{name}", classes="param-label")
                         for name, label in LABELS.items()}
         self._fields = {name: FieldInput(id=f"param-{name}", tooltip=f"{label}: {RANGES[name][4]}",
@@ -64,6 +72,9 @@ class SamplerPanel(VerticalScroll):
         with Horizontal(classes="row"):
             yield Label("thinking", classes="param-label")
             yield self._switch
+        with Horizontal(classes="row"):
+            yield Label("speculation", classes="param-label")
+            yield self._speculation
         for name in LABELS:
             with Horizontal(classes="row"):
                 yield self._labels[name]
@@ -73,12 +84,15 @@ class SamplerPanel(VerticalScroll):
                      "(/reset goes back to them). Enter applies a value, live.",
                      classes="panel-hint", markup=False)
 
-    def show(self, params: SamplingParams, user_set: set[str], thinking: bool) -> None:
+    def show(self, params: SamplingParams, user_set: set[str], thinking: bool,
+             speculating: bool = False) -> None:
         """Display the values in force (a field being typed in keeps its text)."""
         # Shown, not switched: a Changed message from here, arriving after the user's own
         # switch, would switch back, and the two would flip each other for ever.
         with self._switch.prevent(Switch.Changed):
             self._switch.value = thinking
+        with self._speculation.prevent(Switch.Changed):
+            self._speculation.value = speculating
         for name, label in LABELS.items():
             self._labels[name].update(f"{label}{' •' if name in user_set else ''}")
             shown = shown_value(getattr(params, name))
@@ -108,3 +122,8 @@ class SamplerPanel(VerticalScroll):
     def _switched(self, event: Switch.Changed) -> None:
         event.stop()
         self.post_message(self.ThinkingSwitched(event.value))
+
+    @on(Switch.Changed, "#speculation")
+    def _speculation_switched(self, event: Switch.Changed) -> None:
+        event.stop()
+        self.post_message(self.SpeculationSwitched(event.value))

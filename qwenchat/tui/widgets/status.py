@@ -10,7 +10,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from qwenchat.session import ReplyStats
-from qwenchat.tui.stats import kv_level, rate_text, ttft_text
+from qwenchat.tui.stats import kv_level, rate_text, speculation_text, ttft_text
 
 GAUGE_CELLS = 10
 
@@ -98,5 +98,6 @@ class StatusBar(Horizontal):
 
     @staticmethod
     def _common(stats: ReplyStats) -> str:
+        speculation = speculation_text(stats)
         return (f"TTFT {ttft_text(stats)} · prompt {stats.prefill_tokens:,} new + "
-                f"{stats.reused_tokens:,} cached")
+                f"{stats.reused_tokens:,} cached" + (f" · {speculation}" if speculation else ""))
