@@ -173,28 +173,43 @@ class CacheBookkeeping:
         finally:
             self._end_reply()
 
+    @staticmethod
+    def _stop_before(request: GenerateRequest, params: SamplingParams, step: int
+                     ) -> StopReason | None:
+        """Why no token `step` is drawn, if it is not."""
+        if request.cancel.is_set():
+            return StopReason.CANCELLED
+        if params.max_tokens is not None and step >= params.max_tokens:
+            return StopReason.MAX_TOKENS
+        return None
+
+    def _stop_after(self, request: GenerateRequest, params: SamplingParams, step: int,
+                    token: int) -> StopReason | None:
+        """Why the reply ends with `token` (its `step` tokens so far), if it does."""
+        if token in request.eos_ids:
+            return StopReason.EOS
+        if params.max_tokens is not None and step >= params.max_tokens:
+            return StopReason.MAX_TOKENS
+        if self.position >= self.capacity:
+            return StopReason.CONTEXT_FULL
+        if request.cancel.is_set():
+            return StopReason.CANCELLED
+        return None
+
     def _reply_loop(self, request: GenerateRequest) -> Iterator[int]:
         step, token = 0, None
         while True:
             params = request.params.current
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
+            if stop := self._stop_before(request, params, step):
+                return stop
             seed = request.seed if params.seed is None else params.seed
             token = self._next_token(token, params, seed, step)
             if token is None:
                 return StopReason.CANCELLED
             step += 1
             yield token
-            if token in request.eos_ids:
-                return StopReason.EOS
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
-            if self.position >= self.capacity:
-                return StopReason.CONTEXT_FULL
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
+            if stop := self._stop_after(request, params, step, token):
+                return stop
 
     def _speculative_loop(self, request: GenerateRequest) -> Iterator[int]:
         """The reply loop with a proposer: each step proposes up to k tokens, runs them with
@@ -210,10 +225,8 @@ class CacheBookkeeping:
         adapt = AdaptiveK(SPECULATE_MOST)
         while True:
             params = request.params.current
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
+            if stop := self._stop_before(request, params, step):
+                return stop
             seed = request.seed if params.seed is None else params.seed
             k = min(adapt.k, request.speculate, self.capacity - self.position - 1)
             if params.max_tokens is not None:
@@ -243,14 +256,8 @@ class CacheBookkeeping:
                 step += 1
                 yield t
                 proposer.extend([t])
-            if token in request.eos_ids:
-                return StopReason.EOS
-            if params.max_tokens is not None and step >= params.max_tokens:
-                return StopReason.MAX_TOKENS
-            if self.position >= self.capacity:
-                return StopReason.CONTEXT_FULL
-            if request.cancel.is_set():
-                return StopReason.CANCELLED
+            if stop := self._stop_after(request, params, step, token):
+                return stop
 
     def __init__(self, capacity: int):
         self._capacity = capacity
