@@ -255,7 +255,7 @@ MMA_SEG_MOST = 2560  # columns of a row a warp dots on the tensor cores, at most
 MMA_STAGE_ROWS = 10  # the fewest hidden-wide rows a stage of that ring must hold
 # Peak memory bandwidth a SM (bytes/s) from which FP8 rows take that ring: an H200 (4.8 TB/s,
 # 36 GB/s a SM), where the consumer bounds FP8 decode; not an H100 SXM (3.35 TB/s, 25 GB/s a
-# SM), where it measured 1-4% slower than the 32 KB ring (docs/perf.md, 2026-11-26).
+# SM), where it measured no faster than the 32 KB ring (-4% to +2%; docs/perf.md, 2026-11-26).
 MMA_RING_BANDWIDTH = 30e9
 
 
