@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from qwenchat.engine import check_engine_flags, create_engine
-from qwenchat.engine.speculate import SPECULATE_MOST, check_speculate, open_draft
+from qwenchat.engine.speculate import check_speculate, open_draft, speculation_asked
 from qwenchat.errors import UsageError
 from qwenchat.model.loader import open_model
 from qwenchat.model.locate import looks_like_path, resolve_model
@@ -96,14 +96,11 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
                            quantize=options.quantize)
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
-    speculate = SPECULATE_MOST if options.speculate == "ngram" or options.draft else 0
+    speculate, notice = speculation_asked(options.speculate, options.draft, engine)
+    if notice:
+        say(notice)
     proposer = None
-    if speculate and not engine.can_speculate:
-        flag = f"--draft {options.draft}" if options.draft else f"--speculate {options.speculate}"
-        say(f"{flag}: the {engine.name} backend does not verify proposals yet; answering "
-            "without speculation (--backend cpu speculates)")
-        speculate = 0
-    elif options.draft:
+    if speculate and options.draft:
         proposer = open_draft(options.draft, model, engine, options.backend, options.device,
                               options.decode, options.quantize, say)
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),

@@ -360,10 +360,9 @@ class ChatSession:
 
 
 def _count_speculation(stats: ReplyStats, engine: Engine) -> None:
-    spec = getattr(engine, "speculation", None)  # (engines without it do not speculate)
-    if spec is not None:
-        stats.spec_passes, stats.spec_proposed = spec.passes, spec.proposed
-        stats.spec_accepted = spec.accepted
+    spec = engine.speculation
+    stats.spec_passes, stats.spec_proposed = spec.passes, spec.proposed
+    stats.spec_accepted = spec.accepted
 
 
 def _append(reply: Reply, piece: TextPiece) -> None:

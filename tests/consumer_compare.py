@@ -26,6 +26,12 @@ from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
 
 
+def parse_ring(text: str) -> int | tuple[int, int]:
+    """`--stages`: a ring depth ("4"), or its depth and stage size in bytes ("3x50688")."""
+    count, _, size = text.partition("x")
+    return (int(count), int(size)) if size else int(count)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3-0.6b,qwen3-8b")
@@ -47,10 +53,7 @@ def main() -> None:
     positions = parse_sizes(args.positions, "--positions")
     rings: list[tuple[str | None, int | tuple[int, int] | None]] = [(None, None)]
     if args.stages:
-        rings = []
-        for ring in args.stages.split(","):
-            count, _, size = ring.partition("x")
-            rings.append((ring, (int(count), int(size)) if size else int(count)))
+        rings = [(ring, parse_ring(ring)) for ring in args.stages.split(",")]
     settings = BenchSettings(prompts=(1,), positions=positions, steps=args.steps,
                              repeats=args.repeats)
     for name in args.configs.split(","):

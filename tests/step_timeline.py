@@ -26,6 +26,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+from consumer_compare import parse_ring
 
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda.engine import CudaEngine
@@ -250,10 +251,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("step-timeline"),
                         help="file name without suffix: .svg, .png and .json are written")
     args = parser.parse_args()
-    stages = None
-    if args.stages:
-        count, _, size = args.stages.partition("x")
-        stages = (int(count), int(size)) if size else int(count)
+    stages = parse_ring(args.stages) if args.stages else None
     step, described = record_step(args.config, args.quantize, args.position, args.steps,
                                   args.rows, stages)
     analysis = analyse(step)

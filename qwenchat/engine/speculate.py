@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from qwenchat.errors import UsageError
+from qwenchat.model.tokenizer import shared_prefix_length
 from qwenchat.sampling.lookup import PromptLookup
 from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.speculative import draft_token
@@ -36,6 +37,26 @@ def check_speculate(mode: str, draft: str | None = None) -> None:
     if draft is not None and mode != "off":
         raise UsageError(f"--draft and --speculate {mode} are two ways to propose tokens: "
                          "give one of them")
+
+
+def cannot_verify(engine: Engine) -> str:
+    """Why speculation stays off on `engine`, or "" where it verifies proposals."""
+    if engine.can_speculate:
+        return ""
+    return f"the {engine.name} backend does not verify proposals yet"
+
+
+def speculation_asked(mode: str, draft: str | None, engine: Engine) -> tuple[int, str]:
+    """What --speculate and --draft give on `engine`: the tokens proposed a step at most (0:
+    off), and a one-line notice where speculation was asked of an engine that cannot verify
+    (else "")."""
+    if mode == "off" and draft is None:
+        return 0, ""
+    if why := cannot_verify(engine):
+        flag = f"--draft {draft}" if draft else f"--speculate {mode}"
+        return 0, (f"{flag}: {why}; answering without speculation (--backend cpu "
+                   "speculates)")
+    return SPECULATE_MOST, ""
 
 
 class Proposer(Protocol):
@@ -120,12 +141,7 @@ class DraftProposer:
 
     def _follow(self, tokens: list[int]) -> None:
         """Make the draft's cache hold `tokens`, with the logits after the last."""
-        have = self.engine.tokens
-        common = 0
-        for a, b in zip(have, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = shared_prefix_length(self.engine.tokens, tokens)
         common = min(common, len(tokens) - 1)  # (at least the last token runs: its logits)
         self.engine.truncate(common)
         self.engine.prefill(tokens[common:])

@@ -37,9 +37,9 @@ ACCEPT_STREAM = 0x243F6A8885A308D3
 DRAFT_STREAM = 0x13198A2E03707344
 
 
-def stream_uniform(stream: int, seed: int, step: int) -> float:
-    """A uniform number in [0, 1) of another stream than the plain draws', for `step`."""
-    return uniform(splitmix64(seed ^ stream), step)
+def stream_seed(stream: int, seed: int) -> int:
+    """The seed of another stream of uniform numbers than the plain draws' (uniform(seed, .))."""
+    return splitmix64(seed ^ stream)
 
 
 def target_distribution(logits: np.ndarray, params: SamplingParams, context_ids: Sequence[int],
@@ -69,10 +69,12 @@ def draw_from(p: np.ndarray, u: float) -> int:
 def draft_token(logits: np.ndarray, params: SamplingParams, seed: int, step: int,
                 context_ids: Sequence[int], reply_counts: Mapping[int, int]
                 ) -> tuple[int, np.ndarray]:
-    """A draft model's proposal at `step` and the distribution q it was drawn from (its own
-    stream of uniform numbers; greedy: its argmax, q one-hot)."""
+    """A draft model's proposal at `step` (the plain sampler on its logits, with its own
+    stream of uniform numbers; greedy: its argmax) and the distribution q it was drawn from."""
     q = target_distribution(logits, params, context_ids, reply_counts)
-    return draw_from(q, stream_uniform(DRAFT_STREAM, seed, step)), q
+    token = sample_token(logits, params, stream_seed(DRAFT_STREAM, seed), step, context_ids,
+                         reply_counts)
+    return token, q
 
 
 def verify(logits: np.ndarray, proposal: Sequence[int], params: SamplingParams, seed: int,
@@ -97,7 +99,7 @@ def verify(logits: np.ndarray, proposal: Sequence[int], params: SamplingParams, 
         else:
             p = target_distribution(logits[i], params, context_ids, counts)
             q, d = draft_probs[i], int(proposal[i])
-            if stream_uniform(ACCEPT_STREAM, seed, step + i) * q[d] < p[d]:
+            if uniform(stream_seed(ACCEPT_STREAM, seed), step + i) * q[d] < p[d]:
                 token = d
             else:
                 residual = np.maximum(p - q, 0.0)

@@ -141,7 +141,7 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     hopper_attention = hopper_gemm and config.head_dim in (64, 128)
     layout = megakernel_layout(config, shared, device.sm_count, weight_format,
                                fp8_on_tensor_cores(device.arch, megakernel_consumer),
-                               megakernel_rows, getattr(device, "memory_bandwidth", 0.0))
+                               megakernel_rows, device.memory_bandwidth)
     why = megakernel_unusable(config, device, layout)
     chosen = "layered" if why or decode == "layered" else "megakernel"
     build = None

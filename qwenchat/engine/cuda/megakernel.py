@@ -237,9 +237,9 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         fits, smallest = count >= 2, stage
     seg = 1024
     if wide and not split and cfg.hidden_size >= 2048:
-        wide = _mma_ring(cfg, shared_per_block - static - fixed)
-        if wide:
-            count, stage, seg = wide
+        ring = _mma_ring(cfg, shared_per_block - static - fixed, widest_row)
+        if ring:
+            count, stage, seg = ring
     if not fits:
         need = static + fixed + 2 * smallest
         return (f"the decode megakernel needs {need:,} bytes of shared memory "
@@ -259,14 +259,15 @@ MMA_STAGE_ROWS = 10  # the fewest hidden-wide rows a stage of that ring must hol
 MMA_RING_BANDWIDTH = 30e9
 
 
-def _mma_ring(cfg: Qwen3Config, room: int) -> tuple[int, int, int] | None:
+def _mma_ring(cfg: Qwen3Config, room: int, widest_row: int) -> tuple[int, int, int] | None:
     """(stages, stage bytes, segment columns) for FP8 rows on the tensor cores, or None to keep
     the 32 KB ring: each warp dots a long segment of a row (half of a hidden-wide row from 4B
     up) and a stage holds as many gate/up pairs of hidden-wide rows as three stages leave room
     for (two, where three would hold fewer than MMA_STAGE_ROWS rows). A warp's fixed cost of a
     row segment (its sums, the segments' meeting) then comes once per 2,048-2,560 columns
     instead of 1,024, and more rows a stage keep the consumer warps busy: measured 9-14% faster
-    on 4B-32B on an H200, where the consumer bounds FP8 decode (docs/perf.md, 2026-11-26)."""
+    on 4B-32B on an H200, where the consumer bounds FP8 decode (docs/perf.md, 2026-11-26).
+    `widest_row`: what every stage must hold (_layout's, whole rows)."""
     hidden = cfg.hidden_size
     parts = -(-hidden // MMA_SEG_MOST)
     seg = -(-hidden // parts // 256) * 256
@@ -274,9 +275,7 @@ def _mma_ring(cfg: Qwen3Config, room: int) -> tuple[int, int, int] | None:
     for count in (3, 2):
         rows = room // count // row // 2 * 2
         stage = -(-rows * row // 128) * 128
-        widest = max(fp8.linear_bytes((1, cfg.intermediate_size), "fp8"),
-                     fp8.linear_bytes((1, cfg.q_size), "fp8"), 2 * hidden)
-        if rows >= MMA_STAGE_ROWS and stage >= widest and count * stage <= room:
+        if rows >= MMA_STAGE_ROWS and stage >= widest_row and count * stage <= room:
             return count, stage, seg
     return None
 

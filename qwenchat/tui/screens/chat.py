@@ -28,7 +28,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header, Static
 
-from qwenchat.engine.speculate import SPECULATE_MOST
+from qwenchat.engine.speculate import SPECULATE_MOST, cannot_verify, speculation_asked
 from qwenchat.errors import QwenchatError, UsageError
 from qwenchat.sampling.params import parse_value
 from qwenchat.session import Event, ReplyStats
@@ -132,13 +132,8 @@ class ChatScreen(Screen[None]):
         self.clock = clock
         settings = ChatSettings(model.directory, options.think, dict(options.overrides))
         # (an engine that cannot verify proposals answers without: on_mount says so)
-        asked = options.speculate != "off" or options.draft is not None
-        self.speculate = SPECULATE_MOST if asked and model.engine.can_speculate else 0
-        flag = f"--draft {options.draft}" if options.draft else f"--speculate {options.speculate}"
-        self._speculation_note = (
-            f"{flag}: the {model.engine.name} backend does not verify proposals yet; "
-            "answering without speculation (--backend cpu speculates)"
-            if asked and not self.speculate else "")
+        self.speculate, self._speculation_note = speculation_asked(
+            options.speculate, options.draft, model.engine)
         self.chat = Chat(store, model, settings, options.system, warn=self._warn,
                          speculate=self.speculate)
         self.debug = options.debug
@@ -653,9 +648,8 @@ class ChatScreen(Screen[None]):
     def _panel_speculation(self, event: SamplerPanel.SpeculationSwitched) -> None:
         """Live, as the other controls: a reply streaming now speculates from its next step
         (the reply itself is the same either way)."""
-        if event.on and not self.model.engine.can_speculate:
-            self.notify(f"the {self.model.engine.name} backend does not verify proposals yet "
-                        "(--backend cpu speculates)", severity="warning", timeout=6)
+        if event.on and (why := cannot_verify(self.model.engine)):
+            self.notify(f"{why} (--backend cpu speculates)", severity="warning", timeout=6)
             self._show_settings()
             return
         self.speculate = SPECULATE_MOST if event.on else 0
