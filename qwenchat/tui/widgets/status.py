@@ -98,6 +98,7 @@ class StatusBar(Horizontal):
 
     @staticmethod
     def _common(stats: ReplyStats) -> str:
+        # (speculation's figures before the prompt's, which a narrow bar cuts first)
         speculation = speculation_text(stats)
-        return (f"TTFT {ttft_text(stats)} · prompt {stats.prefill_tokens:,} new + "
-                f"{stats.reused_tokens:,} cached" + (f" · {speculation}" if speculation else ""))
+        return (f"TTFT {ttft_text(stats)} · " + (f"{speculation} · " if speculation else "")
+                + f"prompt {stats.prefill_tokens:,} new + {stats.reused_tokens:,} cached")
