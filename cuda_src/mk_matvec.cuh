@@ -43,8 +43,8 @@ __device__ __forceinline__ void ld_tagged2(const tagged_t* p, tagged_t& a, tagge
 }
 
 // Pair i of a K-vector that other blocks are writing with `tag` (or of a bf16 embedding row).
-// One pair in flight a thread: polling more pairs of a thread at once was slower (docs/perf.md,
-// 2026-11-25).
+// One pair in flight a thread: polling more pairs of a thread at once was slower for short
+// vectors (docs/perf.md, 2026-11-25); long ones take them in batches (take_pairs).
 __device__ __forceinline__ float2 take_pair(const tagged_t* src, const bf16_t* row, int i,
                                             unsigned tag, bool wait) {
     if (row) {
@@ -58,6 +58,81 @@ __device__ __forceinline__ float2 take_pair(const tagged_t* src, const bf16_t* r
         if ((QW_MK_SKIP & 4) || !wait || (tag_of(w0) == tag && tag_of(w1) == tag)) break;
     }
     return make_float2(value_of(w0), value_of(w1));
+}
+
+// The FP8 tensor-core consumer's input (stage_f16): a thread's pairs of a vector of
+// QW_MK_POLL_MIN or more pairs a thread are loaded QW_MK_POLL at a time, all issued before any
+// is checked, so that taking them costs a round trip to L2 a batch instead of one a pair.
+// H100: 8B FP8 +3.4%, 14B +4%, 32B +5% (down's inputs: 12 to 25 pairs a thread); the bf16
+// consumers' vectors (stage_vector) lost 1-3% with it on 14B and 32B and keep one pair in
+// flight, as do shorter vectors (docs/perf.md, 2026-11-26). The defines are for experiments.
+#ifndef QW_MK_POLL
+#define QW_MK_POLL 4
+#endif
+#ifndef QW_MK_POLL_MIN
+#define QW_MK_POLL_MIN 8
+#endif
+__host__ __device__ constexpr int poll_batch(int K) {
+    return (K / 2 + THREADS - 1) / THREADS >= QW_MK_POLL_MIN ? QW_MK_POLL : 1;
+}
+
+// Pairs threadIdx.x + (q0 + b) THREADS, b < B, of a K-vector (those below K / 2): every first
+// (weak) load is issued before any is checked; a stale one is then polled alone (strong loads).
+template <int K, int B>
+__device__ __forceinline__ void take_pairs(const tagged_t* src, const bf16_t* row, int q0,
+                                           unsigned tag, bool wait, float2 (&e)[B]) {
+    static_assert(B > 1, "one pair at a time is take_pair");
+    {
+        tagged_t w[B][2];
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int i = threadIdx.x + (q0 + b) * THREADS;
+            w[b][0] = w[b][1] = 0ull;
+            if (i < K / 2 && !row) ld_tagged2(src + 2 * i, w[b][0], w[b][1], false);
+        }
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int i = threadIdx.x + (q0 + b) * THREADS;
+            e[b] = make_float2(0.f, 0.f);
+            if (i >= K / 2) continue;
+            if (row) {
+                e[b] = take_pair(src, row, i, tag, wait);
+                continue;
+            }
+            while (!(QW_MK_SKIP & 4) && wait && !(tag_of(w[b][0]) == tag && tag_of(w[b][1]) == tag)) {
+                back_off();
+                ld_tagged2(src + 2 * i, w[b][0], w[b][1], true);
+            }
+            e[b] = make_float2(value_of(w[b][0]), value_of(w[b][1]));
+        }
+    }
+}
+
+// f(q, i, pair) for each of the thread's pairs i = threadIdx.x + q THREADS (i < K / 2) of a
+// K-vector that other blocks are writing with `tag` (or of a bf16 embedding row), taken one
+// at a time (B = 1) or B at a time (take_pairs).
+template <int K, int B, typename F>
+__device__ __forceinline__ void for_pairs(const tagged_t* src, const bf16_t* row, unsigned tag,
+                                          bool wait, F f) {
+    constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
+    if constexpr (B == 1) {
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+            const int i = threadIdx.x + q * THREADS;
+            if (i < K / 2) f(q, i, take_pair(src, row, i, tag, wait));
+        }
+    } else {
+#pragma unroll
+        for (int q0 = 0; q0 < NQ; q0 += B) {
+            float2 got[B];
+            take_pairs<K, B>(src, row, q0, tag, wait, got);
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                const int q = q0 + b, i = threadIdx.x + q * THREADS;
+                if (q < NQ && i < K / 2) f(q, i, got[b]);
+            }
+        }
+    }
 }
 
 // Loads a K-vector that other blocks are writing with `tag` (or, with `row`, a bf16 embedding
@@ -86,16 +161,11 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
     // 128-byte lines).
     if constexpr (NORM) {
-#pragma unroll
-        for (int q = 0; q < NQ; ++q) {
-            const int i = threadIdx.x + q * THREADS;
-            if (i < K / 2) {
-                const float2 e = take_pair(src, row, i, tag, wait);
-                *reinterpret_cast<float2*>(buf + 2 * i) =
-                    make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
-                ss += e.x * e.x + e.y * e.y;
-            }
-        }
+        for_pairs<K, 1>(src, row, tag, wait, [&](int q, int i, float2 e) {
+            ss += e.x * e.x + e.y * e.y;
+            *reinterpret_cast<float2*>(buf + 2 * i) =
+                make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
+        });
     } else {
         for (int i = threadIdx.x; i < K / 2; i += THREADS) {
             const float2 e = take_pair(src, row, i, tag, wait);
@@ -138,16 +208,12 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
     float2 v[NQ];
     float ss = 0.f, most = 0.f;
 #pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        const int i = threadIdx.x + q * THREADS;
-        v[q] = make_float2(0.f, 0.f);
-        if (i < K / 2) {
-            const float2 e = take_pair(src, row, i, tag, wait);
-            ss += e.x * e.x + e.y * e.y;
-            v[q] = make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
-            most = fmaxf(most, fmaxf(fabsf(v[q].x), fabsf(v[q].y)));
-        }
-    }
+    for (int q = 0; q < NQ; ++q) v[q] = make_float2(0.f, 0.f);
+    for_pairs<K, poll_batch(K)>(src, row, tag, wait, [&](int q, int, float2 e) {
+        ss += e.x * e.x + e.y * e.y;
+        v[q] = make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
+        most = fmaxf(most, fmaxf(fabsf(v[q].x), fabsf(v[q].y)));
+    });
     ss = warp_sum(ss);
     most = warp_max(most);
     if ((threadIdx.x & 31) == 0) {
@@ -436,18 +502,21 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
                 emit(r0 + out, d * scale, 0.f, extra);
                 return;
             }
-            volatile float* parts = stage_parts[slot];
-            parts[r * NSEG + seg] = d;
+            // (The pieces are written and read with integer atomics, relaxed, as the row
+            // table's are: the fences and the count order them, and no plain access races.)
+            unsigned* parts = reinterpret_cast<unsigned*>(stage_parts[slot]);
+            atomicExch(parts + r * NSEG + seg, __float_as_uint(d));
             __threadfence_block();  // the piece before its count
             if (atomicAdd(&stage_arrivals[slot][out], 1u) + 1u != ARRIVALS) return;
             stage_arrivals[slot][out] = 0u;
             __threadfence_block();  // the other pieces after their counts
             float total = 0.f, up = 0.f;
 #pragma unroll
-            for (int s = 0; s < NSEG; ++s) total += parts[out * NSEG + s];
+            for (int s = 0; s < NSEG; ++s) total += __uint_as_float(atomicOr(parts + out * NSEG + s, 0u));
             if (PAIRS) {
 #pragma unroll
-                for (int s = 0; s < NSEG; ++s) up += parts[(PER + out) * NSEG + s];
+                for (int s = 0; s < NSEG; ++s)
+                    up += __uint_as_float(atomicOr(parts + (PER + out) * NSEG + s, 0u));
             }
             emit(r0 + out, total * scale, up * scale, extra);
         };

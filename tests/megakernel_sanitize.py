@@ -11,7 +11,9 @@ Small enough for racecheck to finish in about two minutes on an H100:
 
 `--weights fp8` checks the FP8 consumer (on the tensor cores from sm_89), `--shared 101376`
 the layout of a 99 KB card (two 16 KB stages), `--consumer fma` the CUDA-core FP8 consumer,
-`--rows parts` stages that hold parts of rows (the layout takes whole rows at this width).
+`--rows parts` stages that hold parts of rows (the layout takes whole rows at this width),
+`--intermediate 8192` a down projection whose input is polled in batches (8 or more pairs a
+thread: cuda_src/mk_matvec.cuh, take_pairs).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ def main() -> None:
     parser.add_argument("--shared", type=int, help="lay the megakernel out for this much "
                                                    "shared memory a block")
     parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"))
+    parser.add_argument("--intermediate", type=int, default=768)
     args = parser.parse_args()
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
-                                 intermediate_size=768, vocab_size=4096,
+                                 intermediate_size=args.intermediate, vocab_size=4096,
                                  num_attention_heads=4, num_key_value_heads=2)
     weights = RandomWeights(config, seed=0, weight_format=args.weights)
     engine = CudaEngine(config, weights, ctx=512, decode="megakernel",
