@@ -33,6 +33,7 @@ from qwenchat.engine import (
     create_engine,
 )
 from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
 from qwenchat.errors import UsageError
 from qwenchat.model import fp8
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
@@ -50,6 +51,9 @@ HF_VARIANTS = ("eager", "static+compile")
 HF_CPU_MAX_POSITION = 2048
 HF_WARMUP_STEPS = 3  # torch.compile traces on the 1st call, CUDA graphs record on the 2nd
 COPY_PROBE_BYTES = 512 << 20
+# `--speculation`: the oracle proposer's shares of proposals made wrong on purpose.
+ORACLE_CORRUPTION = (0.0, 0.1, 0.3)
+DRAFT_CONFIG = "qwen3-0.6b"  # the random draft's shape (draft_shape): it never agrees
 
 Tick = Callable[[str], None]  # told what is measured next, once per planned item
 
@@ -66,6 +70,7 @@ class BenchSettings:
     repeats: int = 3
     seed: int = 0  # of the random prompt ids
     sampled: bool = False  # decode with Qwen3's non-thinking sampler instead of greedy
+    speculation: bool = False  # also measure speculative decoding's mechanism (first position)
 
     def __post_init__(self) -> None:
         for flag, sizes in (("--prompts", self.prompts), ("--positions", self.positions)):
@@ -77,12 +82,15 @@ class BenchSettings:
 
     def default_ctx(self, config: Qwen3Config) -> int:
         """Room for the longest prompt and the last position's steps, within the model's limit."""
-        needed = max(max(self.positions) + self.steps + 1, max(self.prompts))
+        ahead = SPECULATE_MOST + 1 if self.speculation else 0  # (a pass past the last step)
+        needed = max(max(self.positions) + self.steps + 1 + ahead, max(self.prompts))
         return min(needed, config.max_position_embeddings)
 
     def planned_items(self, compare_hf: bool) -> int:
         """How many times the measuring functions call their Tick (for a progress bar)."""
         items = 1 + len(self.prompts) + len(self.positions)
+        if self.speculation:
+            items += len(ORACLE_CORRUPTION) + 1
         if compare_hf:
             items += 1 + len(HF_VARIANTS) * (1 + len(self.positions)) + len(self.prompts)
         return items
@@ -143,6 +151,40 @@ class DecodeResult:
 
 
 @dataclass
+class SpeculationResult:
+    """Speculative decoding at one position, beside plain decoding's rate from the same run.
+    `proposer` "oracle": the target's own greedy continuation from a plain run, a `corrupt`
+    share of its proposals made wrong; "draft": a random draft model (it never agrees)."""
+
+    proposer: str
+    position: int
+    corrupt: float | None
+    tok_s: float
+    plain_tok_s: float
+    passes: int
+    proposed: int
+    accepted: int
+    tokens: int
+    seconds: float
+
+    @property
+    def speedup(self) -> float:
+        return self.tok_s / self.plain_tok_s
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def pass_cost(self) -> float | None:
+        """A pass's time over a plain step's, where (nearly) every step was a pass."""
+        steps = self.tokens - self.accepted  # target forwards: passes and plain steps
+        if not self.passes or self.passes < 0.9 * steps:
+            return None
+        return self.seconds / steps * self.plain_tok_s
+
+
+@dataclass
 class TransformersResult:
     variant: str
     device: str | None = None
@@ -176,14 +218,21 @@ class BenchResult:
     prefill: list[PrefillResult]
     decode: list[DecodeResult]
     transformers: list[TransformersResult] = field(default_factory=list)
+    speculation: list[SpeculationResult] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        data = asdict(self)
+        for row, result in zip(data["speculation"], self.speculation, strict=True):
+            row.update(speedup=result.speedup, acceptance=result.acceptance,
+                       pass_cost=result.pass_cost)
+        return json.dumps(data)
 
 
 def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights: str,
-                   tick: Tick = _silent) -> BenchResult:
-    """Prefill and TTFT for every prompt size, decode rate at every position, on `engine`."""
+                   tick: Tick = _silent, draft: Engine | None = None) -> BenchResult:
+    """Prefill and TTFT for every prompt size, decode rate at every position, on `engine`;
+    with settings.speculation, speculative decoding at the first position (the oracle, and
+    `draft` if given)."""
     config = engine.config
     rng = np.random.default_rng(settings.seed)
     tick("warming up")
@@ -199,6 +248,9 @@ def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights:
     for position in settings.positions:
         tick(f"decode at position {position}")
         decode.append(_measure_decode(engine, position, settings, rng, copy_bandwidth))
+    speculation = []
+    if settings.speculation and engine.can_speculate and decode[0].tok_s:
+        speculation = _measure_speculation(engine, settings, rng, decode[0].tok_s, draft, tick)
     return BenchResult(
         model=model, weights=weights, engine=engine.name,
         device=getattr(engine, "device_name", None), config=config,
@@ -209,7 +261,7 @@ def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights:
         kv_bytes_per_position=config.kv_bytes_per_position(),
         copy_bandwidth_bytes_s=copy_bandwidth,
         peak_memory_bytes=_optional_call(engine, "peak_memory_bytes"),
-        prefill=prefill, decode=decode,
+        prefill=prefill, decode=decode, speculation=speculation,
     )
 
 
@@ -264,6 +316,84 @@ def _decode_rate(engine: Engine, steps: int, sampled: bool = False) -> float:
         raise RuntimeError(f"the engine stopped after {produced} of {steps} decode steps "
                            f"({generation.stop_reason})")
     return produced / elapsed
+
+
+def draft_shape(config: Qwen3Config) -> Qwen3Config:
+    """`--speculation`'s random draft: Qwen3-0.6B's shape with the model's vocabulary, or for
+    a model no larger, the model's own shape with a quarter of its layers."""
+    small = named_config(DRAFT_CONFIG)
+    if config.parameter_count() > small.parameter_count():
+        return dataclasses.replace(small, vocab_size=config.vocab_size)
+    return dataclasses.replace(config, num_hidden_layers=max(1, config.num_hidden_layers // 4))
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation (from a plain run), each proposal made
+    wrong with probability `corrupt` (decided by its index in the reply, so every run is the
+    same): a proposer whose acceptance is chosen, for measuring the mechanism."""
+
+    def __init__(self, continuation: list[int], corrupt: float, vocab_size: int):
+        self.continuation = continuation
+        rng = np.random.default_rng(1)
+        self.wrong = rng.random(len(continuation)) < corrupt
+        self.vocab_size = vocab_size
+        self.emitted = 0
+
+    def start(self, context: list[int]) -> None:
+        self.emitted = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        self.emitted += len(tokens)
+
+    def propose(self, k: int, params: SamplingParams, seed: int, step: int
+                ) -> tuple[list[int], None]:
+        at = self.emitted
+        proposal = []
+        for i in range(at, min(at + k, len(self.continuation))):
+            token = self.continuation[i]
+            proposal.append((token + 1) % self.vocab_size if self.wrong[i] else token)
+        return proposal, None
+
+
+def _measure_speculation(engine: Engine, settings: BenchSettings, rng: np.random.Generator,
+                         plain_tok_s: float, draft: Engine | None,
+                         tick: Tick) -> list[SpeculationResult]:
+    """Greedy replies of `settings.steps` tokens at the first position, proposed by the oracle
+    at each ORACLE_CORRUPTION and by `draft`, each the median of `settings.repeats` by rate."""
+    position, steps = settings.positions[0], settings.steps
+    if position + steps + SPECULATE_MOST + 2 > engine.capacity:
+        return []
+    ids = _random_ids(rng, engine.config, position)
+    engine.truncate(0)
+    engine.prefill(ids)
+    continuation = list(engine.generate(_greedy(steps + SPECULATE_MOST + 1)))
+    proposers: list[tuple[str, float | None, Callable[[], Any]]] = [
+        ("oracle", corrupt, lambda c=corrupt: OracleProposer(continuation, c,
+                                                             engine.config.vocab_size))
+        for corrupt in ORACLE_CORRUPTION]
+    if draft is not None:
+        proposers.append(("draft", None,
+                          lambda: DraftProposer(draft, engine.config.vocab_size)))
+    results = []
+    for name, corrupt, make in proposers:
+        tick(f"speculation: {name}" + ("" if corrupt is None else f" {corrupt:.0%} wrong"))
+        runs = []
+        for _ in range(settings.repeats):
+            engine.truncate(0)
+            engine.prefill(ids)
+            request = dataclasses.replace(_greedy(steps + 1), speculate=SPECULATE_MOST,
+                                          proposer=make())
+            generation = engine.generate(request)
+            next(generation)  # sampled from the prefill's logits, as _decode_rate leaves out
+            start = time.perf_counter()
+            tokens = sum(1 for _ in generation)
+            seconds = time.perf_counter() - start
+            stats = engine.speculation
+            runs.append(SpeculationResult(name, position, corrupt, tokens / seconds,
+                                          plain_tok_s, stats.passes, stats.proposed,
+                                          stats.accepted, tokens, seconds))
+        results.append(sorted(runs, key=lambda r: r.tok_s)[len(runs) // 2])
+    return results
 
 
 def _decode_result(config: Qwen3Config, position: int, tok_s: float,
@@ -629,11 +759,20 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
             ctx = settings.default_ctx(config) if options.ctx is None else options.ctx
             engine = create_engine(options.backend, config, weights, ctx, device=options.device,
                                    notice=say, decode=options.decode, quantize=options.quantize)
+            draft = None
             try:
                 if isinstance(engine, ReferenceEngine):
                     say(CPU_WARNING)
-                result = measure_engine(engine, settings, name, label, tick)
+                if settings.speculation and engine.can_speculate:
+                    draft_config = draft_shape(config)
+                    draft = create_engine(options.backend, draft_config,
+                                          RandomWeights(draft_config, seed=1), ctx,
+                                          device=options.device, notice=say,
+                                          decode=options.decode)
+                result = measure_engine(engine, settings, name, label, tick, draft)
             finally:
+                if draft is not None:
+                    draft.close()
                 engine.close()  # frees the device for transformers
             if options.compare_hf:
                 result.transformers = measure_transformers(config, weights, settings,
@@ -733,6 +872,8 @@ def render(result: BenchResult, out: TextIO) -> None:
                 cells.append(_num(d.bf16_floor_tok_s, ",.0f"))
             decode.add_row(*cells)
     console.print(decode)
+    if result.speculation:
+        _render_speculation(result, console)
     for t in result.transformers:
         if t.unavailable is None:
             notes.append(f"hf {t.variant}: {t.device}, {t.dtype}, copy bandwidth "
@@ -740,6 +881,29 @@ def render(result: BenchResult, out: TextIO) -> None:
                          f"{_bytes(t.peak_memory_bytes)}")
     for note in notes:
         console.print(note, markup=False, soft_wrap=True)
+
+
+def _render_speculation(result: BenchResult, console: Any) -> None:
+    from rich.table import Table
+
+    first = result.speculation[0]
+    table = Table(title=f"speculative decoding, greedy, at position {first.position} (plain: "
+                        f"{first.plain_tok_s:,.1f} tok/s)", title_justify="left")
+    for column in ("proposer", "kept / proposed", "tokens a pass", "tok/s", "× plain",
+                   "pass / plain step"):
+        table.add_column(column, justify="left" if column == "proposer" else "right")
+    for r in result.speculation:
+        name = (f"oracle, {r.corrupt:.0%} made wrong" if r.corrupt is not None
+                else "random draft")
+        per_pass = (r.accepted + r.passes) / r.passes if r.passes else None
+        table.add_row(name, f"{r.accepted:,} / {r.proposed:,} ({_num(r.acceptance, '.0%')})",
+                      _num(per_pass, ".2f"), f"{r.tok_s:,.1f}", f"{r.speedup:.2f}",
+                      _num(r.pass_cost, ".2f"))
+    console.print(table)
+    console.print("(the oracle proposes the model's own greedy continuation from a plain run: "
+                  "random weights give a real draft nothing to agree with, so the oracle "
+                  "measures what a pass costs and what a given acceptance gives)",
+                  markup=False, soft_wrap=True)
 
 
 def _bf16_beside(result: BenchResult) -> str:

@@ -13,7 +13,9 @@ Small enough for racecheck to finish in about two minutes on an H100:
 the layout of a 99 KB card (two 16 KB stages), `--consumer fma` the CUDA-core FP8 consumer,
 `--rows parts` stages that hold parts of rows (the layout takes whole rows at this width),
 `--intermediate 8192` a down projection whose input is polled in batches (8 or more pairs a
-thread: cuda_src/mk_matvec.cuh, take_pairs).
+thread: cuda_src/mk_matvec.cuh, take_pairs), `--speculate` replies verified by speculative
+passes (prompt lookup on a prompt that repeats itself: the prefill's kernels on a few tokens
+after the cache, interleaved with megakernel launches).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import dataclasses
 
 from test_megakernel import reply
 
+from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda.engine import CudaEngine
+from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
+from qwenchat.sampling.params import LiveParams, SamplingParams
 
 
 def main() -> None:
@@ -36,6 +41,7 @@ def main() -> None:
                                                    "shared memory a block")
     parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"))
     parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--speculate", action="store_true")
     args = parser.parse_args()
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
                                  intermediate_size=args.intermediate, vocab_size=4096,
@@ -49,6 +55,10 @@ def main() -> None:
             raise SystemExit("the megakernel cannot run on this GPU: nothing to check")
         engine.steps_per_launch = 24
         prompt = list(range(5, 305))
+        if args.speculate:
+            speculated = speculative_replies(engine, prompt)
+            print(f"{args.weights}, speculative passes: {speculated}")
+            return
         greedy = reply(engine, prompt, 32)
         sampled = reply(engine, prompt, 32, seed=1, temperature=0.7, top_p=0.8, top_k=20,
                         presence_penalty=0.5, frequency_penalty=0.2)
@@ -59,6 +69,24 @@ def main() -> None:
               f"sampled {sampled[:8]} top-p {top_p[:8]}")
     finally:
         engine.close()
+
+
+def speculative_replies(engine, prompt: list[int]) -> str:
+    """Greedy and sampled replies with prompt lookup on a prompt that repeats itself."""
+    prompt = prompt[:40] * 3
+    described = []
+    for params in (SamplingParams(temperature=0.0, max_tokens=64),
+                   SamplingParams(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=0.5,
+                                  max_tokens=64)):
+        engine.truncate(0)
+        engine.prefill(prompt)
+        request = GenerateRequest(LiveParams(params), frozenset(), seed=1,
+                                  speculate=SPECULATE_MOST)
+        tokens = list(engine.generate(request))
+        stats = engine.speculation
+        described.append(f"{len(tokens)} tokens, {stats.passes} passes, kept "
+                         f"{stats.accepted} of {stats.proposed}")
+    return "; ".join(described)
 
 
 if __name__ == "__main__":

@@ -410,3 +410,39 @@ def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():
     hf_512 = next(v for k, v in rows.items() if "hf eager" in k[0] and "512" in k[1])
     assert "15,000" in hf_512
     assert "hf eager prefill of 4096 tokens skipped: does not fit" in out.getvalue()
+
+
+def test_speculation_measures_the_oracle_at_each_share_of_wrong_proposals_and_the_draft():
+    engine = ReferenceEngine(TIED, RandomWeights(TIED), 64)
+    draft = ReferenceEngine(bench_module.draft_shape(TIED), RandomWeights(TIED, seed=1), 64)
+    settings = BenchSettings(prompts=(4,), positions=(3,), steps=24, repeats=1,
+                             speculation=True)
+    assert settings.default_ctx(TIED) == 3 + 24 + 1 + 8  # room for a pass past the last step
+    labels: list[str] = []
+    result = measure_engine(engine, settings, "tiny", "random", labels.append, draft)
+    assert len(labels) == settings.planned_items(compare_hf=False)
+    rows = result.speculation
+    assert [(r.proposer, r.corrupt) for r in rows] == [
+        ("oracle", c) for c in bench_module.ORACLE_CORRUPTION] + [("draft", None)]
+    perfect, *corrupted, drafted = rows
+    # The oracle's own continuation is kept whole (greedy replies are plain decoding's)...
+    assert perfect.acceptance == 1.0 and perfect.accepted == perfect.proposed > 0
+    assert perfect.tokens == 24 and perfect.passes < 24 / 2
+    # ...and wrong proposals cost acceptance; a random draft is (almost) never kept.
+    assert all(r.acceptance < 1.0 for r in corrupted)
+    assert drafted.proposed > 0 and drafted.acceptance < 0.5
+    for r in rows:
+        assert r.plain_tok_s == result.decode[0].tok_s and r.tok_s > 0
+        assert r.accepted + r.passes <= r.tokens  # a pass emits its kept proposals and one
+    record = json.loads(result.to_json())["speculation"][0]
+    assert record["acceptance"] == 1.0 and record["speedup"] == pytest.approx(perfect.speedup)
+    out = io.StringIO()
+    bench_module.render(result, out)
+    assert "oracle, 0% made wrong" in out.getvalue() and "random draft" in out.getvalue()
+
+
+def test_speculation_is_skipped_where_the_context_leaves_no_room_for_it():
+    engine = ReferenceEngine(TIED, RandomWeights(TIED), 30)
+    settings = BenchSettings(prompts=(4,), positions=(3,), steps=24, repeats=1,
+                             speculation=True)
+    assert measure_engine(engine, settings, "tiny", "random").speculation == []

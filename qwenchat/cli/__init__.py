@@ -313,6 +313,10 @@ def bench(
     compare_hf: Annotated[bool, typer.Option(
         "--compare-hf", help="Also time transformers (eager, and StaticCache + torch.compile) "
         "on the same weights.")] = False,
+    speculation: Annotated[bool, typer.Option(
+        "--speculation", help="Also time speculative decoding at the first position: an "
+        "oracle proposer with a chosen share of wrong proposals, and a random Qwen3-0.6B "
+        "draft.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Measure prefill, time to first token and decode speed against the bandwidth ceiling."""
@@ -322,7 +326,7 @@ def bench(
 
         settings = BenchSettings(parse_sizes(prompts, "--prompts"),
                                  parse_sizes(positions, "--positions"), steps, repeats,
-                                 sampled=sampled)
+                                 sampled=sampled, speculation=speculation)
         return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
                                       compare_hf, decode, quantize))
 

@@ -93,6 +93,15 @@ class Engine(Protocol):
     @property
     def tokens(self) -> list[int]: ...
 
+    def _plain_pending(self) -> bool:
+        """Whether tokens of plain decoding are already under way past the last one taken (a
+        decode that runs ahead): a pass waits until they are taken."""
+        return False
+
+    def _plan_plain(self, steps: int | None) -> None:
+        """The most plain steps the reply takes before a pass may come (None: no bound), so a
+        decode that runs ahead stops where a pass starts."""
+
     @property
     def can_speculate(self) -> bool: ...
 
@@ -155,6 +164,15 @@ class CacheBookkeeping:
         """After a pass: keep the cache up to `position`, with `logits` as the last position's
         (what `emitted`'s last token was drawn from), and count `emitted` for the penalties."""
         raise NotImplementedError
+
+    def _plain_pending(self) -> bool:
+        """Whether tokens of plain decoding are already under way past the last one taken (a
+        decode that runs ahead): a pass waits until they are taken."""
+        return False
+
+    def _plan_plain(self, steps: int | None) -> None:
+        """The most plain steps the reply takes before a pass may come (None: no bound), so a
+        decode that runs ahead stops where a pass starts."""
 
     @property
     def can_speculate(self) -> bool:
@@ -234,7 +252,8 @@ class CacheBookkeeping:
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - step - 1)
             proposal, draft_probs = (proposer.propose(k, params, seed, step)
-                                     if token is not None and k > 0 and adapt.ready()
+                                     if token is not None and k > 0
+                                     and not self._plain_pending() and adapt.ready()
                                      else ([], None))
             if proposal:
                 start = self.position
@@ -249,6 +268,9 @@ class CacheBookkeeping:
                 emitted = kept[:n]
                 self._rewind(start + n, rows[n - 1], emitted)
             else:
+                # (paused: this step and the rest of the pause; else one, as the next may
+                # propose; speculation off: no bound)
+                self._plan_plain(adapt.paused + 1 if request.speculate > 0 else None)
                 token = self._next_token(token, params, seed, step)
                 if token is None:
                     return StopReason.CANCELLED

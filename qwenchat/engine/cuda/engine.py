@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,11 +48,13 @@ from qwenchat.engine.cuda.prefill import (
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
 from qwenchat.engine.cuda.weights import WeightUpload
+from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import SamplingParams
+from qwenchat.sampling.speculative import verify
 
 KERNELS = {
     "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4",
@@ -354,6 +357,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self.prefill_part_ml = self._device_buffer(rows * 2 * 4)
         self.attn_f32 = self._device_buffer(cfg.q_size * 4)
         self.logits = self._device_buffer(cfg.vocab_size * 4)
+        # A speculative pass's rows of logits: the fed token's and each proposal's.
+        self.pass_logits = self._device_buffer((SPECULATE_MOST + 1) * cfg.vocab_size * 4)
         self.work = self._device_buffer(cfg.vocab_size * 4)
         self.sample_blocks = min(math.ceil(cfg.vocab_size / 1024), 4 * sms)
         self.partial_val = self._device_buffer(self.sample_blocks * 4)
@@ -470,6 +475,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self.device.make_current()
         self._reset_sampling_state()
         self._request = request
+        self._reply_counts: Counter[int] = Counter()  # (the device's counts, for verify)
         if self.decode == "megakernel":
             self._megakernel_begin(request)
 
@@ -480,8 +486,62 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
     def _next_token(self, fed: int | None, params: SamplingParams, seed: int,
                     step: int) -> int | None:
         if self.decode == "megakernel":
-            return self._megakernel_token(fed, params, seed, step)
-        return self._layered_token(fed, params, seed, step)
+            token = self._megakernel_token(fed, params, seed, step)
+        else:
+            token = self._layered_token(fed, params, seed, step)
+        if token is not None:
+            self._reply_counts[token] += 1
+        return token
+
+    # ----------------------------------------------------------------------------- speculation
+    def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
+                          seed: int, step: int, draft_probs: np.ndarray | None
+                          ) -> tuple[list[int], np.ndarray]:
+        """The fed token and the proposal through the prefill's kernels in one pass (each
+        weight read once for all of them, the KV cache written for every one), the LM head on
+        each row, and verify on the host with the plain sampler's rules."""
+        cfg = self.config
+        self.device.make_current()
+        context = list(self._tokens)
+        ids = np.asarray([fed, *proposal], dtype=np.int32)
+        n, start = len(ids), self.position
+        self.ids.upload(ids, stream=self.stream)
+        self._forward_prefill(start, n)
+        row_bytes = cfg.vocab_size * 4
+        for r in range(n):
+            self._lm_head(self._ptr(self.x, r * cfg.hidden_size * 4),
+                          self._ptr(self.pass_logits, r * row_bytes))
+        rows = np.empty((n, cfg.vocab_size), np.float32)
+        self.pass_logits.download(rows, stream=self.stream)
+        self.stream.synchronize()
+        self._tokens.extend(int(t) for t in ids)
+        kept = verify(rows, proposal, params, seed, step, context, self._reply_counts,
+                      draft_probs)
+        return kept, rows
+
+    def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
+        """Keep the cache up to `position` (entries past it are written over later), and
+        leave the device as plain decoding would have: `logits` the last position's, the
+        emitted tokens counted and seen for the penalties, the last one to be fed next at
+        `position`."""
+        cfg = self.config
+        self.device.make_current()
+        del self._tokens[position:]
+        self._reply_counts.update(emitted)
+        self.logits.upload(np.ascontiguousarray(logits, dtype=np.float32), stream=self.stream)
+        counts = np.zeros(cfg.vocab_size, np.int32)
+        for token, count in self._reply_counts.items():
+            counts[token] = count
+        self.counts.upload(counts, stream=self.stream)
+        ids = np.asarray(emitted, dtype=np.int32)
+        self.ids.upload(ids, stream=self.stream)
+        self._launch("mark_seen", 1, 256, self.ids, ctypes.c_int(len(ids)), self.seen)
+        self._host_token[0] = emitted[-1]
+        self.token.upload(self._host_token, stream=self.stream)
+        self._host_pos[0] = position
+        self.pos.upload(self._host_pos, stream=self.stream)
+        self.stream.synchronize()  # (the host arrays above are reused)
+        self._logits_valid = True
 
     # ----------------------------------------------------------------------------- reports
     def peak_memory_bytes(self) -> int:

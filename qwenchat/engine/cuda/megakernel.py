@@ -384,11 +384,13 @@ class MegakernelDecode:
         self.mk_stopped = self._device_buffer(4)
         self._mk_consumed = self._mk_requested = self._mk_epoch = 0
         self._mk_n_eos = 0
+        self._mk_limit: int | None = None  # the reply step launches stop before, if any
 
     def _megakernel_begin(self, request: GenerateRequest) -> None:
         self._mk_cancel[0] = 0
         self._mk_ring[:] = 0
         self._mk_consumed = self._mk_requested = 0
+        self._mk_limit = None
         self.mk_stopped.fill_u8(0, stream=self.stream)
         eos = np.asarray(sorted(request.eos_ids)[:64], dtype=np.int32)
         if eos.size:
@@ -434,6 +436,10 @@ class MegakernelDecode:
         (a cancel that reached it before this token)."""
         if fed is not None:
             self._tokens.append(fed)  # the kernel has already run it
+        if self._mk_requested == self._mk_consumed != step:
+            # After a speculative pass (_rewind left the token and position on the device):
+            # the launches go on from the reply's step, for its sampler stream and its ring.
+            self._mk_requested = self._mk_consumed = step
         self._queue_launches(params)
         waited = time.monotonic()
         wanted = self._mk_consumed + 1
@@ -451,6 +457,13 @@ class MegakernelDecode:
         self._mk_consumed += 1
         return token
 
+    def _plain_pending(self) -> bool:
+        return self.decode == "megakernel" and self._mk_requested > self._mk_consumed
+
+    def _plan_plain(self, steps: int | None) -> None:
+        if self.decode == "megakernel":
+            self._mk_limit = None if steps is None else self._mk_consumed + steps
+
     def megakernel_produced(self) -> int:
         """Tokens the reply's launches have written so far."""
         return int(self._mk_ring[:, 1].max())
@@ -465,6 +478,8 @@ class MegakernelDecode:
             steps = min(spl, len(self._mk_ring) - (self._mk_requested - self._mk_consumed))
             if params.max_tokens is not None:
                 steps = min(steps, params.max_tokens - self._mk_requested)
+            if self._mk_limit is not None:  # (a speculative pass comes after)
+                steps = min(steps, self._mk_limit - self._mk_requested)
             if steps <= 0:
                 return
             self._launch_megakernel(steps, self._mk_requested)

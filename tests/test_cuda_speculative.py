@@ -1,0 +1,192 @@
+"""Speculative decoding on the CUDA engine (GPU only): prompt lookup and a draft model verified
+by passes through the prefill's kernels give plain decoding's greedy tokens (the megakernel's
+and the per-op graph's), stop where it stops, leave the cache it leaves, and sample the same
+tokens for the same seed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_megakernel import PATHS_AGREE, SAMPLED
+
+from qwenchat.engine.base import GenerateRequest, StopReason
+from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
+from qwenchat.sampling.params import LiveParams, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
+
+STEPS = 512
+
+
+def make_engine(layers: int = 8, weight_format: str = "bf16", ctx: int = 2048, seed: int = 0,
+                decode: str = "megakernel"):
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=layers)
+    return CudaEngine(config, RandomWeights(config, seed=seed, weight_format=weight_format),
+                      ctx=ctx, decode=decode)
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def engine(request):
+    engine = make_engine(weight_format=request.param)
+    assert engine.decode == "megakernel" and engine.can_speculate
+    yield engine
+    engine.close()
+
+
+def prompt_for(engine, seed: int = 3) -> list[int]:
+    """A random prompt that repeats itself, so that prompt lookup finds something at once."""
+    rng = np.random.default_rng(seed)
+    part = [int(i) for i in rng.integers(0, engine.config.vocab_size, 24)]
+    return part + part[:12] + part
+
+
+def run(engine, prompt, params: SamplingParams, speculate: int, eos=frozenset(), seed=5,
+        proposer=None):
+    engine.truncate(0)
+    engine.prefill(prompt)
+    generation = engine.generate(GenerateRequest(LiveParams(params), eos, seed=seed,
+                                                 speculate=speculate, proposer=proposer))
+    return list(generation), generation.stop_reason
+
+
+def greedy(steps: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=steps)
+
+
+def check_parting(engine, prompt, plain, fast) -> str:
+    """Where the speculative reply left plain decoding's: the two tokens must be a near-tie on
+    both paths (the pass's logits come from the prefill's kernels, the plain step's from the
+    decode path, which sum in other orders). Returns the tie, with both paths' logits."""
+    at = next(i for i, (a, b) in enumerate(zip(plain, fast, strict=False)) if a != b)
+    assert at > 0, "the first token comes from the prefill's logits on both: no parting"
+    a, b = plain[at], fast[at]
+    engine.truncate(0)
+    engine.prefill(prompt + plain[:at])  # the pass's kernels: the prefill's
+    passed = engine.last_logits()
+    again, _ = run(engine, prompt, greedy(at + 1), 0)  # its last step chose plain[at]
+    assert again == plain[: at + 1]
+    stepped = engine.last_logits()
+    scale = float(np.abs(stepped).max())
+    spread = float(np.abs(passed - stepped).max()) / scale
+    assert spread <= PATHS_AGREE, f"step {at}: the paths' logits differ by {spread:.2e}"
+    for name, logits in (("pass", passed), ("plain step", stepped)):
+        gap = abs(float(logits[a] - logits[b]))
+        assert gap <= 2 * PATHS_AGREE * scale, (
+            f"step {at}: plain decoding chose {a}, the pass {b}; the {name}'s logits "
+            f"{logits[a]:.6g} / {logits[b]:.6g} are not a near-tie")
+    return (f"step {at}: {a} / {b}, pass {passed[a]:.6g} / {passed[b]:.6g}, plain "
+            f"{stepped[a]:.6g} / {stepped[b]:.6g}")
+
+
+def test_prompt_lookup_greedy_is_plain_greedy_over_512_steps(engine):
+    prompt = prompt_for(engine)
+    plain, plain_stop = run(engine, prompt, greedy(STEPS), 0)
+    fast, fast_stop = run(engine, prompt, greedy(STEPS), SPECULATE_MOST)
+    stats = engine.speculation
+    print(f"{engine.weight_format}: {stats.passes} passes, kept {stats.accepted} of "
+          f"{stats.proposed} proposed")
+    assert stats.passes > 0 and stats.accepted > 0  # it did speculate, and lookup hit
+    if fast != plain:
+        print("near-tie:", check_parting(engine, prompt, plain, fast))
+        pytest.skip("parted on a near-tie (shown above): nothing further to compare")
+    assert fast_stop == plain_stop == StopReason.MAX_TOKENS
+
+
+def test_the_cache_and_logits_after_rejections_are_plain_decodings(engine):
+    prompt = prompt_for(engine, seed=7)
+    steps = 200
+    plain, _ = run(engine, prompt, greedy(steps), 0)
+    position = engine.position
+    plain_k = download_keys(engine, position)
+    plain_logits = engine.last_logits()
+    fast, _ = run(engine, prompt, greedy(steps), SPECULATE_MOST)
+    stats = engine.speculation
+    assert stats.accepted < stats.proposed, "no proposal was rejected: nothing to check"
+    if fast != plain:
+        pytest.skip("parted on a near-tie: " + check_parting(engine, prompt, plain, fast))
+    assert engine.position == position
+    # The passes write the kept tokens' keys with the prefill's kernels (other summation
+    # orders than the decode path's: bf16 keys may differ in their last bit).
+    fast_k = download_keys(engine, position)
+    np.testing.assert_allclose(fast_k, plain_k, rtol=2e-2, atol=2e-2)
+    scale = float(np.abs(plain_logits).max())
+    assert float(np.abs(engine.last_logits() - plain_logits).max()) <= PATHS_AGREE * scale
+
+
+def download_keys(engine, position: int) -> np.ndarray:
+    cfg = engine.config
+    out = []
+    for buffer in engine.k_cache:
+        raw = np.empty((cfg.num_key_value_heads, engine.capacity, cfg.head_dim), np.uint16)
+        buffer.download(raw)
+        out.append((raw[:, :position].astype(np.uint32) << 16).view(np.float32))
+    return np.stack(out)
+
+
+def test_a_speculative_reply_stops_on_the_token_plain_decoding_stops_on(engine):
+    prompt = prompt_for(engine, seed=9)
+    plain, _ = run(engine, prompt, greedy(120), 0)
+    fast, _ = run(engine, prompt, greedy(120), SPECULATE_MOST)
+    if fast != plain:
+        pytest.skip("parted on a near-tie: " + check_parting(engine, prompt, plain, fast))
+    eos = frozenset({plain[90]})
+    cut = plain.index(plain[90]) + 1
+    plain_eos, stop = run(engine, prompt, greedy(120), 0, eos)
+    position = engine.position
+    assert run(engine, prompt, greedy(120), SPECULATE_MOST, eos) == (plain_eos, stop)
+    assert plain_eos == plain[:cut] and stop == StopReason.EOS
+    assert engine.position == position
+    for limit in (1, 2, 37, 38, 39):
+        assert run(engine, prompt, greedy(limit), SPECULATE_MOST) == (plain[:limit],
+                                                                     StopReason.MAX_TOKENS)
+    small = make_engine(weight_format=engine.weight_format, ctx=len(prompt) + 45)
+    try:
+        unlimited = SamplingParams(temperature=0.0)
+        plain_full = run(small, prompt, unlimited, 0)
+        assert plain_full[1] == StopReason.CONTEXT_FULL
+        assert run(small, prompt, unlimited, SPECULATE_MOST) == plain_full
+        assert small.position == small.capacity
+    finally:
+        small.close()
+
+
+def test_the_same_seed_samples_the_same_speculative_reply(engine):
+    prompt = prompt_for(engine, seed=11)
+    params = SamplingParams(max_tokens=200, **SAMPLED)
+    first, _ = run(engine, prompt, params, SPECULATE_MOST, seed=21)
+    assert engine.speculation.passes > 0
+    assert run(engine, prompt, params, SPECULATE_MOST, seed=21)[0] == first
+    assert run(engine, prompt, params, SPECULATE_MOST, seed=22)[0] != first
+
+
+def test_a_draft_model_on_the_gpu_keeps_plain_greedy(engine):
+    draft = make_engine(layers=2, weight_format="bf16", seed=1)
+    try:
+        prompt = prompt_for(engine, seed=13)
+        plain, _ = run(engine, prompt, greedy(96), 0)
+        proposer = DraftProposer(draft, engine.config.vocab_size)
+        fast, _ = run(engine, prompt, greedy(96), SPECULATE_MOST, proposer=proposer)
+        assert engine.speculation.passes > 0
+        if fast != plain:
+            pytest.skip("parted on a near-tie: " + check_parting(engine, prompt, plain, fast))
+    finally:
+        draft.close()
+
+
+def test_the_per_op_graph_speculates_too():
+    engine = make_engine(decode="layered")
+    try:
+        prompt = prompt_for(engine)
+        plain, _ = run(engine, prompt, greedy(200), 0)
+        fast, _ = run(engine, prompt, greedy(200), SPECULATE_MOST)
+        assert engine.speculation.accepted > 0
+        if fast != plain:
+            pytest.skip("parted on a near-tie: " + check_parting(engine, prompt, plain, fast))
+    finally:
+        engine.close()
