@@ -384,13 +384,14 @@ class MegakernelDecode:
         self.mk_stopped = self._device_buffer(4)
         self._mk_consumed = self._mk_requested = self._mk_epoch = 0
         self._mk_n_eos = 0
+        self._mk_run: int | None = None  # plain steps before a pass may come (None: any)
         self._mk_limit: int | None = None  # the reply step launches stop before, if any
 
     def _megakernel_begin(self, request: GenerateRequest) -> None:
         self._mk_cancel[0] = 0
         self._mk_ring[:] = 0
         self._mk_consumed = self._mk_requested = 0
-        self._mk_limit = None
+        self._mk_run = self._mk_limit = None
         self.mk_stopped.fill_u8(0, stream=self.stream)
         eos = np.asarray(sorted(request.eos_ids)[:64], dtype=np.int32)
         if eos.size:
@@ -440,6 +441,7 @@ class MegakernelDecode:
             # After a speculative pass (_rewind left the token and position on the device):
             # the launches go on from the reply's step, for its sampler stream and its ring.
             self._mk_requested = self._mk_consumed = step
+        self._mk_limit = None if self._mk_run is None else step + self._mk_run
         self._queue_launches(params)
         waited = time.monotonic()
         wanted = self._mk_consumed + 1
@@ -461,8 +463,7 @@ class MegakernelDecode:
         return self.decode == "megakernel" and self._mk_requested > self._mk_consumed
 
     def _plan_plain(self, steps: int | None) -> None:
-        if self.decode == "megakernel":
-            self._mk_limit = None if steps is None else self._mk_consumed + steps
+        self._mk_run = steps  # (from the step _megakernel_token takes next)
 
     def megakernel_produced(self) -> int:
         """Tokens the reply's launches have written so far."""
