@@ -57,7 +57,7 @@ from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.speculative import verify
 
 KERNELS = {
-    "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4",
+    "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4", "lm_head_tokens",
                   "gemv_residual_attn", "gemv_residual_swiglu", "swiglu_rows",
                   "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows"),
     "gemm.cu": ("gemm_store", "gemm_add"),
@@ -74,7 +74,8 @@ SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90
 # builds start in this order, so the longest never waits behind the short ones.
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "attention.cu", "sampling.cu",
                  "attention_sm90.cu", "gemm.cu", "layers.cu")
-LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
+LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4, lm_head_tokens)
+LM_HEAD_TOKENS = 8  # lm_head_tokens' rows a launch at most (layers.cu, LM_TOKENS)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
 
 
@@ -276,6 +277,11 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
             for name in names:
                 self.k[name] = module.function(name)
         self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
+        # lm_head_tokens stages its rows' normed vectors: as many a launch as fit.
+        row = self.config.hidden_size * 4
+        room = self.device.max_shared_per_block_optin - 1024
+        self.lm_head_tokens = max(1, min(LM_HEAD_TOKENS, room // row))
+        self.k["lm_head_tokens"].set_max_dynamic_shared(self.lm_head_tokens * row)
         self.k["attn_prefill"].set_max_dynamic_shared(
             prefill_attention_shared(self.config.head_dim))
         for name in ("gemm_store", "gemm_add"):
@@ -382,6 +388,18 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
     def _ptr(self, buffer: rt.DeviceBuffer, byte_offset: int = 0) -> rt.Ptr:
         return rt.Ptr(buffer.ptr + byte_offset)
 
+
+    def _lm_head_rows(self, n: int, out: rt.DeviceBuffer) -> None:
+        """The logits of x's first n rows into out's first n rows, each weight read once a
+        launch (lm_head_tokens; the same sums as _lm_head's)."""
+        cfg = self.config
+        for a in range(0, n, self.lm_head_tokens):
+            m = min(self.lm_head_tokens, n - a)
+            self._launch("lm_head_tokens", math.ceil(cfg.vocab_size / LM_HEAD_ROWS_PER_BLOCK), 256,
+                         self._ptr(self.x, a * cfg.hidden_size * 4), ctypes.c_int(m),
+                         self.final_norm, self.lm_head, ctypes.c_int(cfg.vocab_size),
+                         ctypes.c_float(cfg.rms_norm_eps), self._ptr(out, a * cfg.vocab_size * 4),
+                         shared=m * cfg.hidden_size * 4)
 
     def _lm_head(self, x_row: rt.Ptr, out: rt.Ptr) -> None:
         cfg = self.config
@@ -507,10 +525,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         n, start = len(ids), self.position
         self.ids.upload(ids, stream=self.stream)
         self._forward_prefill(start, n)
-        row_bytes = cfg.vocab_size * 4
-        for r in range(n):
-            self._lm_head(self._ptr(self.x, r * cfg.hidden_size * 4),
-                          self._ptr(self.pass_logits, r * row_bytes))
+        self._lm_head_rows(n, self.pass_logits)
         rows = np.empty((n, cfg.vocab_size), np.float32)
         self.pass_logits.download(rows, stream=self.stream)
         self.stream.synchronize()
