@@ -55,11 +55,11 @@ QuantizeOpt = Annotated[str, typer.Option(
 SpeculateOpt = Annotated[str, typer.Option(
     "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
     "where it occurred before (prompt lookup) and verify several a step; the reply is the "
-    "same, faster where it repeats its context. CPU backend for now.")]
+    "same, faster where it repeats its context at length (see the README for when it pays).")]
 DraftOpt = Annotated[str | None, typer.Option(
     "--draft", help="A smaller model of the same family (directory or hub id, e.g. "
     "Qwen/Qwen3-0.6B) that proposes tokens for the model to verify several a step "
-    "(speculative decoding). CPU backend for now.")]
+    "(speculative decoding).")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
 ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
 
