@@ -19,6 +19,7 @@ from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 from qwenchat.model.loader import open_model_dir
 from qwenchat.sampling.params import LiveParams, SamplingParams
+from qwenchat.sampling.sampler import sample_token_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
@@ -572,30 +573,7 @@ SAMPLERS = {
 }
 
 
-def gpu_sampler_draw(logits: np.ndarray, params: SamplingParams, seed: int, step: int,
-                     context: list[int], counts: dict[int, int]) -> int:
-    """The token cuda_src/sampling.cuh draws, worked out in NumPy: the reference sampler's
-    rules (qwenchat/sampling/sampler.py) with the GPU's arithmetic, which the CPU sampler does
-    not share: weights exp((l - max) / T) as 2^32 fixed point, and the draw's inverse CDF taken
-    in vocabulary order rather than by falling probability."""
-    from qwenchat.sampling.sampler import apply_penalties, splitmix64
-
-    pen = apply_penalties(logits, params, context, counts)
-    keep = np.ones(pen.size, bool)
-    if 0 < params.top_k < pen.size:
-        keep = pen >= np.partition(pen, pen.size - params.top_k)[pen.size - params.top_k]
-    z = (pen - pen.max()) * (np.float32(1) / np.float32(params.temperature))
-    weights = np.where(keep, np.exp(z).astype(np.float64) * 2.0**32, 0).astype(np.uint64)
-    if params.top_p < 1:  # the largest logit whose descending running mass reaches top_p
-        target = max(1, int(float(np.float32(params.top_p)) * float(int(weights.sum()))))
-        values, index = np.unique(pen, return_inverse=True)
-        mass = np.cumsum(np.bincount(index, weights=weights.astype(np.float64))[::-1])
-        keep &= pen >= values[::-1][int(np.argmax(mass >= target))]
-    keep &= weights >= np.uint64(float(np.float32(params.min_p)) * 2.0**32)
-    kept = np.where(keep, weights, 0).astype(np.uint64)
-    bits = splitmix64(seed ^ splitmix64(step))
-    target = int((bits >> 11) * (1.0 / (1 << 53)) * float(int(kept.sum())))
-    return int(np.argmax(np.cumsum(kept) > np.uint64(target)))
+gpu_sampler_draw = sample_token_gpu  # (its NumPy model: qwenchat/sampling/sampler.py)
 
 
 @pytest.mark.parametrize("sampler", list(SAMPLERS))

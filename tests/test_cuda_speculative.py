@@ -217,3 +217,42 @@ def test_the_per_op_graph_speculates_too():
         assert kept > 0 and len(ties) <= 4
     finally:
         engine.close()
+
+
+def test_prompt_lookup_sampling_draws_plain_samplings_tokens(engine):
+    """Passes verify with the GPU sampler's draw (sample_token_gpu), so a sampled reply with
+    prompt lookup is plain sampling's, token for token, except where a pass's logits and a
+    plain step's put the same uniform number on either side of a boundary between two
+    candidates. At each parting the plain step's token is the NumPy model's draw from that
+    step's logits (the seed and step line up) and the two paths' logits agree; then both go on
+    from plain sampling's token. A sampler that drew otherwise would part at most passes."""
+    from qwenchat.sampling.sampler import sample_token_gpu
+
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)  # (no penalties)
+    prompt, steps, seed = prompt_for(engine, seed=17), 160, 31
+    done: list[int] = []
+    partings: list[str] = []
+    passes = 0
+    while len(done) < steps:
+        left = dataclasses.replace(params, max_tokens=steps - len(done))
+        plain, _ = run(engine, prompt + done, left, 0, seed=seed)
+        fast, _ = run(engine, prompt + done, left, SPECULATE_MOST, seed=seed)
+        passes += engine.speculation.passes
+        if fast == plain:
+            break
+        at = next(i for i, (a, b) in enumerate(zip(plain, fast, strict=True)) if a != b)
+        again, _ = run(engine, prompt + done, dataclasses.replace(params, max_tokens=at + 1), 0,
+                       seed=seed)
+        assert again == plain[: at + 1]
+        stepped = engine.last_logits()
+        assert sample_token_gpu(stepped, params, seed, at) == plain[at]
+        engine.truncate(0)
+        engine.prefill(prompt + done + plain[:at])
+        passed = engine.last_logits()
+        spread = float(np.abs(passed - stepped).max() / np.abs(stepped).max())
+        assert spread <= PASS_AGREE, f"step {at}: the paths' logits differ by {spread:.2e}"
+        partings.append(f"step {len(done) + at}: plain {plain[at]}, speculative {fast[at]}")
+        done += plain[: at + 1]
+    print(f"{engine.weight_format} sampled: {passes} passes; partings {partings or 'none'}")
+    assert passes > 0
+    assert len(partings) <= 6, f"too many partings to be boundaries: {partings}"

@@ -390,3 +390,23 @@ def test_speculation_switched_on_and_off_during_a_reply_changes_only_the_passes(
             request.speculate = 0  # and off again
     assert reply == plain
     assert passes_at[100] > 0 and tiny_engine.speculation.passes == passes_at[100]
+
+
+def test_verify_draws_with_the_engines_own_sampler():
+    """The CUDA engine verifies with the GPU sampler's draw (sample_token_gpu), which picks
+    other tokens than sample_token for the same uniform number: one-hot proposals drawn by it
+    are all kept with it, and the token after them is its draw too."""
+    from qwenchat.sampling.sampler import sample_token_gpu
+
+    rng = np.random.default_rng(4)
+    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, presence_penalty=0.4)
+    logits = rng.standard_normal((6, 500)).astype(np.float32)
+    context, counts = [3, 4, 5], Counter({7: 1})
+    drawn, running = [], Counter(counts)
+    for i in range(6):
+        drawn.append(sample_token_gpu(logits[i], params, 11, 20 + i, context, running))
+        running[drawn[-1]] += 1
+    assert verify(logits, drawn[:5], params, 11, 20, context, counts,
+                  sample=sample_token_gpu) == drawn
+    cpu = verify(logits, drawn[:5], params, 11, 20, context, counts)
+    assert cpu != drawn  # (the two rules part on this data: the choice of rule matters)

@@ -91,3 +91,35 @@ def sample_token(
     u = uniform(seed, step)
     index = int(np.searchsorted(np.cumsum(probs), u, side="right"))
     return int(order[min(index, order.size - 1)])
+
+
+def sample_token_gpu(
+    logits: np.ndarray,
+    params: SamplingParams,
+    seed: int,
+    step: int,
+    context_ids: Iterable[int] = (),
+    reply_counts: Mapping[int, int] | None = None,
+) -> int:
+    """The token the GPU sampler (cuda_src/sampling.cuh) draws from `logits`: sample_token's
+    rules with the GPU's arithmetic, which gives other tokens for the same uniform number:
+    weights exp((l - max) / T) as 2^32 fixed point, and the inverse CDF taken in vocabulary
+    order rather than by falling probability. The CUDA engine verifies speculative passes with
+    it, so that a pass keeps the tokens its plain steps would draw."""
+    pen = apply_penalties(logits, params, context_ids, reply_counts or {})
+    if params.greedy:
+        return int(np.argmax(pen))
+    keep = np.ones(pen.size, bool)
+    if 0 < params.top_k < pen.size:
+        keep = pen >= np.partition(pen, pen.size - params.top_k)[pen.size - params.top_k]
+    z = (pen - pen.max()) * (np.float32(1) / np.float32(params.temperature))
+    weights = np.where(keep, np.exp(z).astype(np.float64) * 2.0**32, 0).astype(np.uint64)
+    if params.top_p < 1:  # the largest logit whose descending running mass reaches top_p
+        target = max(1, int(float(np.float32(params.top_p)) * float(int(weights.sum()))))
+        values, index = np.unique(pen, return_inverse=True)
+        mass = np.cumsum(np.bincount(index, weights=weights.astype(np.float64))[::-1])
+        keep &= pen >= values[::-1][int(np.argmax(mass >= target))]
+    keep &= weights >= np.uint64(float(np.float32(params.min_p)) * 2.0**32)
+    kept = np.where(keep, weights, 0).astype(np.uint64)
+    target = int(uniform(seed, step) * float(int(kept.sum())))
+    return int(np.argmax(np.cumsum(kept) > np.uint64(target)))

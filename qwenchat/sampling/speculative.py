@@ -18,7 +18,7 @@ The first token not kept ends the pass; if all k are kept, the last row gives on
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -79,12 +79,15 @@ def draft_token(logits: np.ndarray, params: SamplingParams, seed: int, step: int
 
 def verify(logits: np.ndarray, proposal: Sequence[int], params: SamplingParams, seed: int,
            step: int, context_ids: Sequence[int], reply_counts: Mapping[int, int],
-           draft_probs: np.ndarray | None = None) -> list[int]:
+           draft_probs: np.ndarray | None = None, sample: Callable[..., int] = sample_token
+           ) -> list[int]:
     """The tokens a target pass keeps: `logits` [k + 1, vocab] scored after the context, after
     each of the k `proposal` tokens in turn; `step` is the reply's step of the first;
     `reply_counts` the reply's tokens so far (for the penalties). `draft_probs` [k, vocab]: the
     draft model's q for each proposal (None: one-hot proposals). Returns the kept proposals and
-    the token that ends the pass: 1 to k + 1 tokens."""
+    the token that ends the pass: 1 to k + 1 tokens. `sample` draws a token as the engine's
+    plain steps do (sample_token's signature; the CUDA engine's is sample_token_gpu), so that
+    one-hot proposals keep exactly the tokens its plain decoding would draw."""
     k = len(proposal)
     if logits.shape[0] != k + 1:
         raise ValueError(f"{k} proposed tokens need {k + 1} rows of logits; got {logits.shape[0]}")
@@ -92,7 +95,7 @@ def verify(logits: np.ndarray, proposal: Sequence[int], params: SamplingParams, 
     out: list[int] = []
     for i in range(k + 1):
         if i == k or draft_probs is None or params.greedy:
-            token = sample_token(logits[i], params, seed, step + i, context_ids, counts)
+            token = sample(logits[i], params, seed, step + i, context_ids, counts)
             out.append(token)
             if i == k or token != proposal[i]:
                 return out

@@ -54,6 +54,7 @@ from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import SamplingParams
+from qwenchat.sampling.sampler import sample_token_gpu
 from qwenchat.sampling.speculative import verify
 
 KERNELS = {
@@ -517,7 +518,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
                           ) -> tuple[list[int], np.ndarray]:
         """The fed token and the proposal through the prefill's kernels in one pass (each
         weight read once for all of them, the KV cache written for every one), the LM head on
-        each row, and verify on the host with the plain sampler's rules."""
+        each row, and verify on the host with the GPU sampler's draw (sample_token_gpu), so
+        that a kept token is the one a plain step would have drawn from the same logits."""
         cfg = self.config
         self.device.make_current()
         context = list(self._tokens)
@@ -531,7 +533,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         self.stream.synchronize()
         self._tokens.extend(int(t) for t in ids)
         kept = verify(rows, proposal, params, seed, step, context, self._reply_counts,
-                      draft_probs)
+                      draft_probs, sample=sample_token_gpu)
         return kept, rows
 
     def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
