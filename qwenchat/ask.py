@@ -85,7 +85,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     check_speculate(options.speculate, options.draft)
     draft = options.draft
     if draft and (looks_like_path(draft) or Path(draft).expanduser().exists()):
-        resolve_model(draft)  # a wrong path fails before the model loads
+        resolve_model(draft, flag="--draft")  # a wrong path fails before the model loads
     say = _stderr_line(err)
     load_started = time.perf_counter()
     # The tokenizer loads on its own thread while the engine compiles and uploads.

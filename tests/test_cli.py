@@ -392,7 +392,7 @@ def test_a_draft_with_another_tokenizer_is_refused_in_one_line(tiny_model_dir, d
 
 @pytest.mark.parametrize(("flags", "needles"), [
     (["--draft", "Qwen/Qwen3-0.6B", "--speculate", "ngram"], ["two ways to propose"]),
-    (["--draft", "./no/such/draft"], ["no/such/draft"]),
+    (["--draft", "./no/such/draft"], ["--draft ./no/such/draft", "no such directory"]),
 ])
 def test_draft_flag_mistakes_are_one_error_line_before_any_model_loads(tiny_model_dir, flags,
                                                                         needles):

@@ -156,7 +156,7 @@ def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: in
     from qwenchat.engine import create_engine
     from qwenchat.model.loader import open_model
 
-    draft = open_model(spec, progress)
+    draft = open_model(spec, progress, flag="--draft")
     if not draft.tokenizer.same_vocabulary(model.tokenizer):
         raise UsageError(f"--draft {spec}: its tokenizer is not the model's ({model.spec}), so "
                          "its tokens would mean other words; use a model of the same family "

@@ -36,9 +36,10 @@ class Model:
 
 
 def open_model(spec: str, progress: DownloadProgress | None = None,
-               tokenizer_in_background: bool = False) -> Model:
-    """`progress` gets a line on a hub download's progress (else huggingface_hub's bars)."""
-    directory = resolve_model(spec, progress)
+               tokenizer_in_background: bool = False, flag: str = "--model") -> Model:
+    """`progress` gets a line on a hub download's progress (else huggingface_hub's bars);
+    `flag` is the option `spec` came with, as errors name it."""
+    directory = resolve_model(spec, progress, flag)
     return open_model_dir(directory, spec, tokenizer_in_background)
 
 

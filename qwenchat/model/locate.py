@@ -25,22 +25,25 @@ def looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or "\\" in spec or not HUB_ID.match(spec)
 
 
-def resolve_model(spec: str, progress: DownloadProgress | None = None) -> Path:
+def resolve_model(spec: str, progress: DownloadProgress | None = None,
+                  flag: str = "--model") -> Path:
     """A local directory as given, else the hub id's snapshot: from the cache or downloaded.
 
-    Without `progress`, a download shows huggingface_hub's own progress bars on stderr.
+    Without `progress`, a download shows huggingface_hub's own progress bars on stderr. `flag`
+    is the option the user gave `spec` with (--model, --draft), as the errors name it.
     """
     path = Path(spec).expanduser()
     if path.is_dir():
         return path.resolve()
     if path.exists():
-        raise UsageError(f"--model {spec}: is a file; pass the model's directory instead")
+        raise UsageError(f"{flag} {spec}: is a file; pass the model's directory instead")
     if looks_like_path(spec):
-        raise UsageError(f"--model {spec}: no such directory (a hub id looks like Qwen/Qwen3-0.6B)")
-    return _from_hub(spec, progress)
+        raise UsageError(f"{flag} {spec}: no such directory (a hub id looks like Qwen/Qwen3-0.6B)")
+    return _from_hub(spec, progress, flag)
 
 
-def _from_hub(repo_id: str, progress: DownloadProgress | None = None) -> Path:
+def _from_hub(repo_id: str, progress: DownloadProgress | None = None,
+              flag: str = "--model") -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -57,24 +60,24 @@ def _from_hub(repo_id: str, progress: DownloadProgress | None = None) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES, **bars))
     except GatedRepoError:
         raise ModelError(f"{repo_id} is gated on the Hugging Face hub: accept its licence "
-                         "there and run `hf auth login`, or pass --model DIR") from None
+                         f"there and run `hf auth login`, or pass {flag} DIR") from None
     except RepositoryNotFoundError:
         raise ModelError(f"{repo_id}: no such model on the Hugging Face hub "
-                         "(check the id, or pass --model DIR)") from None
+                         f"(check the id, or pass {flag} DIR)") from None
     except LocalEntryNotFoundError:
-        raise ModelError(_offline_message(repo_id)) from None
+        raise ModelError(_offline_message(repo_id, flag)) from None
     except OSError as exc:
-        raise ModelError(f"{_offline_message(repo_id)} [{type(exc).__name__}]") from None
+        raise ModelError(f"{_offline_message(repo_id, flag)} [{type(exc).__name__}]") from None
     except Exception as exc:  # the hub client raises many HTTP error types; all mean the same
         if "connect" in str(exc).lower() or "offline" in str(exc).lower():
-            raise ModelError(_offline_message(repo_id)) from None
+            raise ModelError(_offline_message(repo_id, flag)) from None
         raise ModelError(f"{repo_id}: download failed ({exc})") from None
 
 
-def _offline_message(repo_id: str) -> str:
+def _offline_message(repo_id: str, flag: str = "--model") -> str:
     return (f"{repo_id} is not in the Hugging Face cache and cannot be downloaded now: "
             "connect to the network (and unset HF_HUB_OFFLINE) to fetch it once, "
-            "or pass --model DIR with a local copy")
+            f"or pass {flag} DIR with a local copy")
 
 
 def download_bars(report: DownloadProgress,

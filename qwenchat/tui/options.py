@@ -39,9 +39,9 @@ def check_chat_options(options: ChatOptions) -> None:
     check_speculate(options.speculate, options.draft)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.
-    for spec in (options.model, options.draft):
+    for flag, spec in (("--model", options.model), ("--draft", options.draft)):
         if spec and (looks_like_path(spec) or Path(spec).expanduser().exists()):
-            resolve_model(spec)
+            resolve_model(spec, flag=flag)
 
 
 def require_terminal() -> None:
