@@ -43,7 +43,7 @@ def cannot_verify(engine: Engine) -> str:
     """Why speculation stays off on `engine`, or "" where it verifies proposals."""
     if engine.can_speculate:
         return ""
-    return f"the {engine.name} backend does not verify proposals yet"
+    return f"the {engine.name} backend does not verify proposals"
 
 
 def speculation_asked(mode: str, draft: str | None, engine: Engine) -> tuple[int, str]:
@@ -54,8 +54,7 @@ def speculation_asked(mode: str, draft: str | None, engine: Engine) -> tuple[int
         return 0, ""
     if why := cannot_verify(engine):
         flag = f"--draft {draft}" if draft else f"--speculate {mode}"
-        return 0, (f"{flag}: {why}; answering without speculation (--backend cpu "
-                   "speculates)")
+        return 0, f"{flag}: {why}; answering without speculation"
     return SPECULATE_MOST, ""
 
 

@@ -649,7 +649,7 @@ class ChatScreen(Screen[None]):
         """Live, as the other controls: a reply streaming now speculates from its next step
         (the reply itself is the same either way)."""
         if event.on and (why := cannot_verify(self.model.engine)):
-            self.notify(f"{why} (--backend cpu speculates)", severity="warning", timeout=6)
+            self.notify(why, severity="warning", timeout=6)
             self._show_settings()
             return
         self.speculate = SPECULATE_MOST if event.on else 0
