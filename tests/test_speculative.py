@@ -327,6 +327,32 @@ def test_greedy_with_a_draft_model_is_plain_greedy(tiny_engine):
     assert stats.accepted == stats.proposed  # its argmax is the target's every time
 
 
+def test_a_greedy_draft_proposes_through_its_own_decode_path(tiny_engine):
+    """Greedy proposals come from the draft engine's generate (its megakernel on the GPU), one
+    call a pass, and are what draft_token's argmax gives; with presence or frequency
+    penalties (over the reply so far) it drafts a token at a time instead."""
+    draft = ReferenceEngine(TINY, RandomWeights(TINY, seed=4), ctx=512)
+    calls = []
+    original = draft.generate
+    draft.generate = lambda request: calls.append(request) or original(request)
+    proposer = DraftProposer(draft, TINY.vocab_size)
+    proposer.start(PROMPT)
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.1)
+    proposal, q = proposer.propose(4, greedy, 0, 0)
+    assert q is None and len(proposal) == 4 and len(calls) == 1
+    expected, tokens = [], list(PROMPT)
+    reference = ReferenceEngine(TINY, RandomWeights(TINY, seed=4), ctx=512)
+    reference.prefill(tokens)
+    for i in range(4):
+        token, _ = draft_token(reference.last_logits(), greedy, 0, i, tokens, Counter())
+        expected.append(token)
+        tokens.append(token)
+        reference.prefill([token])
+    assert proposal == expected
+    proposer.propose(3, SamplingParams(temperature=0.0, presence_penalty=0.5), 0, 0)
+    assert len(calls) == 1
+
+
 def test_sampling_with_a_draft_is_repeatable_and_keeps_what_a_perfect_draft_proposes(
         tiny_engine):
     sampled = SamplingParams(temperature=0.9, top_k=8, top_p=0.95, max_tokens=60)

@@ -9,6 +9,7 @@ would draw them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -122,6 +123,8 @@ class DraftProposer:
             return [], None
         tokens = self.context + self.reply
         self._follow(tokens)
+        if params.greedy and not (params.presence_penalty or params.frequency_penalty):
+            return self._greedy(k, params, seed), None
         counts = Counter(self.counts)
         proposal: list[int] = []
         probs = []
@@ -134,6 +137,18 @@ class DraftProposer:
             probs.append(q)
             counts[token] += 1
         return proposal, np.stack(probs)
+
+    def _greedy(self, k: int, params: SamplingParams, seed: int) -> list[int]:
+        """Its greedy proposals from its own decode path (on the GPU, megakernel launches
+        instead of a prefill pass a token): the argmax of its logits with the repetition
+        penalty over the same tokens, as draft_token would choose them (the reply's own
+        penalties are off)."""
+        from qwenchat.engine.base import GenerateRequest
+        from qwenchat.sampling.params import LiveParams
+
+        request = GenerateRequest(LiveParams(dataclasses.replace(params, max_tokens=k)),
+                                  frozenset(), seed=seed)
+        return list(self.engine.generate(request))
 
     def close(self) -> None:
         self.engine.close()
