@@ -436,3 +436,65 @@ def test_verify_draws_with_the_engines_own_sampler():
                   sample=sample_token_gpu) == drawn
     cpu = verify(logits, drawn[:5], params, 11, 20, context, counts)
     assert cpu != drawn  # (the two rules part on this data: the choice of rule matters)
+
+
+class RunAheadEngine(ReferenceEngine):
+    """The reference engine with a decode that "runs ahead" as the megakernel's does: after
+    each plain step it reports tokens under way until `ahead` more plain steps were taken,
+    and records the plain runs the loop plans."""
+
+    def __init__(self, *args, ahead: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ahead, self.pending, self.plans, self.proposed_while_pending = ahead, 0, [], 0
+
+    def _plain_pending(self) -> bool:
+        return self.pending > 0
+
+    def _plan_plain(self, steps):
+        self.plans.append(steps)
+
+    def _next_token(self, fed, params, seed, step):
+        self.pending = max(0, self.pending - 1) if self.pending else self.ahead
+        return super()._next_token(fed, params, seed, step)
+
+    def _speculative_pass(self, fed, proposal, params, seed, step, draft_probs):
+        self.proposed_while_pending += self.pending > 0
+        return super()._speculative_pass(fed, proposal, params, seed, step, draft_probs)
+
+
+def test_the_loop_plans_plain_runs_and_waits_for_tokens_under_way():
+    """The reply loop tells the engine how many plain steps come before a pass may (one while
+    speculating, the rest of a pause, no bound while speculation is off), and proposes nothing
+    while plain tokens are still under way; the reply is plain decoding's all the same."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=120)
+    plain, _ = run(ReferenceEngine(TINY, RandomWeights(TINY, seed=3), ctx=512), PROMPT, greedy, 0)
+    engine = RunAheadEngine(TINY, RandomWeights(TINY, seed=3), ctx=512, ahead=2)
+    fast, _ = run(engine, PROMPT, greedy, 6)
+    assert fast == plain and engine.speculation.passes > 0
+    assert engine.proposed_while_pending == 0
+    assert set(engine.plans) <= {1} | set(range(2, AdaptiveK.LONGEST_PAUSE + 2))
+    assert 1 in engine.plans
+    engine.plans.clear()
+    assert run(engine, PROMPT, greedy, 0)[0] == plain  # speculation off: no bound
+    assert engine.plans and set(engine.plans) == {None}
+    # A draft that never agrees pauses speculation: a plan covers the rest of the pause.
+    never = RunAheadEngine(TINY, RandomWeights(TINY, seed=3), ctx=512)
+    never.truncate(0)
+    never.prefill(PROMPT)
+    request = GenerateRequest(LiveParams(greedy), frozenset(), seed=5, speculate=6,
+                              proposer=NeverAgrees())
+    assert list(never.generate(request)) == plain
+    assert max(p for p in never.plans if p is not None) >= AdaptiveK.FIRST_PAUSE
+
+
+class NeverAgrees:
+    """Proposes tokens the tiny model's greedy reply never has next (one-hot)."""
+
+    def start(self, context):
+        self.last = context[-1]
+
+    def extend(self, tokens):
+        self.last = tokens[-1]
+
+    def propose(self, k, params, seed, step):
+        return [(self.last + 1 + i) % TINY.vocab_size for i in range(k)], None
