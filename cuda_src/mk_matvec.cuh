@@ -63,7 +63,7 @@ __device__ __forceinline__ float2 take_pair(const tagged_t* src, const bf16_t* r
 // The FP8 tensor-core consumer's input (stage_f16): a thread's pairs of a vector of
 // QW_MK_POLL_MIN or more pairs a thread are loaded QW_MK_POLL at a time, all issued before any
 // is checked, so that taking them costs a round trip to L2 a batch instead of one a pair.
-// H100: 8B FP8 +3.4%, 14B +4%, 32B +5% (down's inputs: 12 to 25 pairs a thread); the bf16
+// H100: 8B FP8 +3.4%, 32B +5% (down's inputs: 12 and 25 pairs a thread); the bf16
 // consumers' vectors (stage_vector) lost 1-3% with it on 14B and 32B and keep one pair in
 // flight, as do shorter vectors (docs/perf.md, 2026-11-26). The defines are for experiments.
 #ifndef QW_MK_POLL
