@@ -93,15 +93,6 @@ class Engine(Protocol):
     @property
     def tokens(self) -> list[int]: ...
 
-    def _plain_pending(self) -> bool:
-        """Whether tokens of plain decoding are already under way past the last one taken (a
-        decode that runs ahead): a pass waits until they are taken."""
-        return False
-
-    def _plan_plain(self, steps: int | None) -> None:
-        """The most plain steps the reply takes before a pass may come (None: no bound), so a
-        decode that runs ahead stops where a pass starts."""
-
     @property
     def can_speculate(self) -> bool: ...
 
