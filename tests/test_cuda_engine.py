@@ -573,9 +573,6 @@ SAMPLERS = {
 }
 
 
-gpu_sampler_draw = sample_token_gpu  # (its NumPy model: qwenchat/sampling/sampler.py)
-
-
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 def test_the_sampler_kernel_draws_what_its_numpy_model_draws(kernels, sampler):
     from collections import Counter
@@ -596,7 +593,7 @@ def test_the_sampler_kernel_draws_what_its_numpy_model_draws(kernels, sampler):
         count_array[list(counts)] = list(counts.values())
         token = run_sampler(kernels, logits, fields, seen=seen, counts=count_array, step=step,
                             seed=13)
-        assert token == gpu_sampler_draw(logits, params, 13, step, context, counts), step
+        assert token == sample_token_gpu(logits, params, 13, step, context, counts), step
 
 
 def test_greedy_is_the_exact_first_argmax(kernels):
@@ -742,7 +739,7 @@ def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, d
     tokens = []
     for step, token in enumerate(gpu_engine.generate(GenerateRequest(LiveParams(params),
                                                                      frozenset(), seed=0))):
-        expected = gpu_sampler_draw(gpu_engine.last_logits(), params, 11, step, context, counts)
+        expected = sample_token_gpu(gpu_engine.last_logits(), params, 11, step, context, counts)
         assert token == expected, f"step {step}"
         tokens.append(token)
         context.append(token)

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_megakernel import SAMPLED
+from test_megakernel import SAMPLED, assert_near_tie
 
 from qwenchat.engine.base import GenerateRequest, StopReason
 from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
@@ -77,16 +77,8 @@ def check_parting(engine, prompt, plain, fast) -> str:
     again, _ = run(engine, prompt, greedy(at + 1), 0)  # its last step chose plain[at]
     assert again == plain[: at + 1]
     stepped = engine.last_logits()
-    scale = float(np.abs(stepped).max())
-    spread = float(np.abs(passed - stepped).max()) / scale
-    assert spread <= PASS_AGREE, f"step {at}: the paths' logits differ by {spread:.2e}"
-    for name, logits in (("pass", passed), ("plain step", stepped)):
-        gap = abs(float(logits[a] - logits[b]))
-        assert gap <= 2 * PASS_AGREE * scale, (
-            f"step {at}: plain decoding chose {a}, the pass {b}; the {name}'s logits "
-            f"{logits[a]:.6g} / {logits[b]:.6g} are not a near-tie")
-    return (f"step {at}: {a} / {b}, pass {passed[a]:.6g} / {passed[b]:.6g}, plain "
-            f"{stepped[a]:.6g} / {stepped[b]:.6g}")
+    return assert_near_tie(at, a, b, ("plain step", stepped), ("pass", passed), PASS_AGREE,
+                           float(np.abs(stepped).max()))
 
 
 def greedy_agrees(engine, prompt: list[int], steps: int, make_proposer=lambda: None

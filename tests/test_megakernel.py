@@ -92,6 +92,24 @@ def decode_logits(engine, decode: str, prefix: list[int]) -> np.ndarray:
     return engine.last_logits()
 
 
+def assert_near_tie(step: int, a: int, b: int, first: tuple[str, np.ndarray],
+                    second: tuple[str, np.ndarray], agree: float, scale: float) -> str:
+    """Two decode paths parted at `step`, the `first` choosing a and the `second` b (each a
+    name and its logits there): their logits must agree within `agree` of `scale` (the
+    largest logit), and a's and b's within twice that on both. Returns the tie, with both
+    paths' logits."""
+    (first_name, one), (second_name, other) = first, second
+    spread = float(np.abs(one - other).max()) / scale
+    assert spread <= agree, f"step {step}: the paths' logits differ by {spread:.2e}"
+    for name, logits in (first, second):
+        gap = abs(float(logits[a] - logits[b]))
+        assert gap <= 2 * agree * scale, (
+            f"step {step}: the {first_name} chose {a}, the {second_name} {b}; the {name}'s "
+            f"logits {logits[a]:.6g} / {logits[b]:.6g} are not a near-tie")
+    return (f"step {step}: {a} / {b}, {first_name} {one[a]:.6g} / {one[b]:.6g}, "
+            f"{second_name} {other[a]:.6g} / {other[b]:.6g}")
+
+
 def greedy_paths_agree(engine, prompt: list[int], steps: int) -> list[str]:
     """Greedy tokens of the megakernel and of the per-op graph, `steps` of them: equal, except
     at a near-tie, where both continue from the megakernel's choice. At each parting, both
@@ -117,16 +135,8 @@ def greedy_paths_agree(engine, prompt: list[int], steps: int) -> list[str]:
         prefix = prompt + done + ours[:at]
         mk = decode_logits(engine, "megakernel", prefix)
         gr = decode_logits(engine, "layered", prefix)
-        scale = float(np.abs(gr).max())
-        spread = float(np.abs(mk - gr).max()) / scale
-        assert spread <= PATHS_AGREE, f"step {step}: the paths' logits differ by {spread:.2e}"
-        for name, logits in (("megakernel", mk), ("graph", gr)):
-            gap = abs(float(logits[a] - logits[b]))
-            assert gap <= 2 * PATHS_AGREE * scale, (
-                f"step {step}: the megakernel chose {a}, the graph {b}; the {name}'s logits "
-                f"{logits[a]:.6g} / {logits[b]:.6g} are not a near-tie")
-        ties.append(f"step {step}: {a} / {b}, megakernel {mk[a]:.6g} / {mk[b]:.6g}, "
-                    f"graph {gr[a]:.6g} / {gr[b]:.6g}")
+        ties.append(assert_near_tie(step, a, b, ("megakernel", mk), ("graph", gr), PATHS_AGREE,
+                                    float(np.abs(gr).max())))
         done += ours[: at + 1]
     return ties
 
