@@ -308,15 +308,24 @@ def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
 
 
 def _decode_rate(engine: Engine, steps: int, sampled: bool = False) -> float:
-    generation = engine.generate(_sampled(steps + 1) if sampled else _greedy(steps + 1))
-    next(generation)  # sampled from the prefill's logits: no decode step behind it
+    produced, elapsed = _timed_steps(engine, _sampled(steps + 1) if sampled
+                                     else _greedy(steps + 1))
+    return produced / elapsed
+
+
+def _timed_steps(engine: Engine, request: GenerateRequest) -> tuple[int, float]:
+    """The request's tokens after the first (sampled from the prefill's logits: no decode step
+    behind it), and the seconds they took; all max_tokens - 1 of them, or an error."""
+    generation = engine.generate(request)
+    next(generation)
     start = time.perf_counter()
     produced = sum(1 for _ in generation)
     elapsed = time.perf_counter() - start
+    steps = request.params.current.max_tokens - 1
     if produced < steps:
         raise RuntimeError(f"the engine stopped after {produced} of {steps} decode steps "
                            f"({generation.stop_reason})")
-    return produced / elapsed
+    return produced, elapsed
 
 
 def draft_shape(config: Qwen3Config) -> Qwen3Config:
@@ -397,11 +406,7 @@ def _measure_speculation(engine: Engine, settings: BenchSettings, rng: np.random
             engine.prefill(ids)
             request = dataclasses.replace(_greedy(steps + 1), speculate=SPECULATE_MOST,
                                           proposer=make())
-            generation = engine.generate(request)
-            next(generation)  # sampled from the prefill's logits, as _decode_rate leaves out
-            start = time.perf_counter()
-            tokens = sum(1 for _ in generation)
-            seconds = time.perf_counter() - start
+            tokens, seconds = _timed_steps(engine, request)
             stats = engine.speculation
             runs.append(SpeculationResult(name, position, corrupt, tokens / seconds,
                                           plain_tok_s, stats.passes, stats.proposed,
