@@ -82,29 +82,27 @@ template <int K, int B>
 __device__ __forceinline__ void take_pairs(const tagged_t* src, const bf16_t* row, int q0,
                                            unsigned tag, bool wait, float2 (&e)[B]) {
     static_assert(B > 1, "one pair at a time is take_pair");
-    {
-        tagged_t w[B][2];
+    tagged_t w[B][2];
 #pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const int i = threadIdx.x + (q0 + b) * THREADS;
-            w[b][0] = w[b][1] = 0ull;
-            if (i < K / 2 && !row) ld_tagged2(src + 2 * i, w[b][0], w[b][1], false);
-        }
+    for (int b = 0; b < B; ++b) {
+        const int i = threadIdx.x + (q0 + b) * THREADS;
+        w[b][0] = w[b][1] = 0ull;
+        if (i < K / 2 && !row) ld_tagged2(src + 2 * i, w[b][0], w[b][1], false);
+    }
 #pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const int i = threadIdx.x + (q0 + b) * THREADS;
-            e[b] = make_float2(0.f, 0.f);
-            if (i >= K / 2) continue;
-            if (row) {
-                e[b] = take_pair(src, row, i, tag, wait);
-                continue;
-            }
-            while (!(QW_MK_SKIP & 4) && wait && !(tag_of(w[b][0]) == tag && tag_of(w[b][1]) == tag)) {
-                back_off();
-                ld_tagged2(src + 2 * i, w[b][0], w[b][1], true);
-            }
-            e[b] = make_float2(value_of(w[b][0]), value_of(w[b][1]));
+    for (int b = 0; b < B; ++b) {
+        const int i = threadIdx.x + (q0 + b) * THREADS;
+        e[b] = make_float2(0.f, 0.f);
+        if (i >= K / 2) continue;
+        if (row) {
+            e[b] = take_pair(src, row, i, tag, wait);
+            continue;
         }
+        while (!(QW_MK_SKIP & 4) && wait && !(tag_of(w[b][0]) == tag && tag_of(w[b][1]) == tag)) {
+            back_off();
+            ld_tagged2(src + 2 * i, w[b][0], w[b][1], true);
+        }
+        e[b] = make_float2(value_of(w[b][0]), value_of(w[b][1]));
     }
 }
 
