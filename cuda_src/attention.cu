@@ -258,7 +258,12 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
     __shared__ float p[qw::group][DC_MAX_CHUNK];
     __shared__ float scratch[32];
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    const int len = *pos_ptr + 1;
+    // Grid z: the rows of a speculative pass, row r's query at position *pos_ptr + r.
+    const int row = blockIdx.z;
+    q += static_cast<long long>(row) * qw::q_size;
+    part_o += static_cast<long long>(row) * qw::heads * splits * HD;
+    part_ml += static_cast<long long>(row) * qw::heads * splits * 2;
+    const int len = *pos_ptr + row + 1;
     const int chunk = max(16, (len + splits - 1) / splits);
     if (chunk > DC_MAX_CHUNK) __trap();  // the host sizes splits so that this cannot happen
     const int k_begin = split * chunk, k_end = min(len, k_begin + chunk);
@@ -398,7 +403,10 @@ extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_o,
     extern __shared__ __align__(16) float weight[];
     __shared__ float scratch[32];
     __shared__ float total_shared;
-    const int head = blockIdx.x;
+    const int head = blockIdx.x, row = blockIdx.y;  // (grid y: a speculative pass's rows)
+    part_o += static_cast<long long>(row) * qw::heads * splits * HD;
+    part_ml += static_cast<long long>(row) * qw::heads * splits * 2;
+    out += static_cast<long long>(row) * qw::q_size;
     const int padded = (splits + 3) & ~3;
     for (int s = splits + threadIdx.x; s < padded; s += blockDim.x) weight[s] = 0.f;
     float m = QW_NEG_INF;

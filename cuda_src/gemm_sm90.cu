@@ -48,19 +48,6 @@ constexpr int CONVERTERS = 96;  // FP8: warps 1-3 of the producer warpgroup
 // weights (code x the row's block scale, rounded) at `tile`, in the 128-byte-swizzled layout
 // the TMA gives bf16 tiles. A converter takes 16 codes (a quarter row) at a time: a warp's
 // reads are 512 contiguous bytes and its writes fill every bank once per 8 rows.
-// The four e4m3 codes of a word (lowest byte first) as floats, by the hardware's conversion
-// (two codes an instruction): the same values as e4m3x4 (weights.cuh) times 2^120, so
-// bf16(value x scale) is the weight gemm.cu makes, in about half the instructions.
-__device__ __forceinline__ void e4m3x4_values(unsigned w, float* out) {
-    asm("{\n.reg .b16 c0, c1, h0, h1, h2, h3;\n.reg .b32 p0, p1;\n"
-        "mov.b32 {c0, c1}, %4;\n"
-        "cvt.rn.f16x2.e4m3x2 p0, c0;\ncvt.rn.f16x2.e4m3x2 p1, c1;\n"
-        "mov.b32 {h0, h1}, p0;\nmov.b32 {h2, h3}, p1;\n"
-        "cvt.f32.f16 %0, h0;\ncvt.f32.f16 %1, h1;\ncvt.f32.f16 %2, h2;\ncvt.f32.f16 %3, h3;\n}"
-        : "=f"(out[0]), "=f"(out[1]), "=f"(out[2]), "=f"(out[3])
-        : "r"(w));
-}
-
 template <int BN, int EPI>
 __device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char* codes,
                                               const unsigned char* __restrict__ b_rows, int N,

@@ -77,3 +77,28 @@ extern "C" __global__ void mark_seen(const int* __restrict__ ids, int n,
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         seen[ids[i]] = 1;
 }
+
+// A speculative pass's tokens kept into the reply: seen and counted for the penalties, as a
+// plain step counts the token it draws (one thread: the ids may repeat).
+extern "C" __global__ void count_tokens(const int* __restrict__ ids, int n,
+                                        unsigned char* __restrict__ seen, int* __restrict__ counts) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    for (int i = 0; i < n; ++i) {
+        seen[ids[i]] = 1;
+        counts[ids[i]] += 1;
+    }
+}
+
+// A speculative pass's greedy choices where no penalty is on: each row's first maximum (one
+// block a row, rows of `vocab` logits), the token a plain greedy step takes from that row.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    rows_argmax(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
+    __shared__ float vals[THREADS / 32];
+    __shared__ int idxs[THREADS / 32];
+    const float* row = logits + static_cast<long long>(blockIdx.x) * vocab;
+    float val = QW_NEG_INF;
+    int idx = vocab;
+    for (int i = threadIdx.x; i < vocab; i += THREADS) qws::argmax_merge(val, idx, row[i], i);
+    qws::argmax_block<THREADS>(val, idx, vals, idxs);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx;
+}

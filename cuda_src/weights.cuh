@@ -57,6 +57,22 @@ __device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned codes) {
     return r;
 }
 
+#if __CUDA_ARCH__ >= 890
+// The four e4m3 codes of a word (lowest byte first) as floats, by the hardware's conversion
+// (two codes an instruction): the same values as e4m3x4 (above) times 2^120, so
+// bf16(value x scale) is the weight gemm.cu makes, in about half the instructions.
+// sm_89 and later (gemm_sm90.cu, verify.cu).
+__device__ __forceinline__ void e4m3x4_values(unsigned w, float* out) {
+    asm("{\n.reg .b16 c0, c1, h0, h1, h2, h3;\n.reg .b32 p0, p1;\n"
+        "mov.b32 {c0, c1}, %4;\n"
+        "cvt.rn.f16x2.e4m3x2 p0, c0;\ncvt.rn.f16x2.e4m3x2 p1, c1;\n"
+        "mov.b32 {h0, h1}, p0;\nmov.b32 {h2, h3}, p1;\n"
+        "cvt.f32.f16 %0, h0;\ncvt.f32.f16 %1, h1;\ncvt.f32.f16 %2, h2;\ncvt.f32.f16 %3, h3;\n}"
+        : "=f"(out[0]), "=f"(out[1]), "=f"(out[2]), "=f"(out[3])
+        : "r"(w));
+}
+#endif
+
 // A 16-byte piece of codes as 8 words of bf16 pairs, lowest code first: decode(word, v) puts a
 // word's four codes in v as floats, each is multiplied by s and rounded. The prefill GEMMs
 // make their bf16 weight tiles with it (decode: e4m3x4, or the hardware's conversion on sm_90).

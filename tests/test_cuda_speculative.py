@@ -1,11 +1,12 @@
 """Speculative decoding on the CUDA engine (GPU only): prompt lookup and a draft model verified
-by passes through the prefill's kernels give plain decoding's greedy tokens (the megakernel's
+by passes through verify.cu give plain decoding's greedy tokens (the megakernel's
 and the per-op graph's), stop where it stops, leave the cache it leaves, and sample the same
 tokens for the same seed."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -14,11 +15,12 @@ from test_megakernel import SAMPLED, assert_near_tie
 from qwenchat.engine.base import GenerateRequest, StopReason
 from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
 from qwenchat.sampling.params import LiveParams, SamplingParams
+from qwenchat.sampling.sampler import apply_penalties
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
 STEPS = 512
-# A pass's logits (the prefill's kernels, which round activations to bf16 before each product)
+# A pass's logits (verify.cu, which rounds activations to bf16 before each product)
 # and a plain step's (the decode path's) agree within PASS_AGREE of the largest logit (5.2e-3
 # seen on the 0.6B shape, per-op graph); a greedy choice may differ only where the two tokens'
 # logits are, on both paths, closer than twice that.
@@ -64,25 +66,44 @@ def greedy(steps: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=steps)
 
 
-def check_parting(engine, prompt, plain, fast) -> str:
+def pass_logits(engine, context: list[int]) -> np.ndarray:
+    """The logits a speculative pass gives after `context` (its last token fed in a pass of
+    one row; the rest prefilled)."""
+    engine.truncate(0)
+    engine.prefill(context[:-1])
+    if engine.pass_path == "prefill":
+        engine.prefill(context[-1:])
+        return engine.last_logits()
+    engine.ids.upload(np.asarray(context[-1:], np.int32), stream=engine.stream)
+    engine._verify_forward(len(context) - 1, 1)
+    row = np.empty(engine.config.vocab_size, np.float32)
+    engine.pass_logits.download(row, stream=engine.stream)
+    engine.stream.synchronize()
+    return row
+
+
+def check_parting(engine, prompt, plain, fast, params=None) -> str:
     """Where the speculative reply left plain decoding's: the two tokens must be a near-tie on
-    both paths (the pass's logits come from the prefill's kernels, the plain step's from the
-    decode path, which sum in other orders). Returns the tie, with both paths' logits."""
+    both paths (the pass's logits come from verify.cu, which rounds activations to bf16, the
+    plain step's from the decode path, which sum in other orders). Returns the tie, with both
+    paths' logits (penalised as the sampler penalises them, with `params`' penalties)."""
+    params = params or greedy
     at = next(i for i, (a, b) in enumerate(zip(plain, fast, strict=False)) if a != b)
     assert at > 0, "the first token comes from the prefill's logits on both: no parting"
     a, b = plain[at], fast[at]
-    engine.truncate(0)
-    engine.prefill(prompt + plain[:at])  # the pass's kernels: the prefill's
-    passed = engine.last_logits()
-    again, _ = run(engine, prompt, greedy(at + 1), 0)  # its last step chose plain[at]
+    passed = pass_logits(engine, prompt + plain[:at])
+    again, _ = run(engine, prompt, params(at + 1), 0)  # its last step chose plain[at]
     assert again == plain[: at + 1]
     stepped = engine.last_logits()
+    if params(1).penalized:
+        stepped, passed = (apply_penalties(x, params(1), prompt, Counter(plain[:at]))
+                           for x in (stepped, passed))
     return assert_near_tie(at, a, b, ("plain step", stepped), ("pass", passed), PASS_AGREE,
                            float(np.abs(stepped).max()))
 
 
-def greedy_agrees(engine, prompt: list[int], steps: int, make_proposer=lambda: None
-                  ) -> tuple[list[str], list[int]]:
+def greedy_agrees(engine, prompt: list[int], steps: int, make_proposer=lambda: None,
+                  params=greedy) -> tuple[list[str], list[int]]:
     """Greedy replies with and without speculation, `steps` tokens: equal, except at a
     near-tie (check_parting), after which both go on from plain decoding's choice. Returns
     the near-ties and the passes' (passes, proposed, kept)."""
@@ -91,8 +112,8 @@ def greedy_agrees(engine, prompt: list[int], steps: int, make_proposer=lambda: N
     counted = [0, 0, 0]
     while len(done) < steps:
         left = steps - len(done)
-        plain, _ = run(engine, prompt + done, greedy(left), 0)
-        fast, _ = run(engine, prompt + done, greedy(left), SPECULATE_MOST,
+        plain, _ = run(engine, prompt + done, params(left), 0)
+        fast, _ = run(engine, prompt + done, params(left), SPECULATE_MOST,
                       proposer=make_proposer())
         stats = engine.speculation
         counted = [counted[0] + stats.passes, counted[1] + stats.proposed,
@@ -100,7 +121,7 @@ def greedy_agrees(engine, prompt: list[int], steps: int, make_proposer=lambda: N
         assert len(fast) == len(plain) == left
         if fast == plain:
             break
-        ties.append(check_parting(engine, prompt + done, plain, fast))
+        ties.append(check_parting(engine, prompt + done, plain, fast, params))
         at = next(i for i, (a, b) in enumerate(zip(plain, fast, strict=True)) if a != b)
         done += plain[: at + 1]
     return ties, counted
@@ -116,6 +137,28 @@ def test_prompt_lookup_greedy_is_plain_greedy_over_512_steps(engine):
     assert len(ties) <= 8, f"too many near-ties to be ties: {ties}"
 
 
+def penalised_greedy(steps: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=steps, repetition_penalty=1.1,
+                          presence_penalty=0.3, frequency_penalty=0.2)
+
+
+def test_penalised_greedy_passes_verify_on_the_host_and_keep_plain_greedy(engine):
+    """With penalties on, a pass's rows go to the host for verify (the penalties over the
+    reply's counts), rather than to rows_argmax. The draft is the target's twin (the same
+    weights), so its proposals are kept, as prompt lookup's repeats would not be under the
+    penalties."""
+    twin = make_engine(weight_format=engine.weight_format)
+    try:
+        ties, (passes, _, kept) = greedy_agrees(
+            engine, prompt_for(engine, seed=11), 96,
+            lambda: DraftProposer(twin, engine.config.vocab_size), params=penalised_greedy)
+    finally:
+        twin.close()
+    print(f"penalised: {passes} passes, kept {kept}; near-ties {ties or 'none'}")
+    assert passes > 0 and kept > 0
+    assert len(ties) <= 4, f"too many near-ties to be ties: {ties}"
+
+
 def test_the_cache_and_logits_after_rejections_are_plain_decodings(engine):
     prompt = prompt_for(engine, seed=7)
     steps = 200
@@ -129,13 +172,23 @@ def test_the_cache_and_logits_after_rejections_are_plain_decodings(engine):
     if fast != plain:
         pytest.skip("parted on a near-tie: " + check_parting(engine, prompt, plain, fast))
     assert engine.position == position
-    # The passes write the kept tokens' keys with the prefill's kernels (other summation
+    # The passes write the kept tokens' keys with verify.cu's products (other summation
     # orders than the decode path's, activations rounded to bf16): a key may differ by a few
     # of its last bits (seen: one of 2.1M by 0.023), never by a rejected token's whole value.
     fast_k = download_keys(engine, position)
     np.testing.assert_allclose(fast_k, plain_k, rtol=2e-2, atol=6e-2)
     scale = float(np.abs(plain_logits).max())
     assert float(np.abs(engine.last_logits() - plain_logits).max()) <= PASS_AGREE * scale
+    # The penalties' state: every reply token counted once and seen, the passes' tokens
+    # (count_tokens) as the plain steps' (the sampler).
+    counts = np.empty(engine.config.vocab_size, np.int32)
+    engine.counts.download(counts)
+    want = np.bincount(plain, minlength=engine.config.vocab_size)
+    assert np.array_equal(counts, want)
+    seen = np.empty(engine.config.vocab_size, np.uint8)
+    engine.seen.download(seen)
+    assert seen[plain].all() and seen[prompt].all()
+    assert int(seen.sum()) == len(set(plain) | set(prompt))
 
 
 def download_keys(engine, position: int) -> np.ndarray:

@@ -375,7 +375,8 @@ def test_a_hopper_run_compiles_the_megakernel_first_and_no_portable_gemm():
     assert plan.decode == "megakernel" and plan.hopper_gemm and plan.hopper_attention
     assert _sources(plan) == [
         ("megakernel.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("attention.cu", "sm_90"),
-        ("sampling.cu", "sm_90"), ("attention_sm90.cu", "sm_90a"), ("layers.cu", "sm_90")]
+        ("sampling.cu", "sm_90"), ("attention_sm90.cu", "sm_90a"), ("verify.cu", "sm_90"),
+        ("layers.cu", "sm_90")]
     assert plan.builds[0] == plan.megakernel
     assert dict(plan.megakernel.defines) == {
         **plan.megakernel_layout.defines(config), "QW_MK_SKIP": 0}
@@ -392,7 +393,7 @@ def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():
     plan = plan_kernels(PRESETS["qwen3-4b"], "fp8", gpu_shape("sm_89"))
     assert _sources(plan) == [
         ("megakernel.cu", "sm_89"), ("attention.cu", "sm_89"), ("sampling.cu", "sm_89"),
-        ("gemm.cu", "sm_89"), ("layers.cu", "sm_89")]
+        ("gemm.cu", "sm_89"), ("verify.cu", "sm_89"), ("layers.cu", "sm_89")]
     assert all(dict(build.defines)["QW_FP8"] == 1 for build in plan.builds)
     hopper = plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_90"))
     forced = plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_90"),

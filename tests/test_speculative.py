@@ -3,6 +3,8 @@ engine's reply loop with them (plain decoding's tokens, cache and stops)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 
 import numpy as np
@@ -240,14 +242,16 @@ def test_a_speculative_reply_stops_on_the_token_plain_decoding_stops_on(tiny_eng
 
 def test_adaptive_k_pauses_after_fruitless_passes_longer_each_time_until_one_pays():
     adapt = AdaptiveK(7)
-    for _ in range(4):
-        assert adapt.ready()
-        adapt.update(adapt.k, 0)
+    assert adapt.ready()
+    adapt.update(7, 0)
+    assert adapt.ready() and adapt.k == 1  # 7 proposals: too few to judge by
+    adapt.update(1, 0)  # none of 8 kept: pause
     assert adapt.k == 1
     assert [adapt.ready() for _ in range(9)] == [False] * 8 + [True]
-    for _ in range(4):  # the probes fail too: a pause twice as long
-        adapt.update(1, 0)
+    adapt.update(1, 0)  # the probe fails: at once a pause twice as long
     assert [adapt.ready() for _ in range(17)] == [False] * 16 + [True]
+    adapt.update(1, 0)
+    assert [adapt.ready() for _ in range(33)] == [False] * 32 + [True]
     adapt.update(1, 1)  # one pays: back to the first pause, k grows again
     assert adapt.pause == AdaptiveK.FIRST_PAUSE and adapt.k == 2
     adapt.update(2, 2)
@@ -255,6 +259,7 @@ def test_adaptive_k_pauses_after_fruitless_passes_longer_each_time_until_one_pay
     adapt.update(1, 0)
     assert adapt.ready()  # (3 kept of 7 proposed in the window: no pause)
     adapt.update(2, 0)
+    assert adapt.ready()  # (2 kept of 8: a quarter, no pause)
     adapt.update(1, 0)  # none of the last 7 kept: pause, as long as the first again
     assert [adapt.ready() for _ in range(9)] == [False] * 8 + [True]
 
@@ -281,8 +286,9 @@ def test_a_draft_that_never_agrees_costs_few_passes(tiny_engine):
                                                       speculate=7, proposer=Contrary())))
     stats = tiny_engine.speculation
     assert reply == plain and stats.accepted == 0
-    # Windows of 4 passes between pauses of 8, 16, ..., 128 steps: 24 passes in 300 steps.
-    assert stats.passes <= 24
+    # Two passes (7 + 1 proposals), then one probe after each pause of 8, 16, ..., 128 steps:
+    # 7 passes in 300 steps.
+    assert stats.passes <= 7
 
 
 def test_adaptive_k_grows_after_full_passes_and_shrinks_to_what_was_kept():
@@ -485,6 +491,15 @@ def test_the_loop_plans_plain_runs_and_waits_for_tokens_under_way():
                               proposer=NeverAgrees())
     assert list(never.generate(request)) == plain
     assert max(p for p in never.plans if p is not None) >= AdaptiveK.FIRST_PAUSE
+    # ... and probes after it, though its plain steps run ahead (tokens under way at every
+    # step of the pause): two passes, then one after each pause of 8, 16 and 32 steps.
+    ahead = RunAheadEngine(TINY, RandomWeights(TINY, seed=3), ctx=512, ahead=2)
+    ahead.truncate(0)
+    ahead.prefill(PROMPT)
+    request = dataclasses.replace(request, proposer=NeverAgrees())
+    assert list(ahead.generate(request)) == plain
+    assert ahead.speculation.passes == never.speculation.passes >= 5
+    assert ahead.proposed_while_pending == 0
 
 
 class NeverAgrees:

@@ -142,18 +142,18 @@ class CacheBookkeeping:
         raise NotImplementedError
 
     def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
-                          seed: int, step: int, draft_probs: np.ndarray | None
-                          ) -> tuple[list[int], np.ndarray]:
+                          seed: int, step: int, draft_probs: np.ndarray | None) -> list[int]:
         """Run `fed` and the proposal through the model in one pass (the cache grows by all
         of them) and verify the proposal (sampling.speculative.verify, with the draft's
-        distributions if any): (the kept tokens and the one that ends the pass, the pass's
-        rows of logits). Engines that cannot score several tokens at once leave this out,
-        and speculation is off on them."""
+        distributions if any): the kept tokens and the one that ends the pass. The engine
+        keeps the pass's rows of logits for _rewind. Engines that cannot score several tokens
+        at once leave this out, and speculation is off on them."""
         raise NotImplementedError
 
-    def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
-        """After a pass: keep the cache up to `position`, with `logits` as the last position's
-        (what `emitted`'s last token was drawn from), and count `emitted` for the penalties."""
+    def _rewind(self, position: int, row: int, emitted: list[int]) -> None:
+        """After a pass: keep the cache up to `position`, with the pass's row `row` of logits
+        as the last position's (what `emitted`'s last token was drawn from), and count
+        `emitted` for the penalties."""
         raise NotImplementedError
 
     def _plain_pending(self) -> bool:
@@ -242,14 +242,14 @@ class CacheBookkeeping:
             k = min(adapt.k, request.speculate, self.capacity - self.position - 1)
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - step - 1)
+            # (ready() first: every plain step of a pause counts it down, tokens under way or
+            # not, so a decode that runs ahead still comes back to propose)
             proposal, draft_probs = (proposer.propose(k, params, seed, step)
-                                     if token is not None and k > 0
-                                     and not self._plain_pending() and adapt.ready()
-                                     else ([], None))
+                                     if token is not None and k > 0 and adapt.ready()
+                                     and not self._plain_pending() else ([], None))
             if proposal:
                 start = self.position
-                kept, rows = self._speculative_pass(token, proposal, params, seed, step,
-                                                    draft_probs)
+                kept = self._speculative_pass(token, proposal, params, seed, step, draft_probs)
                 adapt.update(len(proposal), len(kept) - 1)
                 n = next((j + 1 for j, t in enumerate(kept) if t in request.eos_ids
                           or start + j + 1 >= self.capacity), len(kept))
@@ -257,7 +257,7 @@ class CacheBookkeeping:
                 stats.proposed += len(proposal)
                 stats.accepted += min(n, len(kept) - 1)  # (the proposals emitted)
                 emitted = kept[:n]
-                self._rewind(start + n, rows[n - 1], emitted)
+                self._rewind(start + n, n - 1, emitted)
             else:
                 # (paused: this step and the rest of the pause; else one, as the next may
                 # propose; speculation off: no bound)

@@ -137,17 +137,16 @@ class ReferenceEngine(CacheBookkeeping):
         return token
 
     def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
-                          seed: int, step: int, draft_probs: np.ndarray | None
-                          ) -> tuple[list[int], np.ndarray]:
+                          seed: int, step: int, draft_probs: np.ndarray | None) -> list[int]:
         context = list(self._tokens)
-        rows = self._forward([fed, *proposal], all_positions=True)
-        kept = verify(rows, proposal, params, seed, step, context, self._reply_counts,
-                      draft_probs)
-        return kept, rows
+        self._pass_rows = self._forward([fed, *proposal], all_positions=True)
+        return verify(self._pass_rows, proposal, params, seed, step, context,
+                      self._reply_counts, draft_probs)
 
-    def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
+    def _rewind(self, position: int, row: int, emitted: list[int]) -> None:
         del self._tokens[position:]  # (the cache arrays past it are written over later)
-        self._logits = logits
+        self._logits = self._pass_rows[row]
+        self._pass_rows = None
         self._reply_counts.update(emitted)
 
     def _forward(self, ids: list[int], all_positions: bool = False) -> np.ndarray:

@@ -50,6 +50,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty can change the logits (sampler.apply_penalties)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     def with_updates(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
 

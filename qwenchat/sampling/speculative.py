@@ -118,14 +118,16 @@ class AdaptiveK:
     """How many tokens to propose next, and whether to propose at all.
 
     k: one more after a pass that kept every proposal, one more than were kept after one that
-    did not (between 1 and `most`). Switch-off: when the last WINDOW passes kept less than
-    PAUSE_BELOW of what they proposed, speculation pauses for `pause` steps (8, doubling on
-    each pause in a row up to 256, back to 8 once a pass keeps something), then probes again
-    with one token. Only the proposals decide this, never timings, so a seed still gives one
-    reply.
+    did not (between 1 and `most`). Switch-off: when the recent passes (the last WINDOW, or
+    fewer once they proposed JUDGED tokens) kept less than PAUSE_BELOW of what they proposed,
+    speculation pauses for `pause` steps (8, doubling on each pause in a row up to 256, back to
+    8 once a pass keeps something), then probes with one token; a probe that keeps nothing
+    pauses again at once. Only the proposals decide this, never timings, so a seed still gives
+    one reply.
     """
 
     WINDOW = 4
+    JUDGED = 8  # proposals enough to judge by, in fewer than WINDOW passes
     PAUSE_BELOW = 0.25
     FIRST_PAUSE, LONGEST_PAUSE = 8, 256
 
@@ -136,6 +138,7 @@ class AdaptiveK:
         self.k = most
         self.pause = self.FIRST_PAUSE
         self.paused = 0  # steps left without proposing
+        self._probing = False  # the next pass is the probe after a pause
         self._recent: list[tuple[int, int]] = []
 
     def ready(self) -> bool:
@@ -150,9 +153,12 @@ class AdaptiveK:
         self.k = max(1, min(self.most, grown))
         if kept:
             self.pause = self.FIRST_PAUSE
+        probe, self._probing = self._probing, False
         self._recent = [*self._recent, (proposed, kept)][-self.WINDOW:]
-        if len(self._recent) == self.WINDOW:
-            total = sum(p for p, _ in self._recent)
-            if sum(k for _, k in self._recent) < self.PAUSE_BELOW * total:
-                self.paused, self.k, self._recent = self.pause, 1, []
-                self.pause = min(self.LONGEST_PAUSE, 2 * self.pause)
+        total = sum(p for p, _ in self._recent)
+        judged = len(self._recent) == self.WINDOW or total >= self.JUDGED
+        if (probe and not kept) or (judged and sum(k for _, k in self._recent)
+                                    < self.PAUSE_BELOW * total):
+            self.paused, self.k, self._recent = self.pause, 1, []
+            self.pause = min(self.LONGEST_PAUSE, 2 * self.pause)
+            self._probing = True

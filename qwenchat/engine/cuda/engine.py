@@ -47,6 +47,7 @@ from qwenchat.engine.cuda.prefill import (
     prefill_attention_shared,
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
+from qwenchat.engine.cuda.verify import VERIFY_KERNELS, VerifyPass
 from qwenchat.engine.cuda.weights import WeightUpload
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.errors import BackendUnavailable, QwenchatError
@@ -64,7 +65,8 @@ KERNELS = {
     "gemm.cu": ("gemm_store", "gemm_add"),
     "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_decode_partial",
                      "attn_decode_merge"),
-    "sampling.cu": ("sample_prepare", "sample_token", "mark_seen"),
+    "sampling.cu": ("sample_prepare", "sample_token", "mark_seen", "count_tokens", "rows_argmax"),
+    "verify.cu": VERIFY_KERNELS,
 }
 # Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs, for
 # bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
@@ -74,7 +76,7 @@ SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
 # builds start in this order, so the longest never waits behind the short ones.
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "attention.cu", "sampling.cu",
-                 "attention_sm90.cu", "gemm.cu", "layers.cu")
+                 "attention_sm90.cu", "gemm.cu", "verify.cu", "layers.cu")
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4, lm_head_tokens)
 LM_HEAD_TOKENS = 8  # lm_head_tokens' rows a launch at most (layers.cu, LM_TOKENS)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
@@ -176,11 +178,16 @@ def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
         gpu.close()
 
 
-class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBookkeeping):
+class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpload,
+                 CacheBookkeeping):
     """The engine protocol on one GPU. Its parts live beside it, one module each, as the
     kernels do: weight upload (weights.py), prefill (prefill.py), the per-op decode graph
-    (layered.py) and the decode megakernel (megakernel.py); this class owns the device, the
-    buffers they share, and the reply's bookkeeping."""
+    (layered.py), the decode megakernel (megakernel.py) and the speculative pass (verify.py);
+    this class owns the device, the buffers they share, and the reply's bookkeeping."""
+
+    # A speculative pass's forward: "verify" (verify.py) or "prefill" (the prefill's kernels,
+    # the first cut; kept for comparisons).
+    pass_path = "verify"
 
     def __init__(
         self,
@@ -463,6 +470,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
+        self._close_verify()
         for buffer in self._buffers:
             buffer.free()
         self._buffers.clear()
@@ -514,45 +522,60 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, WeightUpload, CacheBo
 
     # ----------------------------------------------------------------------------- speculation
     def _speculative_pass(self, fed: int, proposal: list[int], params: SamplingParams,
-                          seed: int, step: int, draft_probs: np.ndarray | None
-                          ) -> tuple[list[int], np.ndarray]:
-        """The fed token and the proposal through the prefill's kernels in one pass (each
-        weight read once for all of them, the KV cache written for every one), the LM head on
-        each row, and verify on the host with the GPU sampler's draw (sample_token_gpu), so
+                          seed: int, step: int, draft_probs: np.ndarray | None) -> list[int]:
+        """The fed token and the proposal through the target in one pass (verify.py: each
+        weight read once for all of them, the KV cache written for every one, the LM head on
+        each row), then the choice a plain step would make from each row: greedy without
+        penalties, each row's argmax on the GPU (rows_argmax, the plain sampler's ties); else
+        the rows on the host for verify with the GPU sampler's draw (sample_token_gpu), so
         that a kept token is the one a plain step would have drawn from the same logits."""
-        cfg = self.config
         self.device.make_current()
+        self._verify_state()
         context = list(self._tokens)
-        ids = np.asarray([fed, *proposal], dtype=np.int32)
+        ids = self._host_verify_ids[: len(proposal) + 1]
+        ids[:] = [fed, *proposal]
         n, start = len(ids), self.position
         self.ids.upload(ids, stream=self.stream)
-        self._forward_prefill(start, n)
-        self._lm_head_rows(n, self.pass_logits)
-        rows = np.empty((n, cfg.vocab_size), np.float32)
+        if self.pass_path == "verify":
+            self._verify_forward(start, n)
+        else:  # "prefill": the prefill's kernels (comparisons)
+            self._forward_prefill(start, n)
+            self._lm_head_rows(n, self.pass_logits)
+        self._tokens.extend([fed, *proposal])
+        if params.greedy and not params.penalized:
+            self._launch("rows_argmax", n, 1024, self.pass_logits,
+                         ctypes.c_int(self.config.vocab_size), self.verify_choice)
+            choice = self._host_verify_choice[:n]
+            self.verify_choice.download(choice, stream=self.stream)
+            self.stream.synchronize()
+            kept = []
+            for i, token in enumerate(choice.tolist()):
+                kept.append(token)
+                if i == len(proposal) or token != proposal[i]:
+                    return kept
+        rows = self._pass_rows_host()[:n]
         self.pass_logits.download(rows, stream=self.stream)
         self.stream.synchronize()
-        self._tokens.extend(int(t) for t in ids)
-        kept = verify(rows, proposal, params, seed, step, context, self._reply_counts,
+        return verify(rows, proposal, params, seed, step, context, self._reply_counts,
                       draft_probs, sample=sample_token_gpu)
-        return kept, rows
 
-    def _rewind(self, position: int, logits: np.ndarray, emitted: list[int]) -> None:
+    def _rewind(self, position: int, row: int, emitted: list[int]) -> None:
         """Keep the cache up to `position` (entries past it are written over later), and
-        leave the device as plain decoding would have: `logits` the last position's, the
-        emitted tokens counted and seen for the penalties, the last one to be fed next at
-        `position`."""
+        leave the device as plain decoding would have: the pass's row `row` of logits the last
+        position's, the emitted tokens counted and seen for the penalties (count_tokens, as
+        plain steps count theirs), the last one to be fed next at `position`."""
         cfg = self.config
         self.device.make_current()
         del self._tokens[position:]
         self._reply_counts.update(emitted)
-        self.logits.upload(np.ascontiguousarray(logits, dtype=np.float32), stream=self.stream)
-        counts = np.zeros(cfg.vocab_size, np.int32)
-        for token, count in self._reply_counts.items():
-            counts[token] = count
-        self.counts.upload(counts, stream=self.stream)
-        ids = np.asarray(emitted, dtype=np.int32)
+        row_bytes = cfg.vocab_size * 4
+        self.logits.copy_from(self.pass_logits, row_bytes, src_offset=row * row_bytes,
+                              stream=self.stream)
+        ids = self._host_verify_ids[: len(emitted)]
+        ids[:] = emitted
         self.ids.upload(ids, stream=self.stream)
-        self._launch("mark_seen", 1, 256, self.ids, ctypes.c_int(len(ids)), self.seen)
+        self._launch("count_tokens", 1, 32, self.ids, ctypes.c_int(len(ids)), self.seen,
+                     self.counts)
         self._host_token[0] = emitted[-1]
         self.token.upload(self._host_token, stream=self.stream)
         self._host_pos[0] = position

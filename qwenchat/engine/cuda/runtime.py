@@ -280,6 +280,18 @@ class DeviceBuffer:
                                            _stream_handle(stream)), "cuMemcpyDtoHAsync")
         _finish(stream)
 
+    def copy_from(self, src: DeviceBuffer, nbytes: int, src_offset: int = 0, offset: int = 0,
+                  stream: Stream | None = None) -> None:
+        """Copy `nbytes` of `src` from byte `src_offset` into this buffer at byte `offset`, on
+        the device (async on a stream)."""
+        if not (0 <= src_offset <= src.nbytes - nbytes and 0 <= offset <= self.nbytes - nbytes):
+            raise ValueError(f"copy of {nbytes} bytes from byte {src_offset} of a {src.nbytes}-"
+                             f"byte buffer to byte {offset} of a {self.nbytes}-byte one")
+        if nbytes:
+            check(driver.cuMemcpyDtoDAsync(self.ptr + offset, src.ptr + src_offset, nbytes,
+                                           _stream_handle(stream)), "cuMemcpyDtoDAsync")
+        _finish(stream)
+
     def fill_u8(self, value: int, stream: Stream | None = None) -> None:
         """Set every byte to `value` (tests poison buffers so stale reads show up as NaN)."""
         check(driver.cuMemsetD8Async(self.ptr, value, self.nbytes, _stream_handle(stream)),

@@ -1,0 +1,215 @@
+// A speculative pass's linear layers: the fed token and up to 7 proposals (n <= 8 rows of
+// activations) times a layer's weights, every weight read once for all of them, on the tensor
+// cores. The prefill's GEMMs tile 128 tokens, so with 8 tokens only the weight columns give
+// them blocks (16-32 of 132 SMs on an 8B's o_proj and down); here a block takes 16 or 32
+// output rows and its 8 warps split K, so even o_proj gets 128-256 blocks, and a pass reads
+// the weights at about the rate a decode step does.
+//
+// mma m16n8k16 (bf16 in, f32 out): A is 16 weight rows (lane (g, t) of a warp holds rows g and
+// g + 8), B is the 8 tokens' activations (lane (g, t) holds token g's), D[row][token]. Lane
+// (g, t) loads 16-byte pieces of its two rows at the columns of its own and the same columns of
+// token g's activations; the two mma of a piece take its values 0-3 and 4-7 (a lane's k-slots
+// hold other columns than the mma's nominal ones, but the same in A and B, so every product is
+// one weight times its own activation). A step is 4 lanes x 32 bytes of a row: 64 bf16 columns,
+// or 128 FP8 codes, whose block scale (weights.cuh) is then one float a row; FP8 codes become
+// bf16 weights (code x scale, rounded, as the prefill's GEMMs make their tiles). The warps' sums
+// of a row are added in warp order through shared memory: no atomics, the same sums each run.
+#include "common.cuh"
+#include "qwen3.cuh"
+#include "weights.cuh"
+
+namespace {
+constexpr int VT_THREADS = 256, VT_WARPS = VT_THREADS / 32, VT_TOKENS = 8;
+
+// 16 bytes of weights that no other kernel of the pass reads: streamed past L1.
+__device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Token tok's 8 activations at column col (a row of K) as bf16 pairs, zero where !ok.
+template <int K, bool AF32>
+__device__ __forceinline__ uint4 act8(const void* a, int tok, int col, bool ok) {
+    if (!ok) return make_uint4(0u, 0u, 0u, 0u);
+    const long long at = static_cast<long long>(tok) * K + col;
+    if constexpr (AF32) {
+        const float4 lo = *reinterpret_cast<const float4*>(static_cast<const float*>(a) + at);
+        const float4 hi = *reinterpret_cast<const float4*>(static_cast<const float*>(a) + at + 4);
+        return make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
+                          pack_bf16x2(hi.z, hi.w));
+    } else {
+        return *reinterpret_cast<const uint4*>(static_cast<const bf16_t*>(a) + at);
+    }
+}
+
+// d += rows (w0: row g, w1: row g + 8) . token g's activations x, over one 8-column piece.
+__device__ __forceinline__ void mma_piece(float (&d)[4], uint4 w0, uint4 w1, uint4 x) {
+    const unsigned a0[4] = {w0.x, w1.x, w0.y, w1.y}, b0[2] = {x.x, x.y};
+    const unsigned a1[4] = {w0.z, w1.z, w0.w, w1.w}, b1[2] = {x.z, x.w};
+    mma_bf16_16816(d, a0, b0);
+    mma_bf16_16816(d, a1, b1);
+}
+
+// Four e4m3 codes (a word, lowest byte first) as floats: exact by the hardware's conversion,
+// else x 2^-120 (e4m3x4); codes_unit() is what the block scale is multiplied by to match.
+__device__ __forceinline__ void codes4(unsigned w, float* v) {
+#if __CUDA_ARCH__ >= 890
+    e4m3x4_values(w, v);
+#else
+    e4m3x4(w, v);
+#endif
+}
+
+__device__ __forceinline__ float codes_unit() {
+#if __CUDA_ARCH__ >= 890
+    return 1.f;
+#else
+    return FP8_UNSCALE;
+#endif
+}
+
+// out[tok][row] (= or +=) Σ_k W[row][k] a[tok][k] for tok < n and the block's 16 R rows.
+template <int K, bool F8, bool AF32, bool ADD, int R>
+__device__ __forceinline__ void verify_product(const void* __restrict__ a, int n,
+                                               const unsigned char* __restrict__ W, int N,
+                                               float* __restrict__ out) {
+    constexpr long long RB = row_bytes<F8>(K);
+    constexpr int COLS = F8 ? 128 : 64;  // a step's columns
+    constexpr int STEPS = (K + COLS - 1) / COLS;
+    constexpr int PIECES = COLS / 32;  // 8-column pieces a lane takes a step: 2 or 4
+    __shared__ float sums[VT_WARPS][16 * R][VT_TOKENS + 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 16 * R;
+    const unsigned char* rows[R][2];
+    bool has[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 16 * r + 8 * h + g;
+            has[r][h] = row < N;
+            rows[r][h] = W + static_cast<long long>(has[r][h] ? row : 0) * RB;
+        }
+    const bool tok = g < n;
+    float acc[R][2][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][p][e] = 0.f;
+
+    // A step's loads: the weights of its rows (and FP8 block scales), token g's activations.
+    struct Loads {
+        uint4 raw[R][2][2];  // [tile][row g, g + 8][16-byte load]
+        float scale[R][2];
+        uint4 x[PIECES];
+    };
+    const auto load = [&](int s, Loads& l) {
+        const int c0 = s * COLS + (COLS / 4) * t;  // the lane's first column
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int col = c0 + q * (F8 ? 16 : 8);
+                    const bool in = has[r][h] && (K % COLS == 0 || col < K);
+                    l.raw[r][h][q] = in ? ld_stream(rows[r][h] + (F8 ? col : 2 * col))
+                                        : make_uint4(0u, 0u, 0u, 0u);
+                }
+                l.scale[r][h] = 0.f;
+                if constexpr (F8) {
+                    if (has[r][h] && (K % COLS == 0 || c0 < K))
+                        l.scale[r][h] =
+                            reinterpret_cast<const float*>(rows[r][h] + K)[s] * codes_unit();
+                }
+            }
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) {
+            const int col = c0 + 8 * p;
+            l.x[p] = act8<K, AF32>(a, g, col, tok && (K % COLS == 0 || col < K));
+        }
+    };
+    const auto multiply = [&](const Loads& l) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if constexpr (F8) {
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    unsigned w0[8], w1[8];
+                    codes_to_bf16(l.raw[r][0][q], l.scale[r][0], w0, codes4);
+                    codes_to_bf16(l.raw[r][1][q], l.scale[r][1], w1, codes4);
+                    mma_piece(acc[r][0], make_uint4(w0[0], w0[1], w0[2], w0[3]),
+                              make_uint4(w1[0], w1[1], w1[2], w1[3]), l.x[2 * q]);
+                    mma_piece(acc[r][1], make_uint4(w0[4], w0[5], w0[6], w0[7]),
+                              make_uint4(w1[4], w1[5], w1[6], w1[7]), l.x[2 * q + 1]);
+                }
+            } else {
+#pragma unroll
+                for (int p = 0; p < 2; ++p)
+                    mma_piece(acc[r][p], l.raw[r][0][p], l.raw[r][1][p], l.x[p]);
+            }
+        }
+    };
+    // The warp's steps warp, warp + 8, ...: the next step's loads go out before this one's
+    // products, so a warp keeps a step of loads in flight while it multiplies.
+    Loads cur, next;
+    if (warp < STEPS) load(warp, cur);
+    for (int s = warp; s < STEPS; s += VT_WARPS) {
+        if (s + VT_WARPS < STEPS) load(s + VT_WARPS, next);
+        multiply(cur);
+        cur = next;
+    }
+    // D[row][token]: lane (g, t) holds rows g and g + 8, tokens 2t and 2t + 1.
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        sums[warp][16 * r + g][2 * t] = acc[r][0][0] + acc[r][1][0];
+        sums[warp][16 * r + g][2 * t + 1] = acc[r][0][1] + acc[r][1][1];
+        sums[warp][16 * r + g + 8][2 * t] = acc[r][0][2] + acc[r][1][2];
+        sums[warp][16 * r + g + 8][2 * t + 1] = acc[r][0][3] + acc[r][1][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * R * VT_TOKENS; i += VT_THREADS) {
+        const int token = i / (16 * R), rr = i % (16 * R), row = row0 + rr;
+        if (token >= n || row >= N) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < VT_WARPS; ++w) v += sums[w][rr][token];
+        float* dst = out + static_cast<long long>(token) * N + row;
+        *dst = ADD ? *dst + v : v;
+    }
+}
+}  // namespace
+
+// Grid: ceil(N / (16 R)) blocks. a: n rows of K activations (bf16, or float for o_proj's
+// input); out: n rows of N floats, stored (qkv, gate/up) or added to (the residual stream).
+// (FP8's two-tile blocks need more than half an SM's registers a thread: one block an SM.)
+#define VERIFY_KERNEL(name, K, AF32, ADD, R)                                                       \
+    extern "C" __global__ void __launch_bounds__(VT_THREADS, qw::fp8 && R == 2 ? 1 : 2)          \
+        name(const void* __restrict__ a, int n, const void* __restrict__ W, int N,               \
+             float* __restrict__ out) {                                                          \
+        verify_product<K, qw::fp8, AF32, ADD, R>(a, n, static_cast<const unsigned char*>(W), N, \
+                                                 out);                                           \
+    }
+
+// One tile a block measured faster everywhere on the H100 but at o_proj with FP8 weights, whose
+// float activations (4 bytes a value against a code's 1) are the larger stream: two tiles
+// there (8B FP8 15.4 -> 14.1 us, 32B FP8 49 -> 37 us; docs/perf.md).
+VERIFY_KERNEL(verify_xn, qw::hidden, false, false, 1)
+VERIFY_KERNEL(verify_attn, qw::q_size, true, true, 1)
+VERIFY_KERNEL(verify_attn_r2, qw::q_size, true, true, 2)
+VERIFY_KERNEL(verify_act, qw::intermediate, false, true, 1)
+
+// The LM head (bf16 in every format) of the n rows' normed activations: logits stored.
+#define VERIFY_HEAD(name, R)                                                                    \
+    extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)                                  \
+        name(const void* __restrict__ a, int n, const void* __restrict__ W, int N,               \
+             float* __restrict__ out) {                                                          \
+        verify_product<qw::hidden, false, false, false, R>(                                      \
+            a, n, static_cast<const unsigned char*>(W), N, out);                                 \
+    }
+
+VERIFY_HEAD(verify_head, 1)

@@ -1,0 +1,127 @@
+"""A speculative pass's forward on the GPU: the fed token and up to SPECULATE_MOST proposals
+through every layer in one CUDA graph (a graph per row count and flash-decoding split count,
+captured on first use), their first position read from device memory. The linear layers run
+on verify.cu (each weight read once for all rows, on the tensor cores, with blocks enough to
+fill the chip at 8 rows), the LM head too; attention on the decode kernels with a row per grid
+slice."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+
+from qwenchat.engine.cuda import runtime as rt
+from qwenchat.engine.speculate import SPECULATE_MOST
+
+VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head")
+VERIFY_THREADS = 256  # verify.cu's VT_THREADS
+VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cu's VT_TOKENS
+VERIFY_TILE = 16  # weight rows of one mma tile
+NORM_THREADS = 1024  # rmsnorm_rows' block for a pass's few rows: its loads in fewer rounds
+
+
+def verify_kernel(kind: str, weight_format: str) -> tuple[str, int]:
+    """verify.cu's kernel for a product ("xn", "attn", "act", "head") and the weight rows a
+    block takes: two tiles only for o_proj's float input with FP8 weights (verify.cu)."""
+    if kind == "attn" and weight_format == "fp8":
+        return "verify_attn_r2", 2 * VERIFY_TILE
+    return f"verify_{kind}", VERIFY_TILE
+
+
+class VerifyPass:
+    """CudaEngine's speculative pass. Uses the engine's kernels, stream, prefill buffers (x,
+    xn, qkv, q, act, ids), KV caches and flash-decoding split options; allocates its own
+    scratch (rows of gate/up sums and attention partials) on first use."""
+
+    def _verify_state(self) -> None:
+        if getattr(self, "_verify_graphs", None) is not None:
+            return
+        cfg, rows, most = self.config, VERIFY_ROWS, self.split_options[-1]
+        self.verify_gu = self._device_buffer(rows * 2 * cfg.intermediate_size * 4)
+        self.verify_attn = self._device_buffer(rows * cfg.q_size * 4)
+        self.verify_part_o = self._device_buffer(rows * cfg.num_attention_heads * most
+                                                 * cfg.head_dim * 4)
+        self.verify_part_ml = self._device_buffer(rows * cfg.num_attention_heads * most * 2 * 4)
+        self.verify_pos = self._device_buffer(4)
+        self.verify_choice = self._device_buffer(rows * 4)  # rows_argmax's tokens
+        self._verify_pinned = [rt.PinnedBuffer(64 + 2 * rows * 4)]
+        host = self._verify_pinned[0]
+        self._host_verify_pos = host.array(np.int32, 1)
+        self._host_verify_choice = host.array(np.int32, 16 + rows)[16:]
+        self._host_verify_ids = host.array(np.int32, 16 + 2 * rows)[16 + rows:]
+        self._host_pass_rows: np.ndarray | None = None
+        self._verify_graphs: dict[tuple[int, int], rt.Graph] = {}
+
+    def _pass_rows_host(self) -> np.ndarray:
+        """Pinned host rows for a pass's logits (downloaded only where verify needs them)."""
+        if self._host_pass_rows is None:
+            cfg = self.config
+            pinned = rt.PinnedBuffer(VERIFY_ROWS * cfg.vocab_size * 4)
+            self._verify_pinned.append(pinned)
+            self._host_pass_rows = pinned.array(np.float32).reshape(VERIFY_ROWS, cfg.vocab_size)
+        return self._host_pass_rows
+
+    def _verify_product(self, kind: str, a, weight, out, n: int, rows: int) -> None:
+        """out (n x rows floats) = or += a . weight^T on verify.cu (kind "xn", "attn", "act",
+        or "head": the LM head)."""
+        name, per_block = verify_kernel(kind, self.weight_format)
+        self._launch(name, math.ceil(rows / per_block), VERIFY_THREADS, a, ctypes.c_int(n),
+                     weight, ctypes.c_int(rows), out)
+
+    def _forward_verify(self, n: int, splits: int) -> None:
+        """n tokens (self.ids) at positions *verify_pos.. through every layer, each row's
+        logits into pass_logits."""
+        cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
+        eps = c_float(cfg.rms_norm_eps)
+        h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
+        scale = c_float(cfg.head_dim**-0.5)
+        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
+        self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
+        for i, w in enumerate(self.layers):
+            self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, w.input_norm, c_int(n), eps,
+                         self.xn)
+            self._verify_product("xn", self.xn, w.qkv, self.qkv, n, qkv_cols)
+            self._launch("qk_norm_rope_store", (n, heads_total), max(32, cfg.head_dim // 2),
+                         self.qkv, c_int(n), self.verify_pos, c_int(0), w.q_norm, w.k_norm,
+                         self.inv_freq, eps, c_int(self.capacity), self.q, self.k_cache[i],
+                         self.v_cache[i])
+            self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits, n), 128,
+                         self.q, self.k_cache[i], self.v_cache[i], self.verify_pos,
+                         c_int(self.capacity), scale, self.verify_part_o, self.verify_part_ml)
+            self._launch("attn_decode_merge", (cfg.num_attention_heads, n),
+                         min(cfg.head_dim, 128), self.verify_part_o, self.verify_part_ml,
+                         c_int(splits), self.verify_attn, shared=(splits + 3) // 4 * 16)
+            self._verify_product("attn", self.verify_attn, w.o, self.x, n, h)
+            self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, w.post_norm, c_int(n), eps,
+                         self.xn)
+            self._verify_product("xn", self.xn, w.gate_up, self.verify_gu, n, 2 * inter)
+            blocks = min(4096, math.ceil(n * inter / 256))
+            self._launch("swiglu_rows", blocks, 256, self.verify_gu, c_int(n), self.act)
+            self._verify_product("act", self.act, w.down, self.x, n, h)
+        self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, self.final_norm, c_int(n), eps,
+                     self.xn)
+        self._verify_product("head", self.xn, self.lm_head, self.pass_logits, n, cfg.vocab_size)
+
+    def _verify_forward(self, start: int, n: int) -> None:
+        """The pass's forward for n tokens already in self.ids, the first at position start:
+        one graph launch."""
+        self._verify_state()
+        splits = self._splits_for(start + n)
+        key = (n, splits)
+        if key not in self._verify_graphs:
+            with rt.Graph.capture(self.stream) as graph:
+                self._forward_verify(n, splits)
+            self._verify_graphs[key] = graph
+        self._host_verify_pos[0] = start
+        self.verify_pos.upload(self._host_verify_pos, stream=self.stream)
+        self._verify_graphs[key].launch(self.stream)
+
+    def _close_verify(self) -> None:
+        for graph in (getattr(self, "_verify_graphs", None) or {}).values():
+            graph.close()
+        for pinned in getattr(self, "_verify_pinned", ()):
+            pinned.free()
+        self._verify_graphs = None
+        self._verify_pinned = []

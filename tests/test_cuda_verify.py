@@ -1,0 +1,120 @@
+"""verify.cu, the speculative pass's linear layers and LM head (GPU only): every kernel and
+row count 1-8, bf16 and FP8 weights, each input kind, against NumPy with the
+same bf16 rounding of the activations (and of code x scale for FP8) that the kernels make."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+import pytest
+
+from qwenchat.model.floats import bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def engine(request):
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2)
+    engine = CudaEngine(config, RandomWeights(config, seed=1, weight_format=request.param),
+                        ctx=512)
+    engine._verify_state()
+    yield engine
+    engine.close()
+
+
+def host_weights(engine, buffer, rows: int, cols: int, fp8: bool) -> np.ndarray:
+    """A layer's weights as the kernel multiplies them: bf16 values, or FP8 code x its
+    block's scale rounded to bf16."""
+    if not fp8:
+        bits = np.empty((rows, cols), np.uint16)
+        buffer.download(bits)
+        return bf16_bits_to_f32(bits)
+    from qwenchat.model.fp8 import packed_row_bytes
+
+    packed = np.empty((rows, packed_row_bytes(cols)), np.uint8)
+    buffer.download(packed)
+    blocks = -(-cols // 128)
+    scales = np.ascontiguousarray(packed[:, cols : cols + 4 * blocks]).view(np.float32)
+    values = e4m3_to_f32(packed[:, :cols]) * np.repeat(scales, 128, axis=1)[:, :cols]
+    return bf16_bits_to_f32(f32_to_bf16_bits(values))
+
+
+def bf16(values: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(f32_to_bf16_bits(values))
+
+
+@pytest.mark.parametrize("name", ["verify_xn", "verify_attn", "verify_attn_r2", "verify_act",
+                                  "verify_head"])
+def test_verify_products_equal_numpy_for_every_row_count(engine, name):
+    from qwenchat.engine.cuda import runtime as rt
+    from qwenchat.engine.cuda.verify import VERIFY_KERNELS, VERIFY_ROWS, VERIFY_TILE
+
+    assert name in VERIFY_KERNELS
+    kind = name.split("_")[1]
+    per_block = VERIFY_TILE * (2 if name.endswith("_r2") else 1)
+    cfg, w = engine.config, engine.layers[0]
+    weight, a_buffer, k, n_out = {
+        "xn": (w.qkv, engine.xn, cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
+        "attn": (w.o, engine.verify_attn, cfg.q_size, cfg.hidden_size),
+        "act": (w.down, engine.act, cfg.intermediate_size, cfg.hidden_size),
+        "head": (engine.lm_head, engine.xn, cfg.hidden_size, cfg.vocab_size)}[kind]
+    rows = n_out - 8  # a last tile that is cut short
+    fp8 = engine.weight_format == "fp8" and kind != "head"  # the LM head is bf16 in both
+    weights = host_weights(engine, weight, n_out, k, fp8)[:rows]
+    # the LM head's rows: its first and last 2,048 (its last tile cut short too)
+    check = np.r_[0:2048, rows - 2048 : rows] if kind == "head" else np.arange(rows)
+    weights = weights[check].astype(np.float64)
+    rng = np.random.default_rng(7)
+    out = rt.DeviceBuffer(VERIFY_ROWS * rows * 4)
+    try:
+        for n in range(1, VERIFY_ROWS + 1):
+            a = rng.standard_normal((VERIFY_ROWS, k)).astype(np.float32) * 3
+            if kind == "attn":  # float activations, rounded by the kernel
+                a_buffer.upload(a)
+            else:
+                a_buffer.upload(f32_to_bf16_bits(a))
+            before = rng.standard_normal((VERIFY_ROWS, rows)).astype(np.float32)
+            out.upload(before)
+            engine._launch(name, -(-rows // per_block), 256, a_buffer, ctypes.c_int(n), weight,
+                           ctypes.c_int(rows), out)
+            engine.stream.synchronize()
+            got = np.empty((VERIFY_ROWS, rows), np.float32)
+            out.download(got)
+            want = bf16(a[:n]).astype(np.float64) @ weights.T
+            if kind in ("attn", "act"):  # o_proj and down add to the residual stream
+                want += before[:n, check]
+            scale = np.abs(want).max()
+            assert np.abs(got[:n, check] - want).max() <= 2e-5 * scale, (name, n)
+            assert np.array_equal(got[n:], before[n:]), "rows past n are left alone"
+    finally:
+        out.free()
+
+
+def test_a_verify_product_is_the_same_each_run(engine):
+    """No atomics: the warps' sums are added in one order, so repeated products are equal bit
+    for bit."""
+    from qwenchat.engine.cuda import runtime as rt
+
+    cfg, w = engine.config, engine.layers[1]
+    rows = 2 * cfg.intermediate_size
+    rng = np.random.default_rng(3)
+    engine.xn.upload(f32_to_bf16_bits(rng.standard_normal((8, cfg.hidden_size))))
+    out = rt.DeviceBuffer(8 * rows * 4)
+    try:
+        results = []
+        for _ in range(3):
+            engine._verify_product("xn", engine.xn, w.gate_up, out, 8, rows)
+            engine.stream.synchronize()
+            got = np.empty((8, rows), np.float32)
+            out.download(got)
+            results.append(got)
+        assert all(np.array_equal(results[0], r) for r in results[1:])
+    finally:
+        out.free()
