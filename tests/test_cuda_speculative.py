@@ -169,26 +169,30 @@ def test_the_cache_and_logits_after_rejections_are_plain_decodings(engine):
     fast, _ = run(engine, prompt, greedy(steps), SPECULATE_MOST)
     stats = engine.speculation
     assert stats.accepted < stats.proposed, "no proposal was rejected: nothing to check"
-    if fast != plain:
-        pytest.skip("parted on a near-tie: " + check_parting(engine, prompt, plain, fast))
-    assert engine.position == position
-    # The passes write the kept tokens' keys with verify.cu's products (other summation
-    # orders than the decode path's, activations rounded to bf16): a key may differ by a few
-    # of its last bits (seen: one of 2.1M by 0.023), never by a rejected token's whole value.
-    fast_k = download_keys(engine, position)
-    np.testing.assert_allclose(fast_k, plain_k, rtol=2e-2, atol=6e-2)
-    scale = float(np.abs(plain_logits).max())
-    assert float(np.abs(engine.last_logits() - plain_logits).max()) <= PASS_AGREE * scale
     # The penalties' state: every reply token counted once and seen, the passes' tokens
     # (count_tokens) as the plain steps' (the sampler).
     counts = np.empty(engine.config.vocab_size, np.int32)
     engine.counts.download(counts)
-    want = np.bincount(plain, minlength=engine.config.vocab_size)
-    assert np.array_equal(counts, want)
+    assert np.array_equal(counts, np.bincount(fast, minlength=engine.config.vocab_size))
     seen = np.empty(engine.config.vocab_size, np.uint8)
     engine.seen.download(seen)
-    assert seen[plain].all() and seen[prompt].all()
-    assert int(seen.sum()) == len(set(plain) | set(prompt))
+    assert int(seen.sum()) == len(set(fast) | set(prompt)) and seen[fast + prompt].all()
+    assert engine.position == position
+    fast_k = download_keys(engine, position)
+    fast_logits = engine.last_logits()
+    if fast != plain:  # parted on a near-tie: the cache to match is the prefill's of the reply
+        tie = check_parting(engine, prompt, plain, fast)
+        print("parted on a near-tie:", tie)
+        engine.truncate(0)
+        engine.prefill(prompt + fast[:-1])
+        plain_k = download_keys(engine, position)
+    # The passes write the kept tokens' keys with verify.cu's products (other summation
+    # orders than the decode path's, activations rounded to bf16): a key may differ by a few
+    # of its last bits (seen: one of 2.1M by 0.023), never by a rejected token's whole value.
+    np.testing.assert_allclose(fast_k, plain_k, rtol=2e-2, atol=6e-2)
+    if fast == plain:
+        scale = float(np.abs(plain_logits).max())
+        assert float(np.abs(fast_logits - plain_logits).max()) <= PASS_AGREE * scale
 
 
 def download_keys(engine, position: int) -> np.ndarray:

@@ -4,7 +4,6 @@ engine's reply loop with them (plain decoding's tokens, cache and stops)."""
 from __future__ import annotations
 
 import dataclasses
-
 from collections import Counter
 
 import numpy as np

@@ -1554,6 +1554,7 @@ def test_a_draft_model_in_the_chat_answers_as_without_it(tmp_path, tiny_model_di
     model = reference_model(tiny_model_dir)
     draft = reference_model(tiny_model_dir)  # (the model itself: every proposal is kept)
     model.proposer = DraftProposer(draft.engine, model.engine.config.vocab_size)
+    model.draft_spec = "tiny-draft"
     app = make_app(tmp_path, model, draft="tiny-draft",
                    overrides={"temperature": 0.0, "max_tokens": 30})
 
@@ -1564,6 +1565,11 @@ def test_a_draft_model_in_the_chat_answers_as_without_it(tmp_path, tiny_model_di
         assert stats.spec_passes > 0 and stats.spec_accepted == stats.spec_proposed
         summary = str(replies(screen)[-1].query_one(".summary").render())
         assert f"kept {stats.spec_accepted}/{stats.spec_proposed} proposed" in summary
+        screen.prompt.load_text("/info")
+        await pilot.press("enter")
+        await pilot.pause(0.05)
+        info = str(screen.conversation.query(ChatNotice).last().render())
+        assert "draft tiny-draft: " in info and "KV cache of" in info
 
     drive(app, scenario)
 
@@ -1583,6 +1589,9 @@ def test_the_loader_loads_a_draft_of_the_same_tokenizer_and_refuses_another(
         assert loaded.proposer is not None and loaded.proposer.engine.config.vocab_size == \
             loaded.engine.config.vocab_size
         assert any(s.startswith("loading the draft model") for s in steps)
+        model_line, draft_line = loaded.describe().splitlines()
+        assert model_line.startswith(f"model {tiny_model_dir}: ")
+        assert draft_line.startswith(f"draft {same}: ") and "reference" in draft_line
     finally:
         loaded.close()
     other = write_tiny_model(tmp_path / "other", tokenizer=train_tokenizer(300))

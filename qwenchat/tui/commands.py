@@ -28,6 +28,7 @@ HELP: dict[str, CommandHelp] = {
     "set": CommandHelp("/set NAME VALUE", "set a sampler value, live (VALUE `default`: back "
                        "to the mode's recommended value); `/set thinking on|off`"),
     "show": CommandHelp("/show", "the sampler values in force"),
+    "info": CommandHelp("/info", "the model and the draft: engine, device, GPU memory"),
     "reset": CommandHelp("/reset", "every sampler value back to the mode's recommended one"),
     "think": CommandHelp("/think", "thinking on for this chat, with its recommended values"),
     "no_think": CommandHelp("/no_think", "thinking off, with its recommended values"),

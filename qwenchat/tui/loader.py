@@ -26,10 +26,20 @@ class LoadedModel:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     proposer: DraftProposer | None = None  # --draft: the draft model that proposes tokens
+    draft_spec: str | None = None  # the draft as the user named it
 
     @property
     def device_name(self) -> str:
         return getattr(self.engine, "device_name", "CPU")
+
+    def describe(self) -> str:
+        """/info: the model and the draft, each with its engine and (GPU) memory."""
+        lines = [f"model {self.spec}: {_engine_text(self.engine)}"]
+        if self.proposer is not None:
+            lines.append(f"draft {self.draft_spec}: {_engine_text(self.proposer.engine)}")
+        else:
+            lines.append("draft: none (--draft MODEL loads one; --speculate ngram needs none)")
+        return "\n".join(lines)
 
     def close(self) -> None:
         """Free the engine's memory (its KV cache, and on a GPU its weights), from whichever
@@ -88,6 +98,23 @@ def model_loader(options: ChatOptions) -> Loader:
         except BaseException:
             engine.close()
             raise
-        return LoadedModel(model.spec, model.directory, engine, tokenizer, eos_ids, proposer)
+        return LoadedModel(model.spec, model.directory, engine, tokenizer, eos_ids, proposer,
+                           options.draft if proposer else None)
 
     return load
+
+
+def _engine_text(engine: Engine) -> str:
+    """Its parameters, backend and device, weight format, and (where the engine counts them)
+    the GPU memory of its weights and KV cache."""
+    cfg = engine.config
+    device = getattr(engine, "device_name", None)
+    text = (f"{cfg.parameter_count() / 1e9:.2f} B parameters, {engine.name}"
+            f"{f' on {device}' if device else ''}, {engine.weight_format} weights")
+    weights, cache = getattr(engine, "weight_bytes", None), getattr(engine, "kv_bytes", None)
+    if weights is not None and cache is not None:
+        text += (f" ({weights / 2**30:.2f} GiB), KV cache of {engine.capacity:,} tokens "
+                 f"({cache / 2**30:.2f} GiB)")
+    else:
+        text += f", KV cache of {engine.capacity:,} tokens"
+    return text

@@ -47,7 +47,7 @@ from qwenchat.engine.cuda.prefill import (
     prefill_attention_shared,
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
-from qwenchat.engine.cuda.verify import VERIFY_KERNELS, VerifyPass
+from qwenchat.engine.cuda.verify import VERIFY_KERNELS, VERIFY_ROWS, VerifyPass
 from qwenchat.engine.cuda.weights import WeightUpload
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.errors import BackendUnavailable, QwenchatError
@@ -422,13 +422,27 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self.device.make_current()
         ids = np.asarray(token_ids, dtype=np.int32)
         start = self.position
+        row_bytes = self.config.vocab_size * 4
         for a in range(0, len(ids), self.chunk):
             part = ids[a : a + self.chunk]
+            if len(part) <= VERIFY_ROWS and self.pass_path == "verify":
+                # A few tokens (a draft catching up, a sampled draft's next token, the end of
+                # a long prompt): a pass's graph costs about a decode step, the prefill's GEMMs
+                # several at these sizes. (Decided by the chunk, so a prompt prefilled in
+                # parts of `chunk` tokens still computes what one call does.)
+                self._verify_state()
+                host = self._host_verify_ids[: len(part)]
+                host[:] = part
+                self.ids.upload(host, stream=self.stream)
+                self._verify_forward(start + a, len(part))
+                self.logits.copy_from(self.pass_logits, row_bytes,
+                                      src_offset=(len(part) - 1) * row_bytes, stream=self.stream)
+                continue
             self.ids.upload(part, stream=self.stream)
             self._forward_prefill(start + a, len(part))
-        last = (len(ids) - 1) % self.chunk
-        self._lm_head(self._ptr(self.x, last * self.config.hidden_size * 4),
-                      self._ptr(self.logits))
+            if a + len(part) == len(ids):
+                self._lm_head(self._ptr(self.x, (len(part) - 1) * self.config.hidden_size * 4),
+                              self._ptr(self.logits))
         self.stream.synchronize()
         self._tokens.extend(int(t) for t in ids)
         self._logits_valid = True

@@ -76,6 +76,7 @@ PALETTE = [
     ("Thinking on/off", "Switch mode, with its recommended values (Ctrl+T)", "toggle_thinking"),
     ("Reset sampler values", "Back to the mode's recommended values", "reset_sampler"),
     ("Show sampler values", "List the values in force in the chat", "show_sampler"),
+    ("Model info", "The model and the draft: engine, device, GPU memory", "show_info"),
     ("Set the system prompt", "Type it after /system", "prefill('/system ')"),
     ("New chat", "Start an empty chat (Ctrl+N)", "new_chat"),
     ("Chats", "Switch, rename or delete chats (Ctrl+O)", "chat_list"),
@@ -552,6 +553,9 @@ class ChatScreen(Screen[None]):
     async def action_show_sampler(self) -> None:
         await self.conversation.add_notice(self._settings_line(), "info")
 
+    async def action_show_info(self) -> None:
+        await self.conversation.add_notice(self.model.describe(), "info")
+
     def action_prefill(self, text: str) -> None:
         if text.startswith("/system ") and self.chat.system:
             text += self.chat.system
@@ -582,6 +586,8 @@ class ChatScreen(Screen[None]):
             self._set_thinking(name == "think")
         elif name == "show":
             await self.action_show_sampler()
+        elif name == "info":
+            await self.action_show_info()
         elif name == "system":
             await self._stop_preparing()
             self.chat.set_system(command.text)
