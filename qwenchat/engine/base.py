@@ -20,7 +20,7 @@ from qwenchat.engine.speculate import SPECULATE_MOST, LookupProposer, Proposer
 from qwenchat.errors import ContextFullError, UsageError
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import LiveParams, SamplingParams
-from qwenchat.sampling.speculative import AdaptiveK
+from qwenchat.sampling.speculative import AdaptiveK, draft_cost
 
 
 class StopReason(str, Enum):
@@ -233,7 +233,10 @@ class CacheBookkeeping:
         stats = self.speculation
         proposer = request.proposer or LookupProposer()
         proposer.start(self._tokens)
-        adapt = AdaptiveK(SPECULATE_MOST)
+        # (a draft model's step against the model's; prompt lookup's proposals cost nothing)
+        draft = getattr(proposer, "parameters", None)
+        adapt = AdaptiveK(SPECULATE_MOST, 0.0 if draft is None
+                          else draft_cost(draft, self.config.parameter_count()))
         while True:
             params = request.params.current
             if stop := self._stop_before(request, params, step):

@@ -110,6 +110,12 @@ class DraftProposer:
         self.reply: list[int] = []
         self.counts: Counter[int] = Counter()
 
+    @property
+    def parameters(self) -> int:
+        """The draft's parameters: what a proposed token costs, against the model's
+        (AdaptiveK)."""
+        return self.engine.config.parameter_count()
+
     def start(self, context: Sequence[int]) -> None:
         self.context, self.reply, self.counts = list(context), [], Counter()
 
