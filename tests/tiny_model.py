@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qwenchat.model import fp8
+from qwenchat.model import awq, fp8
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import f32_to_bf16_bits, f32_to_e4m3
 
@@ -113,6 +113,8 @@ def random_tensors(config: Qwen3Config, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def encode_tensor(array: np.ndarray, dtype: str) -> bytes:
+    if dtype == "I32":
+        return array.astype("<i4").tobytes()
     if dtype == "F8_E4M3":
         return array.astype(np.uint8).tobytes()  # already e4m3 codes
     if dtype == "BF16":
@@ -177,6 +179,30 @@ def fp8_tensors(tensors: dict[str, np.ndarray], scale_dtype: str = "BF16",
     return out, dtypes
 
 
+AWQ_QUANTIZATION = {"bits": 4, "group_size": 128, "modules_to_not_convert": None,
+                    "quant_method": "awq", "version": "gemm", "zero_point": True}
+# A tiny shape AWQ can hold: input columns in whole groups of 128 (down_proj's 384: an odd
+# number of groups, 3).
+AWQ_SHAPE = {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32}
+
+
+def awq_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every linear layer in AWQ's layout (round to nearest, the recipe awq.quantize has), the
+    rest in fp16, as AWQ files store them."""
+    out: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for name, weight in tensors.items():
+        if not fp8.is_linear(name):
+            out[name], dtypes[name] = weight, "F16"
+            continue
+        module = name.removesuffix(".weight")
+        for suffix, array, dtype in zip(awq.SUFFIXES, awq.quantize(weight),
+                                        ("I32", "I32", "F16"), strict=True):
+            out[f"{module}.{suffix}"], dtypes[f"{module}.{suffix}"] = array, dtype
+    return out, dtypes
+
+
 def write_tiny_model(
     directory: Path,
     dtype: str = "BF16",
@@ -187,19 +213,26 @@ def write_tiny_model(
     **config_overrides,
 ) -> Path:
     """A complete model directory: config, weights, generation config, tokenizer, template.
-    dtype "FP8" writes Qwen's FP8 layout (scales in `scale_dtype`)."""
+    dtype "FP8" writes Qwen's FP8 layout (scales in `scale_dtype`), "AWQ" Qwen's AWQ layout
+    (in AWQ_SHAPE unless the overrides say otherwise)."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer or train_tokenizer()
+    if dtype == "AWQ":
+        config_overrides = {**AWQ_SHAPE, **config_overrides}
     raw = tiny_config(**config_overrides)
     raw["vocab_size"] = max(raw["vocab_size"], tokenizer.get_vocab_size())
     if dtype == "FP8":
         raw.setdefault("quantization_config", FP8_QUANTIZATION)
+    if dtype == "AWQ":
+        raw.setdefault("quantization_config", AWQ_QUANTIZATION)
     config = Qwen3Config.from_dict(raw)
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     tensors = random_tensors(config, seed)
     dtypes: str | dict[str, str] = dtype
     if dtype == "FP8":
         tensors, dtypes = fp8_tensors(tensors, scale_dtype)
+    if dtype == "AWQ":
+        tensors, dtypes = awq_tensors(tensors)
     if shards == 1:
         write_safetensors(directory / "model.safetensors", tensors, dtypes)
     else:

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from qwenchat.errors import ModelError
-from qwenchat.model import fp8
+from qwenchat.model import awq, fp8
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -33,6 +33,7 @@ DISK_DTYPES: dict[str, np.dtype] = {
     "F16": np.dtype("<f2"),
     "F32": np.dtype("<f4"),
     "F8_E4M3": np.dtype("u1"),
+    "I32": np.dtype("<i4"),  # AWQ's packed 4-bit codes and zero points
 }
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
@@ -51,7 +52,7 @@ class WeightSource(Protocol):
     """What an engine reads weights from: a checkpoint on disk, or random weights for bench."""
 
     config: Qwen3Config
-    weight_format: str  # of the linear layers: "bf16", "f16", "f32" or "fp8"
+    weight_format: str  # of the linear layers: "bf16", "f16", "f32", "fp8" or "awq"
 
     def float32(self, name: str) -> np.ndarray: ...
 
@@ -69,6 +70,7 @@ class Checkpoint:
         self.entries = _index_entries(directory)
         self._maps: dict[Path, mmap.mmap] = {}
         self._scales: dict[str, np.ndarray] = {}  # FP8 block scales, read and checked at open
+        self._awq: dict[str, str] = {}  # AWQ weights: `<module>.weight` -> `<module>`
         self._validate()
 
     @property
@@ -87,12 +89,19 @@ class Checkpoint:
 
     @property
     def weight_format(self) -> str:
-        """How the linear layers are stored: "fp8" if any is, else their dtype ("bf16", ...)."""
+        """How the linear layers are stored: "awq" or "fp8" if any is, else their dtype
+        ("bf16", ...)."""
+        if self._awq:
+            return "awq"
         linear = [e.dtype for n, e in self.entries.items() if fp8.is_linear(n)]
         return "fp8" if "F8_E4M3" in linear else (linear[0] if linear else "BF16").lower()
 
     def float32(self, name: str) -> np.ndarray:
-        """The tensor upcast to float32 (a new array); FP8 weights dequantized."""
+        """The tensor upcast to float32 (a new array); FP8 and AWQ weights dequantized."""
+        if name in self._awq:
+            module = self._awq[name]
+            return awq.dequantize(self.raw(f"{module}.qweight"), self.raw(f"{module}.qzeros"),
+                                  self.float32(f"{module}.scales"))
         blocks = self.fp8_blocks(name)
         if blocks is not None:
             return fp8.dequantize(*blocks)
@@ -102,15 +111,16 @@ class Checkpoint:
         return array.astype(np.float32)
 
     def bf16_bits(self, name: str) -> np.ndarray:
-        """The tensor as bfloat16 bit patterns, rounding fp16/fp32 (and dequantized FP8)."""
-        if self.entries[name].dtype == "BF16":
+        """The tensor as bfloat16 bit patterns, rounding fp16/fp32 (and dequantized FP8 and
+        AWQ)."""
+        if name not in self._awq and self.entries[name].dtype == "BF16":
             return self.raw(name)
         return f32_to_bf16_bits(self.float32(name))
 
     def fp8_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
         """An FP8 tensor's e4m3 codes (a view into the file) and its block scales as float32;
         None for a tensor stored in any other dtype."""
-        if self.entries[name].dtype != "F8_E4M3":
+        if name in self._awq or self.entries[name].dtype != "F8_E4M3":
             return None
         return self.raw(name), self._scales[name]
 
@@ -149,6 +159,10 @@ class Checkpoint:
 
     def _validate(self) -> None:
         for name, shape in self.config.tensor_shapes().items():
+            module = name.removesuffix(".weight")
+            if fp8.is_linear(name) and f"{module}.qweight" in self.entries:
+                self._validate_awq(name, module, shape)
+                continue
             entry = self.entries.get(name)
             if entry is None:
                 where = INDEX_FILE if (self.directory / INDEX_FILE).is_file() else SINGLE_FILE
@@ -160,6 +174,42 @@ class Checkpoint:
                 )
             if entry.dtype == "F8_E4M3":
                 self._validate_fp8(entry)
+
+    def _validate_awq(self, name: str, module: str, shape: tuple[int, ...]) -> None:
+        """An AWQ linear layer: its three tensors present, of AWQ's dtypes and of the shapes
+        config.json implies (qwenchat.model.awq)."""
+        config_file = self.directory / "config.json"
+        first = self.entries[f"{module}.qweight"]
+        if self.config.quantization != "awq":
+            raise ModelError(f"{first.path}: tensor {first.name} is AWQ-packed but {config_file} "
+                             "declares no AWQ quantization_config (quant_method \"awq\")")
+        out_features, in_features = shape
+        if in_features % awq.GROUP or out_features % awq.PACK:
+            raise ModelError(f"{first.path}: {module} is {out_features} x {in_features}; AWQ "
+                             f"needs input columns in whole groups of {awq.GROUP} and output "
+                             f"columns in words of {awq.PACK}")
+        dtypes = {"qweight": ("I32",), "qzeros": ("I32",), "scales": FLOAT_DTYPES}
+        for suffix, want in awq.packed_shapes(out_features, in_features).items():
+            tensor = f"{module}.{suffix}"
+            entry = self.entries.get(tensor)
+            if entry is None:
+                raise ModelError(f"{first.path}: AWQ tensor {tensor} is missing (an AWQ layer "
+                                 "needs qweight, qzeros and scales)")
+            if entry.dtype not in dtypes[suffix]:
+                raise ModelError(f"{entry.path}: tensor {tensor} has dtype {entry.dtype}; AWQ's "
+                                 f"{suffix} is {' or '.join(dtypes[suffix])}")
+            if entry.shape != want:
+                raise ModelError(f"{entry.path}: tensor {tensor} has shape {list(entry.shape)}, "
+                                 f"but the {out_features} x {in_features} weight in AWQ's "
+                                 f"layout needs {list(want)}")
+        scales = self.float32(f"{module}.scales")
+        bad = ~np.isfinite(scales)
+        if bad.any():
+            i, j = (int(k) for k in np.argwhere(bad)[0])
+            raise ModelError(f"{self.entries[module + '.scales'].path}: tensor {module}.scales "
+                             f"holds {scales[i, j]} at ({i}, {j}); scales must be finite (a "
+                             "damaged file: download the model again)")
+        self._awq[name] = module
 
     def _validate_fp8(self, entry: TensorEntry) -> None:
         name, config_file = entry.name, self.directory / "config.json"
@@ -251,8 +301,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         if not 0 <= begin <= end:
             raise ModelError(f"{path}: tensor {name} has an invalid byte range [{begin}, {end}]")
         if dtype not in DISK_DTYPES:
-            raise ModelError(f"{path}: tensor {name} has dtype {dtype}; "
-                             "qwenchat reads BF16, F16, F32 and FP8 (F8_E4M3) checkpoints")
+            raise ModelError(f"{path}: tensor {name} has dtype {dtype}; qwenchat reads BF16, "
+                             "F16, F32, FP8 (F8_E4M3) and AWQ (I32 codes) checkpoints")
         expected = _numel(shape) * DISK_DTYPES[dtype].itemsize
         if end - begin != expected:
             raise ModelError(f"{path}: tensor {name} spans {end - begin} bytes but its shape "

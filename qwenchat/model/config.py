@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from qwenchat.errors import ModelError
-from qwenchat.model import fp8
+from qwenchat.model import awq, fp8
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -27,7 +28,8 @@ class Qwen3Config:
     max_position_embeddings: int = 40_960
     tie_word_embeddings: bool = True
     torch_dtype: str = "bfloat16"
-    # "fp8" when config.json declares Qwen's fine-grained FP8 (quantization_config), else None.
+    # "fp8" when config.json declares Qwen's fine-grained FP8 (quantization_config), "awq" for
+    # Qwen's 4-bit AWQ, else None.
     quantization: str | None = None
 
     @property
@@ -172,10 +174,12 @@ def _quantization(spec: Any, source: str) -> str | None:
         value = json.dumps(spec.get(field))
         return ModelError(f"{source}: unsupported quantization_config.{field}={value} ({why})")
 
+    if spec.get("quant_method") == "awq":
+        return _awq(spec, refuse)
     if spec.get("quant_method") != "fp8":
-        raise refuse("quant_method", "qwenchat reads unquantized checkpoints and Qwen's FP8 "
-                     "ones (\"fp8\"); use the model's bf16 release, with --quantize fp8 if "
-                     "you want FP8")
+        raise refuse("quant_method", "qwenchat reads unquantized checkpoints, Qwen's FP8 ones "
+                     "(\"fp8\") and Qwen's AWQ ones (\"awq\"); use the model's bf16 release, "
+                     "with --quantize fp8 if you want FP8")
     if spec.get("fmt", "e4m3") != "e4m3":
         raise refuse("fmt", "FP8 weights must be e4m3")
     if spec.get("activation_scheme", "dynamic") != "dynamic":
@@ -187,6 +191,25 @@ def _quantization(spec: Any, source: str) -> str | None:
     if spec.get("scale_fmt") not in (None, "float"):
         raise refuse("scale_fmt", "scales must be plain floating point")
     return "fp8"
+
+
+def _awq(spec: dict[str, Any], refuse: Callable[[str, str], ModelError]) -> str:
+    """Qwen's AWQ checkpoints: 4-bit weights in groups of 128 input columns with zero points,
+    AutoAWQ's "gemm" packing (qwenchat.model.awq)."""
+    if spec.get("bits") != awq.BITS:
+        raise refuse("bits", "qwenchat reads 4-bit AWQ weights")
+    if spec.get("group_size") != awq.GROUP:
+        raise refuse("group_size", f"qwenchat reads groups of {awq.GROUP} input columns, as "
+                     "Qwen's AWQ checkpoints have")
+    if spec.get("zero_point", True) is not True:
+        raise refuse("zero_point", "qwenchat reads AWQ weights with zero points")
+    if str(spec.get("version", "gemm")).lower() != "gemm":
+        raise refuse("version", "qwenchat reads AutoAWQ's \"gemm\" packing")
+    skipped = spec.get("modules_to_not_convert")
+    if skipped is not None and not (isinstance(skipped, list)
+                                    and all(isinstance(m, str) for m in skipped)):
+        raise refuse("modules_to_not_convert", "a list of module names, or null")
+    return "awq"
 
 
 def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:

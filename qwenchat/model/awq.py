@@ -1,0 +1,73 @@
+"""Qwen's AWQ checkpoints: 4-bit weights in groups of 128 input columns, with zero points.
+
+A linear layer `<module>.weight` (out x in) is stored as AutoAWQ's "gemm" layout:
+  `<module>.qweight`  int32 (in, out / 8): eight 4-bit codes a word, the word's nibble i
+                      (bits 4i .. 4i + 3) holding output column 8 w + ORDER[i];
+  `<module>.qzeros`   int32 (in / 128, out / 8): the groups' zero points, packed the same way;
+  `<module>.scales`   fp16 (in / 128, out): the groups' scales.
+A weight is (code - zero) x scale of its group of 128 input columns. NumPy only: both engines
+use it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BITS = 4
+GROUP = 128  # input columns a scale and a zero point cover
+PACK = 32 // BITS  # codes a 32-bit word holds
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within a word's 8) held by nibble i
+SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+def packed_shapes(out_features: int, in_features: int) -> dict[str, tuple[int, int]]:
+    """The three tensors' shapes for an (out x in) weight."""
+    groups = in_features // GROUP
+    return {"qweight": (in_features, out_features // PACK),
+            "qzeros": (groups, out_features // PACK),
+            "scales": (groups, out_features)}
+
+
+def unpack(words: np.ndarray) -> np.ndarray:
+    """int32 words (rows x cols / 8) -> their codes (rows x cols, uint8), columns in order."""
+    u = np.ascontiguousarray(words).view(np.uint32)
+    nibbles = np.stack([(u >> (BITS * i)) & 0xF for i in range(PACK)], axis=-1)  # [.., w, i]
+    codes = np.empty_like(nibbles, dtype=np.uint8)
+    codes[..., list(ORDER)] = nibbles  # nibble i is column ORDER[i] of its word
+    return codes.reshape(words.shape[0], -1)
+
+
+def pack(codes: np.ndarray) -> np.ndarray:
+    """Codes (rows x cols, values 0-15, cols a multiple of 8) -> int32 words, AWQ's order."""
+    rows, cols = codes.shape
+    grouped = codes.reshape(rows, cols // PACK, PACK).astype(np.uint32)
+    words = np.zeros((rows, cols // PACK), np.uint32)
+    for i, column in enumerate(ORDER):
+        words |= grouped[:, :, column] << np.uint32(BITS * i)
+    return words.view(np.int32)
+
+
+def dequantize(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The (out x in) float32 weight: (code - zero) x scale, group by group."""
+    codes = unpack(qweight).astype(np.float32)  # (in, out)
+    zeros = np.repeat(unpack(qzeros).astype(np.float32), GROUP, axis=0)
+    return np.ascontiguousarray(((codes - zeros) * np.repeat(
+        scales.astype(np.float32), GROUP, axis=0)).T)
+
+
+def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Round-to-nearest asymmetric 4-bit codes of an (out x in) float32 weight, in groups of
+    128 input columns: (qweight, qzeros, scales as fp16), AWQ's layout. Each group's range
+    [min, max] (widened to hold 0) maps onto 0..15; the zero point is rounded, so 0 stays
+    exact."""
+    out_features, in_features = weight.shape
+    w = weight.T.reshape(in_features // GROUP, GROUP, out_features).astype(np.float32)
+    low = np.minimum(w.min(axis=1), 0.0)
+    high = np.maximum(w.max(axis=1), 0.0)
+    scales = ((high - low) / (2**BITS - 1)).astype(np.float16)
+    step = scales.astype(np.float32)
+    safe = np.where(step > 0, step, 1.0)
+    zeros = np.clip(np.rint(-low / safe), 0, 2**BITS - 1)
+    codes = np.clip(np.rint(w / safe[:, None, :]) + zeros[:, None, :], 0, 2**BITS - 1)
+    codes = codes.reshape(in_features, out_features).astype(np.uint8)
+    return pack(codes), pack(zeros.astype(np.uint8)), scales
