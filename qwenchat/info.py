@@ -24,7 +24,8 @@ Section = tuple[str, list[tuple[str, str]]]
 WEIGHT_FORMATS = ("bf16 (f16 and f32 checkpoints are converted to it); fp8: Qwen's FP8 "
                   "checkpoints (e4m3, 128 x 128 blocks) and any checkpoint with --quantize fp8, "
                   "converted in registers on sm_80 and newer; decode dots them on the tensor "
-                  "cores on sm_89 and newer")
+                  "cores on sm_89 and newer; 4-bit: Qwen's AWQ checkpoints and --quantize int4, "
+                  "run dequantized to bf16 on the GPU for now")
 
 
 def gather() -> list[Section]:

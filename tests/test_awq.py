@@ -251,7 +251,7 @@ def test_the_cuda_engine_runs_an_awq_checkpoint_dequantized_and_says_so(awq_dir)
     notices: list[str] = []
     engine = create_engine("cuda", model.config, model.checkpoint, 512, notice=notices.append)
     try:
-        assert any("AWQ weights run dequantized to bf16" in n for n in notices)
+        assert any("4-bit weights run dequantized to bf16" in n for n in notices)
         ids = prompt_ids(40)
         ours = engine.prefill_logits(ids)
         want = ReferenceEngine(model.config, model.checkpoint).prefill_logits(ids)
@@ -259,3 +259,48 @@ def test_the_cuda_engine_runs_an_awq_checkpoint_dequantized_and_says_so(awq_dir)
     finally:
         engine.close()
         model.close()
+
+
+# ------------------------------------------------------------------------------ --quantize int4
+def test_quantize_int4_gives_the_logits_of_the_same_codes_written_as_a_4bit_checkpoint(
+        tmp_path, tiny_tokenizer):
+    from qwenchat.model.fp8 import with_quantization
+
+    source = write_tiny_model(tmp_path / "bf16", tokenizer=tiny_tokenizer, **AWQ_SHAPE)
+    model = open_model_dir(source)
+    quantized = with_quantization(model.checkpoint, "int4")
+    assert quantized.weight_format == "int4"
+    ids = prompt_ids(24)
+    at_load = ReferenceEngine(model.config, quantized).prefill_logits(ids)
+    # the same codes, written offline in AWQ's layout (the other tensors as the source has them)
+    tensors = {n: model.checkpoint.float32(n) for n in model.config.tensor_shapes()}
+    encoded, dtypes = awq_tensors(tensors)
+    for name in tensors:
+        if name in encoded:
+            dtypes[name] = "BF16"
+    offline = tmp_path / "awq"
+    shutil.copytree(source, offline)
+    raw = json.loads((offline / "config.json").read_text())
+    raw["quantization_config"] = AWQ_QUANTIZATION
+    (offline / "config.json").write_text(json.dumps(raw))
+    write_safetensors(offline / "model.safetensors", encoded, dtypes)
+    written = open_model_dir(offline)
+    assert np.array_equal(ReferenceEngine(written.config, written.checkpoint)
+                          .prefill_logits(ids), at_load)
+    # and an AWQ checkpoint keeps its own codes under --quantize int4
+    again = with_quantization(written.checkpoint, "int4")
+    name = f"{LINEAR}.weight"
+    assert np.array_equal(again.float32(name), written.checkpoint.float32(name))
+    # a 4-bit model is not the bf16 one: the codes did change the weights
+    assert not np.array_equal(quantized.float32(name), model.checkpoint.float32(name))
+    model.close()
+    written.close()
+
+
+def test_quantize_int4_is_a_choice_of_every_command_and_others_are_refused():
+    from qwenchat.engine import check_engine_flags
+    from qwenchat.errors import UsageError
+
+    check_engine_flags("cpu", None, 0, "auto", "int4")
+    with pytest.raises(UsageError, match="--quantize must be one of none, fp8, int4"):
+        check_engine_flags("cpu", None, 0, "auto", "int8")

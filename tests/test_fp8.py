@@ -246,8 +246,8 @@ def test_a_layer_left_in_bf16_is_quantized_too_so_every_linear_is_fp8(tmp_path, 
 
 
 def test_an_unknown_quantize_choice_is_refused_before_loading():
-    with pytest.raises(UsageError, match="--quantize must be one of none, fp8; got 'int4'"):
-        create_engine("cpu", Qwen3Config.from_dict(tiny_config()), None, quantize="int4")
+    with pytest.raises(UsageError, match="--quantize must be one of none, fp8, int4; got 'int8'"):
+        create_engine("cpu", Qwen3Config.from_dict(tiny_config()), None, quantize="int8")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -264,10 +264,10 @@ def test_ask_answers_from_an_fp8_checkpoint_and_with_quantize_fp8(fp8_dir, tiny_
 
 
 def test_a_wrong_quantize_flag_is_one_line_and_exit_2(tiny_model_dir):
-    result = run_cli("ask", "--model", str(tiny_model_dir), "--quantize", "int4", "Hello")
+    result = run_cli("ask", "--model", str(tiny_model_dir), "--quantize", "int8", "Hello")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "qwenchat: error: --quantize must be one of none, fp8; got 'int4'"]
+        "qwenchat: error: --quantize must be one of none, fp8, int4; got 'int8'"]
 
 
 def test_checkpoint_reports_the_linear_layers_format(tiny_model_dir, fp8_dir):

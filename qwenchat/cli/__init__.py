@@ -49,9 +49,10 @@ DecodeOpt = Annotated[str, typer.Option(
     "it, else layered), megakernel (many whole steps per cooperative launch) or layered "
     "(a CUDA graph of per-op kernels).")]
 QuantizeOpt = Annotated[str, typer.Option(
-    "--quantize", help="none, or fp8: quantize the linear layers to FP8 at load time (Qwen's "
-    "128 x 128-block recipe), halving the bytes a decode step reads. FP8 checkpoints are "
-    "always run in FP8.")]
+    "--quantize", help="none, fp8 or int4: quantize the linear layers at load time, to FP8 "
+    "(Qwen's 128 x 128-block recipe), halving the bytes a decode step reads, or to 4 bits "
+    "(round to nearest, groups of 128; on the GPU still run as bf16 for now). FP8 "
+    "checkpoints are always run in FP8.")]
 SpeculateOpt = Annotated[str, typer.Option(
     "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
     "where it occurred before (prompt lookup) and verify several a step; the reply is the "

@@ -5,13 +5,21 @@ A linear layer `<module>.weight` (out x in) is stored as AutoAWQ's "gemm" layout
                       (bits 4i .. 4i + 3) holding output column 8 w + ORDER[i];
   `<module>.qzeros`   int32 (in / 128, out / 8): the groups' zero points, packed the same way;
   `<module>.scales`   fp16 (in / 128, out): the groups' scales.
-A weight is (code - zero) x scale of its group of 128 input columns. NumPy only: both engines
-use it.
+A weight is (code - zero) x scale of its group of 128 input columns. `--quantize int4` makes
+the same layout at load time (Int4Weights). NumPy only: both engines use it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+from qwenchat.model import fp8
+from qwenchat.model.floats import f32_to_bf16_bits
+
+if TYPE_CHECKING:
+    from qwenchat.model.checkpoint import WeightSource
 
 BITS = 4
 GROUP = 128  # input columns a scale and a zero point cover
@@ -71,3 +79,38 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     codes = np.clip(np.rint(w / safe[:, None, :]) + zeros[:, None, :], 0, 2**BITS - 1)
     codes = codes.reshape(in_features, out_features).astype(np.uint8)
     return pack(codes), pack(zeros.astype(np.uint8)), scales
+
+
+class Int4Weights:
+    """`--quantize int4`: a checkpoint's linear layers as 4-bit codes in AWQ's layout (round
+    to nearest, asymmetric, groups of 128 input columns: `quantize`), made at load time; an
+    AWQ checkpoint's own codes are kept. Everything else passes through as the checkpoint has
+    it. (Calibrated AWQ checkpoints are the better 4-bit models where Qwen publishes one.)"""
+
+    weight_format = "int4"
+
+    def __init__(self, source: WeightSource):
+        self.source = source
+        self.config = source.config
+
+    def groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(qweight, qzeros, scales) of a linear layer `<module>.weight`."""
+        own = getattr(self.source, "awq_groups", None)
+        packed = own(name) if own is not None else None
+        return packed if packed is not None else quantize(self.source.float32(name))
+
+    def float32(self, name: str) -> np.ndarray:
+        if fp8.is_linear(name):
+            return dequantize(*self.groups(name))
+        return self.source.float32(name)
+
+    def bf16_bits(self, name: str) -> np.ndarray:
+        if fp8.is_linear(name):
+            return f32_to_bf16_bits(self.float32(name))
+        return self.source.bf16_bits(name)
+
+    def lm_head_name(self) -> str:
+        return self.source.lm_head_name()
+
+    def close(self) -> None:
+        self.source.close()

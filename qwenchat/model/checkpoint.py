@@ -98,10 +98,9 @@ class Checkpoint:
 
     def float32(self, name: str) -> np.ndarray:
         """The tensor upcast to float32 (a new array); FP8 and AWQ weights dequantized."""
-        if name in self._awq:
-            module = self._awq[name]
-            return awq.dequantize(self.raw(f"{module}.qweight"), self.raw(f"{module}.qzeros"),
-                                  self.float32(f"{module}.scales"))
+        groups = self.awq_groups(name)
+        if groups is not None:
+            return awq.dequantize(*groups)
         blocks = self.fp8_blocks(name)
         if blocks is not None:
             return fp8.dequantize(*blocks)
@@ -116,6 +115,15 @@ class Checkpoint:
         if name not in self._awq and self.entries[name].dtype == "BF16":
             return self.raw(name)
         return f32_to_bf16_bits(self.float32(name))
+
+    def awq_groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """An AWQ layer's (qweight, qzeros, scales as float32), `<module>.weight` naming it;
+        None for a tensor stored in any other way."""
+        module = self._awq.get(name)
+        if module is None:
+            return None
+        return (self.raw(f"{module}.qweight"), self.raw(f"{module}.qzeros"),
+                self.float32(f"{module}.scales"))
 
     def fp8_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
         """An FP8 tensor's e4m3 codes (a view into the file) and its block scales as float32;

@@ -25,7 +25,7 @@ SCALE_SUFFIX = "_scale_inv"  # model.layers.0.mlp.up_proj.weight -> ...weight_sc
 LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
                    "mlp.up_proj.weight", "mlp.down_proj.weight")
-QUANTIZE_CHOICES = ("none", "fp8")
+QUANTIZE_CHOICES = ("none", "fp8", "int4")
 
 
 def is_linear(name: str) -> bool:
@@ -120,9 +120,13 @@ class Fp8Weights:
 
 
 def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:
-    """The weights an engine runs: FP8 linears when asked (`--quantize fp8`) or when the
-    checkpoint holds any (a layer it left in bf16 is quantized too, so every linear layer has
-    one format), else the checkpoint as it is."""
+    """The weights an engine runs: 4-bit linears when asked (`--quantize int4`), FP8 linears
+    when asked (`--quantize fp8`) or when the checkpoint holds any (a layer it left in bf16 is
+    quantized too, so every linear layer has one format), else the checkpoint as it is."""
+    if quantize_to == "int4":  # (awq imports this module: imported here, not at the top)
+        from qwenchat.model.awq import Int4Weights
+
+        return weights if isinstance(weights, Int4Weights) else Int4Weights(weights)
     if quantize_to == "fp8" or weights.weight_format == "fp8":
         return weights if isinstance(weights, Fp8Weights) else Fp8Weights(weights)
     return weights

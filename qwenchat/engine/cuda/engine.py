@@ -223,8 +223,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # any layer the file left in bf16 quantized, so every linear layer has one format).
         weights = fp8.with_quantization(weights, "none")
         self.weight_format = "fp8" if weights.weight_format == "fp8" else "bf16"
-        if weights.weight_format == "awq":
-            notice("4-bit AWQ weights run dequantized to bf16 on the GPU for now (their own "
+        if weights.weight_format in ("awq", "int4"):
+            notice("4-bit weights run dequantized to bf16 on the GPU for now (their own "
                    "kernels are to come); --quantize fp8 takes half that memory")
         reason = unsupported_reason(config, self.weight_format)
         if reason:
