@@ -127,65 +127,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     rmsnorm_gemv<4, false>(x, norm_w, W, rows, eps, out);
 }
 
-// The LM head of n consecutive rows of x at once (a speculative pass's tokens, n <= LM_TOKENS):
-// out[t * rows + r] = W[r, :] . (rmsnorm(x[t]) * norm_w), each weight row read once for all of
-// them. The normed rows are staged in dynamic shared memory (n * hidden floats); each token's
-// norm and each lane's sum over its pieces go in rmsnorm_gemv4's order, so a row's logits are
-// that kernel's.
-constexpr int LM_TOKENS = 8;
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    lm_head_tokens(const float* __restrict__ x, int n, const bf16_t* __restrict__ norm_w,
-                   const bf16_t* __restrict__ W, int rows, float eps, float* __restrict__ out) {
-    extern __shared__ __align__(16) float xs_tokens[];
-    __shared__ float scratch[32];
-    constexpr int ROWS = 4, K = qw::hidden, PER = piece_values<false>(), STEPS = K / PER;
-    constexpr long long RB = row_bytes<false>(K);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * GEMV_WARPS + warp) * ROWS;
-    for (int t = 0; t < n; ++t) {
-        const float* xt = x + static_cast<long long>(t) * K;
-        float ss = 0.f;
-        for (int j = threadIdx.x; j < K; j += blockDim.x) ss += xt[j] * xt[j];
-        const float rstd = rsqrtf(block_sum(ss, scratch) / K + eps);
-        for (int j = threadIdx.x; j < K; j += blockDim.x)
-            xs_tokens[t * K + j] = xt[j] * rstd * bf16_to_f32(norm_w[j]);
-    }
-    __syncthreads();
-    float acc[LM_TOKENS][ROWS];
-#pragma unroll
-    for (int t = 0; t < LM_TOKENS; ++t)
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[t][r] = 0.f;
-#pragma unroll 2
-    for (int c = lane; c < STEPS; c += 32) {
-        WeightPiece w[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const int row = row0 + r;
-            w[r] = row < rows ? load_piece<false, K>(reinterpret_cast<const unsigned char*>(W) +
-                                                     row * RB, c)
-                              : no_piece();
-        }
-#pragma unroll
-        for (int t = 0; t < LM_TOKENS; ++t) {
-            if (t < n) {
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r)
-                    acc[t][r] += piece_dot<false>(w[r], xs_tokens + t * K + c * PER);
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < LM_TOKENS; ++t) {
-        if (t >= n) break;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float sum = warp_sum(acc[t][r]);
-            if (lane == 0 && row0 + r < rows) out[static_cast<long long>(t) * rows + row0 + r] = sum;
-        }
-    }
-}
-
 // The longest vector a residual GEMV stages in shared memory at once: 48 KB, all the static
 // shared memory a block may have, and 8B's SwiGLU output exactly. Longer ones (14B's and 32B's:
 // 17,408 and 25,600 floats) go through in chunks of it, each lane visiting its columns in the

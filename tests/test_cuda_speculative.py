@@ -71,9 +71,6 @@ def pass_logits(engine, context: list[int]) -> np.ndarray:
     one row; the rest prefilled)."""
     engine.truncate(0)
     engine.prefill(context[:-1])
-    if engine.pass_path == "prefill":
-        engine.prefill(context[-1:])
-        return engine.last_logits()
     engine.ids.upload(np.asarray(context[-1:], np.int32), stream=engine.stream)
     engine._verify_forward(len(context) - 1, 1)
     row = np.empty(engine.config.vocab_size, np.float32)

@@ -59,7 +59,7 @@ from qwenchat.sampling.sampler import sample_token_gpu
 from qwenchat.sampling.speculative import verify
 
 KERNELS = {
-    "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4", "lm_head_tokens",
+    "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4",
                   "gemv_residual_attn", "gemv_residual_swiglu", "swiglu_rows",
                   "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows"),
     "gemm.cu": ("gemm_store", "gemm_add"),
@@ -77,8 +77,7 @@ SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90
 # builds start in this order, so the longest never waits behind the short ones.
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "attention.cu", "sampling.cu",
                  "attention_sm90.cu", "gemm.cu", "verify.cu", "layers.cu")
-LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4, lm_head_tokens)
-LM_HEAD_TOKENS = 8  # lm_head_tokens' rows a launch at most (layers.cu, LM_TOKENS)
+LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
 
 
@@ -185,9 +184,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
     (layered.py), the decode megakernel (megakernel.py) and the speculative pass (verify.py);
     this class owns the device, the buffers they share, and the reply's bookkeeping."""
 
-    # A speculative pass's forward: "verify" (verify.py) or "prefill" (the prefill's kernels,
-    # the first cut; kept for comparisons).
-    pass_path = "verify"
 
     def __init__(
         self,
@@ -288,11 +284,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
             for name in names:
                 self.k[name] = module.function(name)
         self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
-        # lm_head_tokens stages its rows' normed vectors: as many a launch as fit.
-        row = self.config.hidden_size * 4
-        room = self.device.max_shared_per_block_optin - 1024
-        self.lm_head_tokens = max(1, min(LM_HEAD_TOKENS, room // row))
-        self.k["lm_head_tokens"].set_max_dynamic_shared(self.lm_head_tokens * row)
         self.k["attn_prefill"].set_max_dynamic_shared(
             prefill_attention_shared(self.config.head_dim))
         for name in ("gemm_store", "gemm_add"):
@@ -400,18 +391,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         return rt.Ptr(buffer.ptr + byte_offset)
 
 
-    def _lm_head_rows(self, n: int, out: rt.DeviceBuffer) -> None:
-        """The logits of x's first n rows into out's first n rows, each weight read once a
-        launch (lm_head_tokens; the same sums as _lm_head's)."""
-        cfg = self.config
-        for a in range(0, n, self.lm_head_tokens):
-            m = min(self.lm_head_tokens, n - a)
-            self._launch("lm_head_tokens", math.ceil(cfg.vocab_size / LM_HEAD_ROWS_PER_BLOCK), 256,
-                         self._ptr(self.x, a * cfg.hidden_size * 4), ctypes.c_int(m),
-                         self.final_norm, self.lm_head, ctypes.c_int(cfg.vocab_size),
-                         ctypes.c_float(cfg.rms_norm_eps), self._ptr(out, a * cfg.vocab_size * 4),
-                         shared=m * cfg.hidden_size * 4)
-
     def _lm_head(self, x_row: rt.Ptr, out: rt.Ptr) -> None:
         cfg = self.config
         self._launch("rmsnorm_gemv4", math.ceil(cfg.vocab_size / LM_HEAD_ROWS_PER_BLOCK), 256,
@@ -428,7 +407,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         row_bytes = self.config.vocab_size * 4
         for a in range(0, len(ids), self.chunk):
             part = ids[a : a + self.chunk]
-            if len(part) <= VERIFY_ROWS and self.pass_path == "verify":
+            if len(part) <= VERIFY_ROWS:
                 # A few tokens (a draft catching up, a sampled draft's next token, the end of
                 # a long prompt): a pass's graph costs about a decode step, the prefill's GEMMs
                 # several at these sizes. (Decided by the chunk, so a prompt prefilled in
@@ -553,11 +532,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         ids[:] = [fed, *proposal]
         n, start = len(ids), self.position
         self.ids.upload(ids, stream=self.stream)
-        if self.pass_path == "verify":
-            self._verify_forward(start, n)
-        else:  # "prefill": the prefill's kernels (comparisons)
-            self._forward_prefill(start, n)
-            self._lm_head_rows(n, self.pass_logits)
+        self._verify_forward(start, n)
         self._tokens.extend([fed, *proposal])
         if params.greedy and not params.penalized:
             self._launch("rows_argmax", n, 1024, self.pass_logits,
