@@ -754,6 +754,10 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
         raise UsageError("give --config (random weights) or --model (a checkpoint), not both")
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize)
+    if options.quantize == "int4" and options.backend != "cpu":
+        raise UsageError("--quantize int4: the GPU runs 4-bit weights dequantized to bf16 for "
+                         "now, so bench would time bf16; add --backend cpu, or bench "
+                         "--quantize fp8")
     settings = options.settings
     console = Console(file=err)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hf_compare import relative_error, require_transformers
-from tiny_model import tiny_config
+from tiny_model import AWQ_SHAPE, tiny_config
 
 from qwenchat import bench as bench_module
 from qwenchat.bench import (
@@ -385,6 +385,28 @@ def test_bench_quantize_fp8_on_a_config_draws_fp8_weights(tiny_config_file):
     record = json.loads(result.stdout)
     assert record["weights"] == "random FP8 (seed 0)"
     assert record["weight_format"] == "fp8"
+
+
+def test_bench_quantize_int4_runs_on_the_cpu_and_is_refused_where_the_gpu_would_time_bf16(
+        tiny_config_file, tmp_path):
+    """(The GPU runs 4-bit weights dequantized to bf16 until their kernels exist.)"""
+    refused = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--quantize", "int4",
+                       "--backend", "cuda")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "qwenchat: error: --quantize int4: the GPU runs 4-bit weights dequantized to bf16 for "
+        "now, so bench would time bf16; add --backend cpu, or bench --quantize fp8"]
+    # (a shape whose linear inputs are whole groups of 128 columns)
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(tiny_config(**AWQ_SHAPE)))
+    result = qwenchat("bench", "--config", str(whole), *SMALL, "--quantize", "int4", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["weight_format"] == "int4"
+    odd = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--quantize", "int4")
+    assert odd.returncode == 1
+    assert odd.stderr.strip().splitlines()[-1] == (
+        "qwenchat: error: --quantize int4 needs every linear layer's inputs in whole groups "
+        "of 128 columns; this model's hidden_size is 64")
 
 
 def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():

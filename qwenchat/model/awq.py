@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from qwenchat.errors import ModelError
 from qwenchat.model import fp8
 from qwenchat.model.floats import f32_to_bf16_bits
 
@@ -90,8 +91,15 @@ class Int4Weights:
     weight_format = "int4"
 
     def __init__(self, source: WeightSource):
+        cfg = source.config
+        for name, columns in (("hidden_size", cfg.hidden_size),
+                              ("intermediate_size", cfg.intermediate_size),
+                              ("num_attention_heads x head_dim", cfg.q_size)):
+            if columns % GROUP:
+                raise ModelError(f"--quantize int4 needs every linear layer's inputs in whole "
+                                 f"groups of {GROUP} columns; this model's {name} is {columns}")
         self.source = source
-        self.config = source.config
+        self.config = cfg
 
     def groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(qweight, qzeros, scales) of a linear layer `<module>.weight`."""
