@@ -37,7 +37,7 @@ from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
 from qwenchat.errors import UsageError
 from qwenchat.model import fp8
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
-from qwenchat.model.config import Qwen3Config
+from qwenchat.model.config import Qwen3Config, parameters_text
 from qwenchat.model.loader import open_model
 from qwenchat.model.presets import named_config
 from qwenchat.model.random_weights import RandomWeights
@@ -833,7 +833,7 @@ def render(result: BenchResult, out: TextIO) -> None:
         console.width = 140
     console.print(
         f"{result.model} · {result.weights} weights · "
-        f"{_count(result.parameters)} parameters\n"
+        f"{parameters_text(result.parameters)} parameters\n"
         f"engine {result.engine} · device {result.device or '–'} · ctx {result.ctx} · "
         f"{result.steps} decode steps, {result.sampler}, median of {result.repeats} runs\n"
         f"a decode step reads {_bytes(result.weight_bytes_per_step)} of "
@@ -941,10 +941,6 @@ def _num(value: float | None, spec: str, missing: str = "–") -> str:
 
 def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1000:,.2f} ms"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _bytes(n: int | None) -> str:

@@ -18,6 +18,7 @@ from tiny_model import (
     random_tensors,
     tiny_config,
     write_dequantized_copy,
+    write_edited_model,
     write_safetensors,
     write_tiny_model,
 )
@@ -117,20 +118,6 @@ def test_an_awq_checkpoint_opens_as_awq_and_dequantizes_its_layers(awq_dir):
         model.close()
 
 
-def write_broken(directory: Path, tokenizer, edit, config_edit=None) -> Path:
-    """A tiny AWQ model whose tensors (and dtypes) went through `edit`."""
-    write_tiny_model(directory, dtype="AWQ", tokenizer=tokenizer)
-    raw = json.loads((directory / "config.json").read_text())
-    if config_edit:
-        config_edit(raw)
-        (directory / "config.json").write_text(json.dumps(raw))
-    config = Qwen3Config.from_dict({**raw, "quantization_config": None})
-    tensors, dtypes = awq_tensors(random_tensors(config))
-    edit(tensors, dtypes)
-    write_safetensors(directory / "model.safetensors", tensors, dtypes)
-    return directory
-
-
 def _nan_scale(tensors, dtypes):
     tensors[f"{LINEAR}.scales"] = tensors[f"{LINEAR}.scales"].astype(np.float32)
     tensors[f"{LINEAR}.scales"][1, 2] = np.nan
@@ -156,7 +143,7 @@ BROKEN = {
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_a_broken_awq_checkpoint_is_refused_in_one_line(case, tmp_path, tiny_tokenizer):
     edit, message = BROKEN[case]
-    directory = write_broken(tmp_path / "m", tiny_tokenizer, edit)
+    directory = write_edited_model(tmp_path / "m", tiny_tokenizer, "AWQ", edit)
     with pytest.raises(ModelError) as caught:
         open_model_dir(directory)
     assert message in str(caught.value) and "\n" not in str(caught.value)

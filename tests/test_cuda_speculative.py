@@ -67,16 +67,12 @@ def greedy(steps: int) -> SamplingParams:
 
 
 def pass_logits(engine, context: list[int]) -> np.ndarray:
-    """The logits a speculative pass gives after `context` (its last token fed in a pass of
-    one row; the rest prefilled)."""
+    """The logits a speculative pass gives after `context`: its last token fed alone, which a
+    prefill of one token runs as a pass of one row (verify.py)."""
     engine.truncate(0)
     engine.prefill(context[:-1])
-    engine.ids.upload(np.asarray(context[-1:], np.int32), stream=engine.stream)
-    engine._verify_forward(len(context) - 1, 1)
-    row = np.empty(engine.config.vocab_size, np.float32)
-    engine.pass_logits.download(row, stream=engine.stream)
-    engine.stream.synchronize()
-    return row
+    engine.prefill(context[-1:])
+    return engine.last_logits()
 
 
 def check_parting(engine, prompt, plain, fast, params=None) -> str:

@@ -13,12 +13,11 @@ import pytest
 from hf_compare import hf_logits, relative_error, require_transformers
 from tiny_model import (
     FP8_QUANTIZATION,
-    fp8_tensors,
     random_tensors,
     tiny_config,
     write_dequantized_copy,
+    write_edited_model,
     write_quantized_copy,
-    write_safetensors,
     write_tiny_model,
 )
 
@@ -137,16 +136,6 @@ def test_an_fp8_checkpoint_dequantizes_each_block_with_its_own_scale(fp8_dir):
     assert model.checkpoint.fp8_blocks("model.norm.weight") is None
 
 
-def write_broken(directory: Path, tiny_tokenizer, edit) -> Path:
-    """An FP8 tiny model whose tensors (codes, scales and dtypes) `edit` changes first."""
-    write_tiny_model(directory, dtype="FP8", tokenizer=tiny_tokenizer)
-    config = Qwen3Config.from_file(directory / "config.json")
-    tensors, dtypes = fp8_tensors(random_tensors(config, 0))
-    edit(tensors, dtypes)
-    write_safetensors(directory / "model.safetensors", tensors, dtypes)
-    return directory
-
-
 SCALE = LINEAR + fp8.SCALE_SUFFIX
 
 
@@ -177,7 +166,7 @@ BROKEN = {
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_a_broken_fp8_checkpoint_is_refused_in_one_line(case, tmp_path, tiny_tokenizer):
     edit, message = BROKEN[case]
-    directory = write_broken(tmp_path / "m", tiny_tokenizer, edit)
+    directory = write_edited_model(tmp_path / "m", tiny_tokenizer, "FP8", edit)
     with pytest.raises(ModelError) as caught:
         open_model_dir(directory)
     assert message in str(caught.value) and "\n" not in str(caught.value)
@@ -237,7 +226,7 @@ def test_a_layer_left_in_bf16_is_quantized_too_so_every_linear_is_fp8(tmp_path, 
         dtypes[LINEAR] = "BF16"
         del tensors[SCALE], dtypes[SCALE]
 
-    model = open_model_dir(write_broken(tmp_path / "m", tiny_tokenizer, keep_bf16))
+    model = open_model_dir(write_edited_model(tmp_path / "m", tiny_tokenizer, "FP8", keep_bf16))
     weights = fp8.with_quantization(model.checkpoint, "none")
     assert weights.weight_format == "fp8"
     codes, scales = weights.fp8(LINEAR)

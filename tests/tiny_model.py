@@ -265,6 +265,19 @@ def write_tiny_model(
     return directory
 
 
+def write_edited_model(directory: Path, tokenizer, dtype: str, edit) -> Path:
+    """A tiny model in `dtype`'s quantized layout ("FP8" or "AWQ") whose encoded tensors and
+    their dtypes `edit(tensors, dtypes)` changes before they are written (broken files)."""
+    write_tiny_model(directory, dtype=dtype, tokenizer=tokenizer)
+    raw = json.loads((directory / "config.json").read_text())
+    config = Qwen3Config.from_dict({**raw, "quantization_config": None})
+    encode = fp8_tensors if dtype == "FP8" else awq_tensors
+    tensors, dtypes = encode(random_tensors(config, 0))
+    edit(tensors, dtypes)
+    write_safetensors(directory / "model.safetensors", tensors, dtypes)
+    return directory
+
+
 def _rewritten_copy(source: Path, directory: Path,
                     quantization: dict | None) -> dict[str, np.ndarray]:
     """`source` copied to `directory` with its weight files removed and config.json's

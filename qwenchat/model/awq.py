@@ -17,7 +17,6 @@ import numpy as np
 
 from qwenchat.errors import ModelError
 from qwenchat.model import fp8
-from qwenchat.model.floats import f32_to_bf16_bits
 
 if TYPE_CHECKING:
     from qwenchat.model.checkpoint import WeightSource
@@ -82,7 +81,7 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pack(codes), pack(zeros.astype(np.uint8)), scales
 
 
-class Int4Weights:
+class Int4Weights(fp8.QuantizedLinears):
     """`--quantize int4`: a checkpoint's linear layers as 4-bit codes in AWQ's layout (round
     to nearest, asymmetric, groups of 128 input columns: `quantize`), made at load time; an
     AWQ checkpoint's own codes are kept. Everything else passes through as the checkpoint has
@@ -98,8 +97,7 @@ class Int4Weights:
             if columns % GROUP:
                 raise ModelError(f"--quantize int4 needs every linear layer's inputs in whole "
                                  f"groups of {GROUP} columns; this model's {name} is {columns}")
-        self.source = source
-        self.config = cfg
+        super().__init__(source)
 
     def groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(qweight, qzeros, scales) of a linear layer `<module>.weight`."""
@@ -107,18 +105,5 @@ class Int4Weights:
         packed = own(name) if own is not None else None
         return packed if packed is not None else quantize(self.source.float32(name))
 
-    def float32(self, name: str) -> np.ndarray:
-        if fp8.is_linear(name):
-            return dequantize(*self.groups(name))
-        return self.source.float32(name)
-
-    def bf16_bits(self, name: str) -> np.ndarray:
-        if fp8.is_linear(name):
-            return f32_to_bf16_bits(self.float32(name))
-        return self.source.bf16_bits(name)
-
-    def lm_head_name(self) -> str:
-        return self.source.lm_head_name()
-
-    def close(self) -> None:
-        self.source.close()
+    def linear(self, name: str) -> np.ndarray:
+        return dequantize(*self.groups(name))

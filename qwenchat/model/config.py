@@ -14,6 +14,11 @@ from qwenchat.model import awq, fp8
 ARCHITECTURE = "Qwen3ForCausalLM"
 
 
+def parameters_text(n: int) -> str:
+    """A parameter count as people write it: 8.19B, 596.0M."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 @dataclass(frozen=True)
 class Qwen3Config:
     vocab_size: int

@@ -78,16 +78,39 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales
 
 
-class Fp8Weights:
-    """A WeightSource whose linear layers are FP8: the checkpoint's own blocks where it has
-    them, else its weights quantized at load time with the same recipe. Everything else
-    (norms, embedding, LM head) passes through as the checkpoint has it."""
+class QuantizedLinears:
+    """A WeightSource whose linear layers a subclass serves quantized (`linear`: the layer
+    dequantized to float32), everything else (norms, embedding, LM head) as `source` has it."""
 
-    weight_format = "fp8"
+    weight_format = ""
 
     def __init__(self, source: WeightSource):
         self.source = source
         self.config = source.config
+
+    def linear(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def float32(self, name: str) -> np.ndarray:
+        return self.linear(name) if is_linear(name) else self.source.float32(name)
+
+    def bf16_bits(self, name: str) -> np.ndarray:
+        if is_linear(name):
+            return f32_to_bf16_bits(self.linear(name))
+        return self.source.bf16_bits(name)
+
+    def lm_head_name(self) -> str:
+        return self.source.lm_head_name()
+
+    def close(self) -> None:
+        self.source.close()
+
+
+class Fp8Weights(QuantizedLinears):
+    """Linear layers in FP8: the checkpoint's own blocks where it has them, else its weights
+    quantized at load time with the same recipe."""
+
+    weight_format = "fp8"
 
     def fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(codes uint8 [out, in], scales float32 [ceil(out/128), ceil(in/128)])."""
@@ -95,8 +118,8 @@ class Fp8Weights:
         blocks = own(name) if own is not None else None
         return blocks if blocks is not None else quantize(self.source.float32(name))
 
-    def float32(self, name: str) -> np.ndarray:
-        return dequantize(*self.fp8(name)) if is_linear(name) else self.source.float32(name)
+    def linear(self, name: str) -> np.ndarray:
+        return dequantize(*self.fp8(name))
 
     def device_draw(self, name: str) -> Any:
         """The source's device draw (random weights), where it gives this tensor in the format
@@ -106,17 +129,6 @@ class Fp8Weights:
         if draw is None or (is_linear(name) and draw.scales is None):
             return None
         return draw
-
-    def bf16_bits(self, name: str) -> np.ndarray:
-        if is_linear(name):
-            return f32_to_bf16_bits(self.float32(name))
-        return self.source.bf16_bits(name)
-
-    def lm_head_name(self) -> str:
-        return self.source.lm_head_name()
-
-    def close(self) -> None:
-        self.source.close()
 
 
 def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:

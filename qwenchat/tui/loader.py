@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qwenchat.engine import Engine, create_engine
 from qwenchat.engine.speculate import DraftProposer, open_draft
+from qwenchat.model.config import parameters_text
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Tokenizer
 from qwenchat.tui.options import ChatOptions
@@ -109,7 +110,7 @@ def _engine_text(engine: Engine) -> str:
     the GPU memory of its weights and KV cache."""
     cfg = engine.config
     device = getattr(engine, "device_name", None)
-    text = (f"{cfg.parameter_count() / 1e9:.2f} B parameters, {engine.name}"
+    text = (f"{parameters_text(cfg.parameter_count())} parameters, {engine.name}"
             f"{f' on {device}' if device else ''}, {engine.weight_format} weights")
     weights, cache = getattr(engine, "weight_bytes", None), getattr(engine, "kv_bytes", None)
     if weights is not None and cache is not None:

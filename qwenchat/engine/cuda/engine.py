@@ -49,7 +49,6 @@ from qwenchat.engine.cuda.prefill import (
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
 from qwenchat.engine.cuda.verify import VERIFY_KERNELS, VERIFY_ROWS, VerifyPass
 from qwenchat.engine.cuda.weights import WeightUpload
-from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
@@ -183,7 +182,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
     kernels do: weight upload (weights.py), prefill (prefill.py), the per-op decode graph
     (layered.py), the decode megakernel (megakernel.py) and the speculative pass (verify.py);
     this class owns the device, the buffers they share, and the reply's bookkeeping."""
-
 
     def __init__(
         self,
@@ -365,8 +363,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self.prefill_part_ml = self._device_buffer(rows * 2 * 4)
         self.attn_f32 = self._device_buffer(cfg.q_size * 4)
         self.logits = self._device_buffer(cfg.vocab_size * 4)
-        # A speculative pass's rows of logits: the fed token's and each proposal's.
-        self.pass_logits = self._device_buffer((SPECULATE_MOST + 1) * cfg.vocab_size * 4)
         self.work = self._device_buffer(cfg.vocab_size * 4)
         self.sample_blocks = min(math.ceil(cfg.vocab_size / 1024), 4 * sms)
         self.partial_val = self._device_buffer(self.sample_blocks * 4)
@@ -404,7 +400,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self.device.make_current()
         ids = np.asarray(token_ids, dtype=np.int32)
         start = self.position
-        row_bytes = self.config.vocab_size * 4
         for a in range(0, len(ids), self.chunk):
             part = ids[a : a + self.chunk]
             if len(part) <= VERIFY_ROWS:
@@ -413,12 +408,9 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
                 # several at these sizes. (Decided by the chunk, so a prompt prefilled in
                 # parts of `chunk` tokens still computes what one call does.)
                 self._verify_state()
-                host = self._host_verify_ids[: len(part)]
-                host[:] = part
-                self.ids.upload(host, stream=self.stream)
+                self._upload_pass_ids(part.tolist())
                 self._verify_forward(start + a, len(part))
-                self.logits.copy_from(self.pass_logits, row_bytes,
-                                      src_offset=(len(part) - 1) * row_bytes, stream=self.stream)
+                self._keep_pass_row(len(part) - 1)
                 continue
             self.ids.upload(part, stream=self.stream)
             self._forward_prefill(start + a, len(part))
@@ -528,10 +520,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self.device.make_current()
         self._verify_state()
         context = list(self._tokens)
-        ids = self._host_verify_ids[: len(proposal) + 1]
-        ids[:] = [fed, *proposal]
-        n, start = len(ids), self.position
-        self.ids.upload(ids, stream=self.stream)
+        n, start = len(proposal) + 1, self.position
+        self._upload_pass_ids([fed, *proposal])
         self._verify_forward(start, n)
         self._tokens.extend([fed, *proposal])
         if params.greedy and not params.penalized:
@@ -556,17 +546,12 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         leave the device as plain decoding would have: the pass's row `row` of logits the last
         position's, the emitted tokens counted and seen for the penalties (count_tokens, as
         plain steps count theirs), the last one to be fed next at `position`."""
-        cfg = self.config
         self.device.make_current()
         del self._tokens[position:]
         self._reply_counts.update(emitted)
-        row_bytes = cfg.vocab_size * 4
-        self.logits.copy_from(self.pass_logits, row_bytes, src_offset=row * row_bytes,
-                              stream=self.stream)
-        ids = self._host_verify_ids[: len(emitted)]
-        ids[:] = emitted
-        self.ids.upload(ids, stream=self.stream)
-        self._launch("count_tokens", 1, 32, self.ids, ctypes.c_int(len(ids)), self.seen,
+        self._keep_pass_row(row)
+        self._upload_pass_ids(emitted)
+        self._launch("count_tokens", 1, 32, self.ids, ctypes.c_int(len(emitted)), self.seen,
                      self.counts)
         self._host_token[0] = emitted[-1]
         self.token.upload(self._host_token, stream=self.stream)

@@ -33,12 +33,13 @@ def verify_kernel(kind: str, weight_format: str) -> tuple[str, int]:
 class VerifyPass:
     """CudaEngine's speculative pass. Uses the engine's kernels, stream, prefill buffers (x,
     xn, qkv, q, act, ids), KV caches and flash-decoding split options; allocates its own
-    scratch (rows of gate/up sums and attention partials) on first use."""
+    scratch (the rows' logits, gate/up sums and attention partials) on first use."""
 
     def _verify_state(self) -> None:
         if getattr(self, "_verify_graphs", None) is not None:
             return
         cfg, rows, most = self.config, VERIFY_ROWS, self.split_options[-1]
+        self.pass_logits = self._device_buffer(rows * cfg.vocab_size * 4)  # a row each token
         self.verify_gu = self._device_buffer(rows * 2 * cfg.intermediate_size * 4)
         self.verify_attn = self._device_buffer(rows * cfg.q_size * 4)
         self.verify_part_o = self._device_buffer(rows * cfg.num_attention_heads * most
@@ -53,6 +54,19 @@ class VerifyPass:
         self._host_verify_ids = host.array(np.int32, 16 + 2 * rows)[16 + rows:]
         self._host_pass_rows: np.ndarray | None = None
         self._verify_graphs: dict[tuple[int, int], rt.Graph] = {}
+
+    def _upload_pass_ids(self, tokens: list[int]) -> None:
+        """A pass's tokens into self.ids, through pinned memory (an async copy: the stream is
+        synchronized before the host array is written again)."""
+        host = self._host_verify_ids[: len(tokens)]
+        host[:] = tokens
+        self.ids.upload(host, stream=self.stream)
+
+    def _keep_pass_row(self, row: int) -> None:
+        """The pass's row `row` of logits as the last position's (self.logits), on the device."""
+        nbytes = self.config.vocab_size * 4
+        self.logits.copy_from(self.pass_logits, nbytes, src_offset=row * nbytes,
+                              stream=self.stream)
 
     def _pass_rows_host(self) -> np.ndarray:
         """Pinned host rows for a pass's logits (downloaded only where verify needs them)."""
