@@ -1,8 +1,8 @@
 // Per-token building blocks of a Qwen3 layer: embedding rows, RMSNorm, matrix-vector products
 // with 16-byte weight loads (decode), QK-norm + RoPE + KV-cache append, SwiGLU; and the random
 // weights of `bench --config`, drawn on the device.
-// The residual stream is float32; the KV cache is bf16; the linear layers' weights are bf16 or
-// FP8 (weights.cuh).
+// The residual stream is float32; the KV cache is bf16; the linear layers' weights are bf16,
+// FP8 or int4 (weights.cuh).
 #include "common.cuh"
 #include "qwen3.cuh"
 #include "weights.cuh"
@@ -36,18 +36,18 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const bf16_
         out[static_cast<long long>(row) * qw::hidden + j] = f32_to_bf16(xr[j] * rstd * bf16_to_f32(w[j]));
 }
 
-// Each warp computes ROWS dot products of W rows (format F8, weights.cuh) with a K-vector in
+// Each warp computes ROWS dot products of W rows (format WF, weights.cuh) with a K-vector in
 // shared memory. The weights do not depend on the vector, so a lane's first loads for all its
 // rows are issued before the block prepares the vector (`prepare`, which ends with
 // __syncthreads): the memory latency of the weight stream overlaps the vector's preparation
 // instead of following it.
-template <int K, int ROWS, bool F8, typename Prepare>
+template <int K, int ROWS, int WF, typename Prepare>
 __device__ __forceinline__ void warp_rows_dot(const unsigned char* __restrict__ W, int rows,
                                               int row0, const float* xs, Prepare prepare,
                                               float* result) {
     const int lane = threadIdx.x & 31;
-    constexpr int PER = piece_values<F8>();
-    constexpr long long RB = row_bytes<F8>(K);
+    constexpr int PER = piece_values<WF>();
+    constexpr long long RB = row_bytes<WF>(K);
     static_assert(K % PER == 0, "rows are whole 16-byte pieces");
     constexpr int STEPS = K / PER;  // 16-byte pieces per row
     constexpr int PER_LANE = (STEPS + 31) / 32;
@@ -58,7 +58,7 @@ __device__ __forceinline__ void warp_rows_dot(const unsigned char* __restrict__ 
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int c = lane + p * 32, row = row0 + r;
-            first[p][r] = (row < rows && c < STEPS) ? load_piece<F8, K>(W + row * RB, c)
+            first[p][r] = (row < rows && c < STEPS) ? load_piece<WF, K>(W + row * RB, c)
                                                     : no_piece();
         }
     prepare();
@@ -70,7 +70,7 @@ __device__ __forceinline__ void warp_rows_dot(const unsigned char* __restrict__ 
         const int c = lane + p * 32;
         if (c < STEPS) {
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) acc[r] += piece_dot<F8>(first[p][r], xs + c * PER);
+            for (int r = 0; r < ROWS; ++r) acc[r] += piece_dot<WF>(first[p][r], xs + c * PER);
         }
     }
     for (int c = lane + PRE * 32; c < STEPS; c += 32) {
@@ -78,10 +78,10 @@ __device__ __forceinline__ void warp_rows_dot(const unsigned char* __restrict__ 
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int row = row0 + r;
-            w[r] = row < rows ? load_piece<F8, K>(W + row * RB, c) : no_piece();
+            w[r] = row < rows ? load_piece<WF, K>(W + row * RB, c) : no_piece();
         }
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[r] += piece_dot<F8>(w[r], xs + c * PER);
+        for (int r = 0; r < ROWS; ++r) acc[r] += piece_dot<WF>(w[r], xs + c * PER);
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) result[r] = warp_sum(acc[r]);
@@ -89,7 +89,7 @@ __device__ __forceinline__ void warp_rows_dot(const unsigned char* __restrict__ 
 
 // out[r] = W[r, :] . (rmsnorm(x) * norm_w): fused norm + GEMV for Q/K/V, gate/up and the LM head.
 // Each block recomputes the norm of the K-vector (a few KB, from L2) instead of a separate kernel.
-template <int ROWS, bool F8>
+template <int ROWS, int WF>
 __device__ void rmsnorm_gemv(const float* __restrict__ x, const bf16_t* __restrict__ norm_w,
                              const void* __restrict__ W, int rows, float eps,
                              float* __restrict__ out) {
@@ -98,7 +98,7 @@ __device__ void rmsnorm_gemv(const float* __restrict__ x, const bf16_t* __restri
     const int warp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * GEMV_WARPS + warp) * ROWS;
     float result[ROWS];
-    warp_rows_dot<qw::hidden, ROWS, F8>(static_cast<const unsigned char*>(W), rows, row0, xs, [&] {
+    warp_rows_dot<qw::hidden, ROWS, WF>(static_cast<const unsigned char*>(W), rows, row0, xs, [&] {
         float ss = 0.f;
         for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x) ss += x[j] * x[j];
         const float rstd = rsqrtf(block_sum(ss, scratch) / qw::hidden + eps);
@@ -117,14 +117,14 @@ __device__ void rmsnorm_gemv(const float* __restrict__ x, const bf16_t* __restri
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     rmsnorm_gemv2(const float* x, const bf16_t* norm_w, const void* W, int rows, float eps,
                   float* out) {
-    rmsnorm_gemv<2, qw::fp8>(x, norm_w, W, rows, eps, out);
+    rmsnorm_gemv<2, qw::wfmt>(x, norm_w, W, rows, eps, out);
 }
 
 // The LM head: bf16 in every format.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     rmsnorm_gemv4(const float* x, const bf16_t* norm_w, const bf16_t* W, int rows, float eps,
                   float* out) {
-    rmsnorm_gemv<4, false>(x, norm_w, W, rows, eps, out);
+    rmsnorm_gemv<4, qw::BF16>(x, norm_w, W, rows, eps, out);
 }
 
 // The longest vector a residual GEMV stages in shared memory at once: 48 KB, all the static
@@ -135,13 +135,13 @@ constexpr int VEC_CHUNK = 12288;
 
 // x[row] += W[row, :] . v for a K-vector made chunk by chunk: `make(begin, count, xs)` writes
 // v[begin .. begin + count) to xs and returns; a barrier follows.
-template <int K, bool F8, typename Make>
+template <int K, int WF, typename Make>
 __device__ __forceinline__ float warp_row_dot_chunked(const unsigned char* __restrict__ W,
                                                       int rows, int row, float* xs, Make make) {
-    constexpr int PER = piece_values<F8>();
+    constexpr int PER = piece_values<WF>();
     static_assert(VEC_CHUNK % (32 * PER) == 0, "a chunk is whole 16-byte pieces of every lane");
     const int lane = threadIdx.x & 31;
-    const unsigned char* w = W + row * row_bytes<F8>(K);
+    const unsigned char* w = W + row * row_bytes<WF>(K);
     float acc = 0.f;
     for (int begin = 0; begin < K; begin += VEC_CHUNK) {
         const int count = min(VEC_CHUNK, K - begin);
@@ -150,7 +150,7 @@ __device__ __forceinline__ float warp_row_dot_chunked(const unsigned char* __res
         __syncthreads();
         const int steps = count / PER, first = begin / PER;
         for (int c = lane; c < steps; c += 32)
-            if (row < rows) acc += piece_dot<F8>(load_piece<F8, K>(w, first + c), xs + c * PER);
+            if (row < rows) acc += piece_dot<WF>(load_piece<WF, K>(w, first + c), xs + c * PER);
     }
     return warp_sum(acc);
 }
@@ -163,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     __shared__ __align__(16) float vs[qw::q_size];
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float result[1];
-    warp_rows_dot<qw::q_size, 1, qw::fp8>(static_cast<const unsigned char*>(W), rows, row, vs, [&] {
+    warp_rows_dot<qw::q_size, 1, qw::wfmt>(static_cast<const unsigned char*>(W), rows, row, vs, [&] {
         for (int j = threadIdx.x; j < qw::q_size; j += blockDim.x) vs[j] = v[j];
         __syncthreads();
     }, result);
@@ -180,12 +180,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float result[1];
     if constexpr (I <= VEC_CHUNK) {  // in one piece, the weights' first loads ahead of it
-        warp_rows_dot<I, 1, qw::fp8>(w, rows, row, vs, [&] {
+        warp_rows_dot<I, 1, qw::wfmt>(w, rows, row, vs, [&] {
             for (int j = threadIdx.x; j < I; j += blockDim.x) vs[j] = silu(gu[j]) * gu[I + j];
             __syncthreads();
         }, result);
     } else {
-        result[0] = warp_row_dot_chunked<I, qw::fp8>(w, rows, row, vs,
+        result[0] = warp_row_dot_chunked<I, qw::wfmt>(w, rows, row, vs,
                                                      [&](int begin, int count, float* xs) {
             for (int j = threadIdx.x; j < count; j += blockDim.x)
                 xs[j] = silu(gu[begin + j]) * gu[I + begin + j];
@@ -295,5 +295,64 @@ extern "C" __global__ void draw_fp8_rows(unsigned* __restrict__ out, int rows, i
             word = __float_as_uint(scales[(r / qw::FP8_BLOCK) * col_blocks + (c - cols) / 4]);
         }
         out[w] = word;
+    }
+}
+
+// An int4 linear layer in its rows (weights.cuh), as qwenchat/model/random_weights.py draws it:
+// column c of row r takes the top 4 bits of draw_hash(r * cols + c, key); group g of row r
+// takes h = draw_hash(g * rows + r, key ^ INT4_SALT): scale f16(unit x (h >> 24) / 255 + unit / 2)
+// (as float32 arithmetic, then rounded to nearest f16) and zero 7 + (h >> 23 & 1). Written a
+// 32-bit word at a time.
+extern "C" __global__ void draw_int4_rows(unsigned* __restrict__ out, int rows, int cols,
+                                          int row_words, unsigned key, unsigned group_key,
+                                          float unit) {
+    const long long total = static_cast<long long>(rows) * row_words;
+    const int code_words = cols / 8, groups = cols / qw::FP8_BLOCK;
+    for (long long w = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; w < total;
+         w += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const int r = static_cast<int>(w / row_words), c = static_cast<int>(w % row_words);
+        unsigned word = 0u;
+        if (c < code_words) {
+            const unsigned i = static_cast<unsigned>(r) * cols + 8 * c;
+            constexpr int ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) word |= (draw_hash(i + ORDER[j], key) >> 28) << (4 * j);
+        } else if (c - code_words < groups) {
+            const unsigned h = draw_hash(static_cast<unsigned>(c - code_words) * rows + r, group_key);
+            const float s = __fadd_rn(__fmul_rn(unit, __fdiv_rn(static_cast<float>(h >> 24), 255.f)),
+                                      __fmul_rn(unit, 0.5f));  // (no FMA: as NumPy)
+            unsigned short sb;
+            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(sb) : "f"(s));
+            word = sb | ((0x6400u + 7u + ((h >> 23) & 1u)) << 16);
+        }
+        out[w] = word;
+    }
+}
+
+// An int4 linear layer's rows (weights.cuh) as bf16 rows, bf16((code - zero) x scale): the
+// prefill's GEMMs take int4 weights this way, a matrix at a time (prefill.py). Each thread
+// takes words of 8 codes: one 4-byte load, one 16-byte store.
+extern "C" __global__ void dequant_int4_rows(const unsigned char* __restrict__ W, int rows,
+                                             int cols, uint4* __restrict__ out) {
+    const long long row_b = row_bytes<qw::INT4>(cols);
+    const int words = cols / 8;
+    const long long total = static_cast<long long>(rows) * words;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long r = i / words;
+        const int c = static_cast<int>(i % words);
+        const unsigned char* row = W + r * row_b;
+        const unsigned w = __ldg(reinterpret_cast<const unsigned*>(row) + c);
+        const unsigned rec = __ldg(reinterpret_cast<const unsigned*>(row + cols / 2) + c * 8 / qw::FP8_BLOCK);
+        unsigned p[4];
+        int4x8_f16x2(w, int4_zero2(rec), p);
+        const float s = int4_scale(rec);
+        unsigned o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float2 v = f16x2_floats(p[k]);
+            o[k] = pack_bf16x2(v.x * s, v.y * s);
+        }
+        out[i] = make_uint4(o[0], o[1], o[2], o[3]);
     }
 }

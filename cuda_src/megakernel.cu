@@ -133,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             // (The last block wrote this step's parameters before any output of its that the
             // x below depends on.)
             load_params(&step_params, a.params + (i & 1));
-            rows_phase<qw::hidden, false, false>(
+            rows_phase<qw::hidden, false, qw::BF16>(
                 a, consumed, qw::vocab,
                 [&](VecArg<qw::hidden>& v) {
                     return load_normed<qw::hidden, false>(v, a.x, nullptr, best_tag - 1u, a.final_norm,

@@ -18,9 +18,9 @@
 #ifndef QW_MK_LM_ROWS
 #define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)
 #endif
-// FP8 rows on the tensor cores (mk_matvec.cuh, f8_pair_dot), which needs the e4m3 -> f16x2
+// FP8 rows on the tensor cores (mk_matvec.cuh, narrow_pair_dot), which needs the e4m3 -> f16x2
 // conversion of sm_89 and later: the host decides (megakernel.py, fp8_on_tensor_cores); 0 is
-// the FMA consumer.
+// the FMA consumer. int4 rows always take the tensor cores (their conversion is integer work).
 #ifndef QW_MK_F8_MMA
 #define QW_MK_F8_MMA 0
 #endif
@@ -54,31 +54,35 @@ constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
 
 constexpr bool SPLIT = QW_MK_SPLIT != 0;
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
-// FP8 rows on the tensor cores (mk_matvec.cuh), which needs the e4m3 -> f16x2 conversion of
-// sm_89 and later; their input vectors are staged as f16, padded with zeros to whole steps.
-constexpr bool F8_MMA = qw::fp8 && QW_MK_F8_MMA != 0;
-// 256-column steps: the FP8 tensor-core consumer's unit, and (SPLIT) a stage's item.
+// Narrow rows (FP8 or int4) on the tensor cores (mk_matvec.cuh): FP8 needs the e4m3 -> f16x2
+// conversion of sm_89 and later (QW_MK_F8_MMA), int4 always; their input vectors are staged as
+// f16, padded with zeros to whole steps.
+constexpr bool NARROW_MMA = qw::int4 || (qw::fp8 && QW_MK_F8_MMA != 0);
+// Whether rows of format WF go to the tensor cores (the LM head's bf16 rows never do).
+template <int WF>
+__host__ __device__ constexpr bool mma_rows() { return WF != qw::BF16 && NARROW_MMA; }
+// 256-column steps: the tensor-core consumer's unit, and (SPLIT) a stage's item.
 constexpr int STEP = 256;
 __host__ __device__ constexpr int steps(int k) { return (k + STEP - 1) / STEP; }
 
 // Whole rows (SPLIT = 0): each consumer warp holds one segment of a phase's input vector in
 // registers (CPL 16-byte chunks per lane), NSEG segments cover K, and CWARPS / NSEG row groups
 // take the rows of a stage in turn; a row's segment sums are added in a fixed order.
-// FP8 rows on the tensor cores (F8 and F8_MMA) take segments of QW_MK_MMA_SEG columns instead:
+// Narrow rows on the tensor cores (mma_rows) take segments of QW_MK_MMA_SEG columns instead:
 // their vector is in shared memory.
 __host__ __device__ constexpr int chunks(int k) { return k / 8; }
-template <bool F8 = false>
+template <int WF = qw::BF16>
 __host__ __device__ constexpr int nseg(int k) {
-    constexpr int SEG = F8 && F8_MMA ? QW_MK_MMA_SEG : 1024;
+    constexpr int SEG = mma_rows<WF>() ? QW_MK_MMA_SEG : 1024;
     return (k + SEG - 1) / SEG < CWARPS ? (k + SEG - 1) / SEG : CWARPS;
 }
 __host__ __device__ constexpr int cpl(int k) { return (chunks(k) + nseg(k) * 32 - 1) / (nseg(k) * 32); }
-template <bool F8 = false>
-__host__ __device__ constexpr int groups(int k) { return CWARPS / nseg<F8>(k); }
-// The FP8 tensor-core consumer: each warp of a row group takes two rows at once.
-template <bool F8>
+template <int WF = qw::BF16>
+__host__ __device__ constexpr int groups(int k) { return CWARPS / nseg<WF>(k); }
+// The tensor-core consumer: each warp of a row group takes two rows at once.
+template <int WF>
 __host__ __device__ constexpr int round_rows(int k) {
-    return (F8 && F8_MMA ? 2 : 1) * groups<F8>(k);
+    return (mma_rows<WF>() ? 2 : 1) * groups<WF>(k);
 }
 // Of `fit` rows (at most), how many a stage takes: the most rows per round of the row groups
 // (a stage's time is its rounds), the larger count on a tie.
@@ -90,30 +94,30 @@ __host__ __device__ constexpr int stage_rows(int fit, int groups, int step = 1) 
     }
     return best;
 }
-// Rows of K columns in a stage, for the model's weight format (F8 = qw::fp8) or bf16 (the LM
-// head). An FP8 row carries its block scales after its codes (weights.cuh).
-template <bool F8 = qw::fp8>
+// Rows of K columns in a stage, for the model's weight format (WF = qw::wfmt) or bf16 (the LM
+// head). A narrow row carries its scales after its codes (weights.cuh).
+template <int WF = qw::wfmt>
 __host__ __device__ constexpr int rows_per_stage(int k) {
-    return stage_rows(static_cast<int>(STAGE / row_bytes<F8>(k)), round_rows<F8>(k));
+    return stage_rows(static_cast<int>(STAGE / row_bytes<WF>(k)), round_rows<WF>(k));
 }
 constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves (as many gate as up rows)
-    stage_rows(static_cast<int>(STAGE / (2 * row_bytes<qw::fp8>(qw::hidden))),
-               round_rows<qw::fp8>(qw::hidden), 2) / 2;
+    stage_rows(static_cast<int>(STAGE / (2 * row_bytes<qw::wfmt>(qw::hidden))),
+               round_rows<qw::wfmt>(qw::hidden), 2) / 2;
 // A stage's outputs (rows, or gate/up pairs) at most, and its partial sums at most: a row of
 // K columns is summed from nseg(K) warps' segments (a pair from twice that).
 constexpr int STAGE_OUTS =
     cmax(cmax(cmax(rows_per_stage(qw::hidden), rows_per_stage(qw::q_size)),
-              cmax(rows_per_stage(qw::intermediate), rows_per_stage<false>(qw::hidden))),
+              cmax(rows_per_stage(qw::intermediate), rows_per_stage<qw::BF16>(qw::hidden))),
          PAIRS_PER_STAGE);
 constexpr int STAGE_PARTS =
-    cmax(cmax(cmax(rows_per_stage(qw::hidden) * nseg<qw::fp8>(qw::hidden),
-                   rows_per_stage(qw::q_size) * nseg<qw::fp8>(qw::q_size)),
-              cmax(rows_per_stage(qw::intermediate) * nseg<qw::fp8>(qw::intermediate),
-                   rows_per_stage<false>(qw::hidden) * nseg(qw::hidden))),
-         2 * PAIRS_PER_STAGE * nseg<qw::fp8>(qw::hidden));
+    cmax(cmax(cmax(rows_per_stage(qw::hidden) * nseg<qw::wfmt>(qw::hidden),
+                   rows_per_stage(qw::q_size) * nseg<qw::wfmt>(qw::q_size)),
+              cmax(rows_per_stage(qw::intermediate) * nseg<qw::wfmt>(qw::intermediate),
+                   rows_per_stage<qw::BF16>(qw::hidden) * nseg(qw::hidden))),
+         2 * PAIRS_PER_STAGE * nseg<qw::wfmt>(qw::hidden));
 static_assert(SPLIT || (rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
                         rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
-                        rows_per_stage<false>(qw::hidden) >= 1),
+                        rows_per_stage<qw::BF16>(qw::hidden) >= 1),
               "QW_MK_STAGE_BYTES must hold a whole weight row (and a gate/up pair)");
 static_assert(SPLIT || STAGE_PARTS * STAGES <= 4096, "the stages' partial sums fit in 16 KB");
 
@@ -124,23 +128,23 @@ static_assert(SPLIT || STAGE_PARTS * STAGES <= 4096, "the stages' partial sums f
 // stage of a phase but its last is full, whatever the row width; each consumer warp takes a
 // fixed share of a stage's items, and the input vector stays in shared memory.
 // Bytes of a row's block scales (with their padding; 0 for bf16) and of an item's weights.
-template <bool F8>
+template <int WF>
 __host__ __device__ constexpr int scale_bytes(int k) {
-    return static_cast<int>(row_bytes<F8>(k) - (F8 ? 1 : 2) * static_cast<long long>(k));
+    return static_cast<int>(row_bytes<WF>(k) - code_bytes<WF>(k));
 }
 // The most bytes m items can take in a stage, wherever the run starts: its rows' scales (each
 // row it touches brings them, and a row cut short brings a separate copy of them).
-template <bool F8>
+template <int WF>
 __host__ __device__ constexpr long long run_bytes(int m, int k) {
-    return static_cast<long long>(m) * STEP * (F8 ? 1 : 2) +
-           static_cast<long long>((m + steps(k) - 2) / steps(k) + 3) * scale_bytes<F8>(k);
+    return static_cast<long long>(m) * code_bytes<WF>(STEP) +
+           static_cast<long long>((m + steps(k) - 2) / steps(k) + 3) * scale_bytes<WF>(k);
 }
 // Items a stage holds: as many as fit, rounded down to whole rounds of the consumer warps (a
 // stage takes as long as its busiest warp) when there are that many.
-template <bool F8>
+template <int WF>
 __host__ __device__ constexpr int items_per_stage(int k) {
-    int m = STAGE / (STEP * (F8 ? 1 : 2));
-    while (m > 0 && run_bytes<F8>(m, k) > STAGE) --m;
+    int m = static_cast<int>(STAGE / code_bytes<WF>(STEP));
+    while (m > 0 && run_bytes<WF>(m, k) > STAGE) --m;
     return m >= CWARPS ? m / CWARPS * CWARPS : m;
 }
 // A row cut between warps (or stages) is summed from pieces: each piece's sum goes to a table
@@ -148,12 +152,12 @@ __host__ __device__ constexpr int items_per_stage(int k) {
 // piece completes the row adds the row's entries in order, so the sums never depend on timing.
 // Slots are reused every ring_rows(K) rows: more rows than any warps can have open at once
 // (warps are at most STAGES stages apart).
-template <bool F8>
+template <int WF>
 __host__ __device__ constexpr int ring_rows(int k) {
-    return (STAGES * items_per_stage<F8>(k) + steps(k) - 1) / steps(k) + 2;
+    return (STAGES * items_per_stage<WF>(k) + steps(k) - 1) / steps(k) + 2;
 }
-template <bool F8>
-__host__ __device__ constexpr int ring_floats(int k) { return ring_rows<F8>(k) * steps(k); }
+template <int WF>
+__host__ __device__ constexpr int ring_floats(int k) { return ring_rows<WF>(k) * steps(k); }
 // Attention: each consumer warp takes KPW keys of each stage, KPASS at a time with LPK lanes a
 // key (DPK dimensions a lane) for the scores; for P . V each lane holds DPL of the head's
 // dimensions. KEYS (K and V rows) a stage: as many as fit, in whole passes of every warp.
@@ -166,19 +170,19 @@ constexpr int RED = 1024;  // the sampler's scratch floats (two halves)
 
 // The row table's floats and slots (mk_matvec.cuh, rows_phase), for every matrix phase.
 constexpr int RING_FLOATS =
-    cmax(cmax(cmax(ring_floats<qw::fp8>(qw::hidden), ring_floats<qw::fp8>(qw::q_size)),
-              ring_floats<qw::fp8>(qw::intermediate)), ring_floats<false>(qw::hidden));
+    cmax(cmax(cmax(ring_floats<qw::wfmt>(qw::hidden), ring_floats<qw::wfmt>(qw::q_size)),
+              ring_floats<qw::wfmt>(qw::intermediate)), ring_floats<qw::BF16>(qw::hidden));
 constexpr int RING_ROWS =
-    cmax(cmax(cmax(ring_rows<qw::fp8>(qw::hidden), ring_rows<qw::fp8>(qw::q_size)),
-              ring_rows<qw::fp8>(qw::intermediate)), ring_rows<false>(qw::hidden));
+    cmax(cmax(cmax(ring_rows<qw::wfmt>(qw::hidden), ring_rows<qw::wfmt>(qw::q_size)),
+              ring_rows<qw::wfmt>(qw::intermediate)), ring_rows<qw::BF16>(qw::hidden));
 constexpr int PAIR_ROWS = 512;  // gate/up rows a block may own (their pairs' table)
 
 static_assert(STAGE % 128 == 0, "stages are 128-byte aligned");
-static_assert(QW_MK_MMA_SEG % STEP == 0, "FP8 tensor-core segments are whole 256-column steps");
-static_assert(!SPLIT || (items_per_stage<qw::fp8>(qw::hidden) >= 1 &&
-                         items_per_stage<qw::fp8>(qw::q_size) >= 1 &&
-                         items_per_stage<qw::fp8>(qw::intermediate) >= 1 &&
-                         items_per_stage<false>(qw::hidden) >= 1),
+static_assert(QW_MK_MMA_SEG % STEP == 0, "tensor-core segments are whole 256-column steps");
+static_assert(!SPLIT || (items_per_stage<qw::wfmt>(qw::hidden) >= 1 &&
+                         items_per_stage<qw::wfmt>(qw::q_size) >= 1 &&
+                         items_per_stage<qw::wfmt>(qw::intermediate) >= 1 &&
+                         items_per_stage<qw::BF16>(qw::hidden) >= 1),
               "QW_MK_STAGE_BYTES must hold an item of every matrix");
 static_assert(!SPLIT || RING_FLOATS + RING_ROWS <= 4096, "the row table fits in 16 KB");
 static_assert(qw::group + 2 <= CWARPS, "a consumer warp per query head of a group, plus two");
@@ -193,13 +197,13 @@ constexpr int LM_ROWS = QW_MK_LM_ROWS;
 
 constexpr int HIST_BYTES = WARPS * 256 * 8;
 constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
-// The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to whole
+// The matrix phases' input vectors: floats, or (narrow rows on the tensor cores) f16 padded to whole
 // 256-column steps. The LM head's input is floats either way (its own term below).
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
 // or (after the LM head's input vector, which warps may still be reading while others write
 // logits) the block's LM-head logits, or (block 0, sampling) the radix histograms.
 constexpr int VEC_BYTES =
-    F8_MMA ? 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate))
+    NARROW_MMA ? 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate))
            : 4 * VEC_FLOATS;
 constexpr int UNION_BYTES =
     (cmax(cmax(HIST_BYTES, VEC_BYTES),

@@ -271,7 +271,7 @@ __device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
 // weights are loaded before the wait for src: they do not depend on it, so their round trip to
 // L2 overlaps the wait instead of following it. MMA (the FP8 tensor-core consumer): the vector
 // goes to shared memory as f16 instead (stage_f16). Returns the factor of each row's dot product.
-template <int K, bool MMA = F8_MMA>
+template <int K, bool MMA = NARROW_MMA>
 __device__ __forceinline__ float load_normed(Vec<K>& out, const tagged_t* src, const bf16_t* row,
                                              unsigned tag, const bf16_t* w, float eps) {
     if constexpr (MMA) {
@@ -296,7 +296,7 @@ __device__ __forceinline__ float load_normed(Vec<K>& out, const tagged_t* src, c
 
 // The warp's segment of a float vector other blocks are writing with `tag` (MMA: as f16 in
 // shared memory). Returns the factor of each row's dot product.
-template <int K, bool MMA = F8_MMA>
+template <int K, bool MMA = NARROW_MMA>
 __device__ __forceinline__ float load_plain(Vec<K>& out, const tagged_t* src, unsigned tag,
                                             bool wait = true) {
     if constexpr (MMA) {
@@ -313,14 +313,15 @@ __device__ __forceinline__ float load_plain(Vec<K>& out, const tagged_t* src, un
 
 // The warp's partial dot product of one weight row in shared memory with its vector segment:
 // 8 values a chunk, 16 bytes of bf16 or 8 FP8 codes times their block's scale.
-template <int K, bool F8>
+template <int K, int WF>
 __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>& v) {
+    static_assert(WF != qw::INT4, "int4 rows take the tensor cores (narrow_pair_dot)");
     float acc = 0.f;
 #pragma unroll
     for (int q = 0; q < cpl(K); ++q) {
         const int c = lane_chunk<K>(q);
         if (c < chunks(K)) {
-            if constexpr (F8) {
+            if constexpr (WF == qw::FP8) {
                 const float scale = reinterpret_cast<const float*>(row + K)[c * 8 / qw::FP8_BLOCK];
                 acc += dot8_e4m3(reinterpret_cast<const uint2*>(row)[c], v.v[q]) * FP8_UNSCALE * scale;
             } else {
@@ -331,41 +332,64 @@ __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>&
     return warp_sum(acc);
 }
 
-// FP8 rows on the tensor cores: mma m16n8k16 (f16 in, f32 out) dots two rows with the vector
-// at once, each in eight windows of 32 columns. A's rows 0-7 are row0's windows g = 0..7 of a
-// 256-column step, rows 8-15 row1's; B's column g is the vector's window g; the result's
+// Narrow rows on the tensor cores: mma m16n8k16 (f16 in, f32 out) dots two rows with the
+// vector at once, each in eight windows of 32 columns. A's rows 0-7 are row0's windows g = 0..7
+// of a 256-column step, rows 8-15 row1's; B's column g is the vector's window g; the result's
 // diagonal (D[g][g] and D[g + 8][g]) holds the eight windows' dot products of each row, the
-// rest is unused. Lane (g, t) loads the 8 codes at column 32g + 8t of both rows and the 8 f16
-// values of the vector there (a 256-column step is one contiguous 256-byte line of each row,
-// so no two lanes of a load meet in a bank), converts the codes in pairs (cvt e4m3x2 ->
-// f16x2: exact), and the two mma take codes 0-3 and 4-7 (the order of the columns inside a
-// window is the same in A and B, so any order adds up the same products). A window lies in
-// one 128-column block, so its sum is multiplied by that block's scale once. Returns the
+// rest is unused. Lane (g, t) takes the 8 columns at 32g + 8t of both rows (FP8: 8 codes, a
+// 256-column step being one contiguous 256-byte line of each row, so no two lanes of a load
+// meet in a bank; int4: one word) and the 8 f16 values of the vector there, makes f16 pairs of
+// them (FP8: cvt e4m3x2 -> f16x2; int4: code - zero, narrow_pairs), and the two mma take
+// columns 0-3 and 4-7 (the order of the columns inside a window is the same in A and B, so any
+// order adds up the same products). All of a window's weights are exact in f16 and it lies in
+// one 128-column block or group, so its sum is multiplied by that scale once. Returns the
 // lane's share of each row's dot product over steps [j0, j1) (diagonal lanes only; the others
 // return 0): a warp_sum completes it.
-template <int K>
-__device__ __forceinline__ float2 f8_pair_dot(const unsigned char* row0, const unsigned char* row1,
-                                              bool has1, int j0, int j1) {
+
+// Lane (g, t)'s 8 weights of a row at column `col` as four f16 pairs (columns 0-1, 2-3, 4-5,
+// 6-7 of the 8) without their scale, and the scale of its window: FP8 codes, or int4 codes
+// less their group's zero; `row` is the row's column 0, `sc` its scales. Zeros where `in` is
+// false.
+template <int WF>
+__device__ __forceinline__ float narrow_pairs(const unsigned char* row, const unsigned char* sc,
+                                              int col, bool in, unsigned (&p)[4]) {
+    if constexpr (WF == qw::FP8) {
+        uint2 w = make_uint2(0u, 0u);
+        if (in) w = *reinterpret_cast<const uint2*>(row + col);
+        p[0] = e4m3x2_f16x2(w.x);
+        p[1] = e4m3x2_f16x2(w.x >> 16);
+        p[2] = e4m3x2_f16x2(w.y);
+        p[3] = e4m3x2_f16x2(w.y >> 16);
+        return in ? reinterpret_cast<const float*>(sc)[col / qw::FP8_BLOCK] : 0.f;
+    } else {
+        static_assert(WF == qw::INT4, "narrow rows are FP8 or int4");
+        unsigned w = 0u, rec = 0u;
+        if (in) {
+            w = *reinterpret_cast<const unsigned*>(row + col / 2);
+            rec = reinterpret_cast<const unsigned*>(sc)[col / qw::FP8_BLOCK];
+        }
+        int4x8_f16x2(w, in ? int4_zero2(rec) : 0x64006400u, p);
+        return int4_scale(rec);
+    }
+}
+
+template <int K, int WF>
+__device__ __forceinline__ float2 narrow_pair_dot(const unsigned char* row0, const unsigned char* row1,
+                                                  bool has1, int j0, int j1) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned char* xh = reinterpret_cast<const unsigned char*>(vec_buf());
-    const float* s0 = reinterpret_cast<const float*>(row0 + K);
-    const float* s1 = reinterpret_cast<const float*>(row1 + K);
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int j = j0; j < j1; ++j) {
         const int col = 256 * j + 32 * g + 8 * t;
-        uint2 w0 = make_uint2(0u, 0u), w1 = make_uint2(0u, 0u);
         const bool in = K % 256 == 0 || col < K;
-        if (in) w0 = *reinterpret_cast<const uint2*>(row0 + col);
-        if (in && has1) w1 = *reinterpret_cast<const uint2*>(row1 + col);
+        unsigned p0[4], p1[4];
+        const float sc0 = narrow_pairs<WF>(row0, row0 + code_bytes<WF>(K), col, in, p0);
+        const float sc1 = narrow_pairs<WF>(row1, row1 + code_bytes<WF>(K), col, in && has1, p1);
         const uint4 x = *reinterpret_cast<const uint4*>(xh + 2 * col);
         const unsigned b0[2] = {x.x, x.y}, b1[2] = {x.z, x.w};
-        const int block = (256 * j + 32 * g) / qw::FP8_BLOCK;
-        const float sc0 = in ? s0[block] : 0.f, sc1 = in && has1 ? s1[block] : 0.f;
-        const unsigned a0[4] = {e4m3x2_f16x2(w0.x), e4m3x2_f16x2(w1.x), e4m3x2_f16x2(w0.x >> 16),
-                                e4m3x2_f16x2(w1.x >> 16)};
-        const unsigned a1[4] = {e4m3x2_f16x2(w0.y), e4m3x2_f16x2(w1.y), e4m3x2_f16x2(w0.y >> 16),
-                                e4m3x2_f16x2(w1.y >> 16)};
+        const unsigned a0[4] = {p0[0], p1[0], p0[1], p1[1]};
+        const unsigned a1[4] = {p0[2], p1[2], p0[3], p1[3]};
         float d[4] = {0.f, 0.f, 0.f, 0.f};
         mma_f16_16816(d, a0, b0);
         mma_f16_16816(d, a1, b1);
@@ -381,7 +405,7 @@ __device__ __forceinline__ float2 f8_pair_dot(const unsigned char* row0, const u
 // (SPLIT) rmsnorm(src) * w as the phase's input vector, src a float vector or (layer 0) a bf16 row:
 // floats, or for the FP8 tensor-core consumer (MMA) f16 (stage_f16). Returns the factor of each
 // row's dot product.
-template <int K, bool MMA = F8_MMA>
+template <int K, bool MMA = NARROW_MMA>
 __device__ __forceinline__ float load_normed(NoVec, const tagged_t* src, const bf16_t* row,
                                              unsigned tag, const bf16_t* w, float eps) {
     if constexpr (MMA) return stage_f16<K>(src, row, tag, w, eps);
@@ -390,7 +414,7 @@ __device__ __forceinline__ float load_normed(NoVec, const tagged_t* src, const b
 
 // (SPLIT) A float vector other blocks are writing with `tag` as the phase's input vector. Returns the
 // factor of each row's dot product.
-template <int K, bool MMA = F8_MMA>
+template <int K, bool MMA = NARROW_MMA>
 __device__ __forceinline__ float load_plain(NoVec, const tagged_t* src, unsigned tag,
                                             bool wait = true) {
     if constexpr (MMA) return stage_f16<K>(src, nullptr, tag, nullptr, 0.f, wait);
@@ -400,44 +424,45 @@ __device__ __forceinline__ float load_plain(NoVec, const tagged_t* src, unsigned
 
 // The lane's share of the dot product of item j (columns STEP j ..) of a row with the input
 // vector: the row's column 0 is at stage offset `at` (the item's own bytes are in the stage),
-// its block scales (FP8) at `sc`. A warp_sum completes it.
+// its scales (narrow rows) at `sc`. A warp_sum completes it.
 //   bf16 and FP8 on the CUDA cores: lane l takes 8 columns at STEP j + 8 l (16 bytes of bf16,
 //   or 8 codes times their block's scale) and the 8 floats of the vector there.
-//   FP8 on the tensor cores (MMA): mma m16n8k16 (f16 in, f32 out) with A's rows 0-7 the item's
-//   eight 32-column windows g and B's column g the vector's window g (f16, vec_buf); the
-//   result's diagonal D[g][g] holds the windows' dot products (A's rows 8-15 are zero: a
+//   Narrow rows on the tensor cores (MMA): mma m16n8k16 (f16 in, f32 out) with A's rows 0-7 the
+//   item's eight 32-column windows g and B's column g the vector's window g (f16, vec_buf);
+//   the result's diagonal D[g][g] holds the windows' dot products (A's rows 8-15 are zero: a
 //   second row would need the same columns, which a run of items seldom has). Lane (g, t)
-//   loads the 8 codes at column 32 g + 8 t and the 8 vector values there (a step is one
-//   contiguous 256-byte line, so no two lanes meet in a bank), converts the codes in pairs
-//   (cvt e4m3x2 -> f16x2: exact); the two mma take codes 0-3 and 4-7 (the columns of a window
-//   are in the same order in A and B, so any order adds the same products). A window lies in
-//   one 128-column block, so its sum is multiplied by that block's scale once.
-template <int K, bool F8, bool MMA>
-__device__ __forceinline__ float item_dot(const unsigned char* tile, int at, const float* sc, int j) {
+//   takes the 8 columns at 32 g + 8 t (narrow_pairs) and the 8 vector values there; the two
+//   mma take columns 0-3 and 4-7 (the columns of a window are in the same order in A and B,
+//   so any order adds the same products). A window lies in one 128-column block or group, so
+//   its sum is multiplied by that scale once.
+template <int K, int WF, bool MMA>
+__device__ __forceinline__ float item_dot(const unsigned char* tile, int at, const unsigned char* sc,
+                                          int j) {
     const int lane = threadIdx.x & 31;
     if constexpr (MMA) {
         const int g = lane >> 2, t = lane & 3, col = STEP * j + 32 * g + 8 * t;
         const bool in = K % STEP == 0 || col < K;
-        uint2 c = make_uint2(0u, 0u);
-        if (in) c = *reinterpret_cast<const uint2*>(tile + at + col);
+        unsigned p[4];
+        const float scale = narrow_pairs<WF>(tile + at, sc, col, in, p);
         const uint4 x = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vec_buf()) + 2 * col);
-        const unsigned a0[4] = {e4m3x2_f16x2(c.x), 0u, e4m3x2_f16x2(c.x >> 16), 0u};
-        const unsigned a1[4] = {e4m3x2_f16x2(c.y), 0u, e4m3x2_f16x2(c.y >> 16), 0u};
+        const unsigned a0[4] = {p[0], 0u, p[1], 0u};
+        const unsigned a1[4] = {p[2], 0u, p[3], 0u};
         const unsigned b0[2] = {x.x, x.y}, b1[2] = {x.z, x.w};
         float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // (two chains)
         mma_f16_16816(d0, a0, b0);
         mma_f16_16816(d1, a1, b1);
         if (t != g >> 1 || !in) return 0.f;
-        return ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) * sc[(STEP * j + 32 * g) / qw::FP8_BLOCK];
+        return ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) * scale;
     } else {
+        static_assert(WF != qw::INT4, "int4 items take the tensor cores");
         const int col = STEP * j + 8 * lane;
         if (K % STEP != 0 && col >= K) return 0.f;
         const float4 lo = *reinterpret_cast<const float4*>(vec_buf() + col);
         const float4 hi = *reinterpret_cast<const float4*>(vec_buf() + col + 4);
         const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        if constexpr (F8) {
+        if constexpr (WF == qw::FP8) {
             return dot8_e4m3(*reinterpret_cast<const uint2*>(tile + at + col), x) * FP8_UNSCALE *
-                   sc[col / qw::FP8_BLOCK];
+                   reinterpret_cast<const float*>(sc)[col / qw::FP8_BLOCK];
         } else {
             return dot8(*reinterpret_cast<const uint4*>(tile + at + 2 * col), x);
         }
@@ -457,19 +482,19 @@ __shared__ unsigned stage_arrivals[STAGES][SPLIT ? 1 : STAGE_OUTS];
 // segment completes a row adds the segments in order 0, 1, ... and calls `emit(row, sum, up,
 // pre)` from its lane 0, where `pre` is what `pre(row)` returned when that lane started the row
 // (loads the emit will need). With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE
-// rows) the matching up rows, and `up` is the up row's sum. F8: the rows are in the model's
-// weight format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
-template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
+// rows) the matching up rows, and `up` is the up row's sum. WF: the rows' format (qw::wfmt, or
+// qw::BF16: the LM head). Not inlined: each phase gets all the registers.
+template <int K, bool PAIRS, int WF = qw::wfmt, typename Load, typename Pre, typename Emit>
 __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consumed, int n_rows,
                                               Load load, Pre pre, Emit emit) {
-    constexpr bool MMA = F8 && F8_MMA;  // two rows a warp on the tensor cores (f8_pair_dot)
-    constexpr int NSEG = nseg<F8>(K), GROUPS = CWARPS / NSEG;
-    constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+    constexpr bool MMA = mma_rows<WF>();  // two rows a warp on the tensor cores
+    constexpr int NSEG = nseg<WF>(K), GROUPS = CWARPS / NSEG;
+    constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<WF>(K);
     constexpr int ARRIVALS = NSEG * (PAIRS ? 2 : 1);  // the pieces of one output
-    constexpr long long RB = row_bytes<F8>(K);
+    constexpr long long RB = row_bytes<WF>(K);
     static_assert(PER <= STAGE_OUTS && (PAIRS ? 2 : 1) * PER * NSEG <= STAGE_PARTS,
                   "a stage holds more rows than its partial sums");
-    static_assert(!MMA || K % 8 == 0, "the FP8 tensor-core consumer takes 8 columns a lane");
+    static_assert(!MMA || K % 8 == 0, "the tensor-core consumer takes 8 columns a lane");
     QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
                 : PAIRS ? mk_timeline::GATE_UP
                 : K == qw::intermediate ? mk_timeline::DOWN
@@ -525,7 +550,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
                     const bool use0 = !PAIRS || r % PER < n;
                     const bool use1 = r + 1 < span && (!PAIRS || (r + 1) % PER < n);
                     if (!use0 && !use1) continue;
-                    const float2 d = f8_pair_dot<K>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
+                    const float2 d = narrow_pair_dot<K, WF>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
                     const float d0 = warp_sum(d.x), d1 = warp_sum(d.y);
                     if (lane != 0) continue;
                     if (use0) finish(r, d0, pre(r0 + (PAIRS ? r % PER : r)));
@@ -535,7 +560,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
                 for (int r = group; r < span; r += GROUPS) {
                     if (PAIRS && r % PER >= n) continue;
                     const int extra = lane == 0 ? pre(r0 + (PAIRS ? r % PER : r)) : 0;
-                    const float d = row_dot<K, F8>(tile + r * RB, v);
+                    const float d = row_dot<K, WF>(tile + r * RB, v);
                     if (lane == 0) finish(r, d, extra);
                 }
             }
@@ -573,14 +598,14 @@ __device__ void init_stage_sums() {
 // table, and the warp whose piece completes the row adds the row's entries in order. A done
 // row calls `emit(row, sum, up, pre(row))` from lane 0, where `pre` loads what the emit needs.
 // With PAIRS the stream is the gate rows, then the up rows, and a gate/up pair is emitted
-// (`up`: the up row's sum) when its second half is done. F8: the rows are in the model's weight
-// format (false: bf16, the LM head). Not inlined: each phase gets all the registers.
-template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
+// (`up`: the up row's sum) when its second half is done. WF: the rows' format (qw::wfmt, or
+// qw::BF16: the LM head). Not inlined: each phase gets all the registers.
+template <int K, bool PAIRS, int WF = qw::wfmt, typename Load, typename Pre, typename Emit>
 __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consumed, int n_rows,
                                               Load load, Pre pre, Emit emit) {
-    constexpr bool MMA = F8 && F8_MMA;  // FP8 items on the tensor cores
-    constexpr int S = steps(K), IPS = items_per_stage<F8>(K), RR = ring_rows<F8>(K);
-    constexpr int RB = static_cast<int>(row_bytes<F8>(K)), EB = F8 ? 1 : 2;
+    constexpr bool MMA = mma_rows<WF>();  // narrow items on the tensor cores
+    constexpr int S = steps(K), IPS = items_per_stage<WF>(K), RR = ring_rows<WF>(K);
+    constexpr int RB = static_cast<int>(row_bytes<WF>(K)), CB = static_cast<int>(code_bytes<WF>(K));
     static_assert(RR * S <= RING_FLOATS && RR <= RING_ROWS, "the row table is too small");
     QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
                 : PAIRS ? mk_timeline::GATE_UP
@@ -644,8 +669,8 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
         const unsigned char* tile = pipe_wait(consumed);
         QW_TL_MARK_IF(t == 0, WEIGHTS);
         int dst = 0;
-        const StagePart p0 = stage_part<K, F8>(i0, i1, 0, n, dst);
-        const StagePart p1 = PAIRS ? stage_part<K, F8>(i0, i1, 1, n, dst) : p0;
+        const StagePart p0 = stage_part<K, WF>(i0, i1, 0, n, dst);
+        const StagePart p1 = PAIRS ? stage_part<K, WF>(i0, i1, 1, n, dst) : p0;
         const int b0 = i0 + warp * m / CWARPS, b1 = i0 + (warp + 1) * m / CWARPS;
         for (int s = b0; s < b1;) {  // the warp's items of one row at a time
             const int R = s / S, e = min(b1, (R + 1) * S);
@@ -653,10 +678,10 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
             const int r = up ? R - n : R;
             const int at = (up ? p1.base : p0.base) + (r - (up ? p1.first : p0.first)) * RB;
             const bool cut = r == (up ? p1.last_cut : p0.last_cut);
-            const float* sc = reinterpret_cast<const float*>(tile + (cut ? (up ? p1.tail : p0.tail) : at + EB * K));
+            const unsigned char* sc = tile + (cut ? (up ? p1.tail : p0.tail) : at + CB);
             float acc = 0.f;
 #pragma unroll 4
-            for (int j = s - R * S; j < e - R * S; ++j) acc += item_dot<K, F8, MMA>(tile, at, sc, j);
+            for (int j = s - R * S; j < e - R * S; ++j) acc += item_dot<K, WF, MMA>(tile, at, sc, j);
             piece(R, s, e, acc);
             s = e;
         }
@@ -668,10 +693,10 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
 // A matrix-vector phase over rows [lo, hi) of this block's slice (rows_phase_whole or
 // rows_phase_items, as the build's layout says); `load(v)` stages its input vector (v: the
 // warp's registers, Vec<K>, or NoVec) and returns the factor of every dot product.
-template <int K, bool PAIRS, bool F8 = qw::fp8, typename Load, typename Pre, typename Emit>
+template <int K, bool PAIRS, int WF = qw::wfmt, typename Load, typename Pre, typename Emit>
 __device__ __forceinline__ void rows_phase(const MegaArgs& a, unsigned& consumed, int n_rows,
                                            Load load, Pre pre, Emit emit) {
-    if constexpr (SPLIT) rows_phase_items<K, PAIRS, F8>(a, consumed, n_rows, load, pre, emit);
-    else rows_phase_whole<K, PAIRS, F8>(a, consumed, n_rows, load, pre, emit);
+    if constexpr (SPLIT) rows_phase_items<K, PAIRS, WF>(a, consumed, n_rows, load, pre, emit);
+    else rows_phase_whole<K, PAIRS, WF>(a, consumed, n_rows, load, pre, emit);
 }
 }  // namespace

@@ -33,13 +33,13 @@ __device__ __forceinline__ void block_range(int n, int& lo, int& hi) {
 // Where a stage's items lie (mk_layout.cuh: a phase streams its block's slice of a matrix as
 // items of STEP columns). The stream's rows are the slice's n rows (PAIRS: 2n, the gate rows
 // then the up rows, each half its own part of the stream); a stage holds items [i0, i1). Each
-// part of it is one contiguous copy from the first item's columns to the last's (FP8 rows carry
+// part of it is one contiguous copy from the first item's columns to the last's (narrow rows carry
 // their scales after their codes, so whole rows come with theirs, and so does a first row cut
-// at its start), plus, for an FP8 last row cut short, a copy of that row's scales after it.
+// at its start), plus, for a narrow last row cut short, a copy of that row's scales after it.
 struct StagePart {
     int first;      // the part's first row (in the part's slice), or -1: the stage has none
     int base;       // the stage offset of that row's column 0 (below the stage for a cut row)
-    int last_cut;   // its last row if cut short (FP8: its scales are apart), else -1
+    int last_cut;   // its last row if cut short (narrow rows: its scales are apart), else -1
     int tail;       // the stage offset of those scales
     long long src;  // the copy: byte offset in the matrix, from the part's first row in it
     unsigned bytes, tail_bytes;
@@ -47,23 +47,23 @@ struct StagePart {
     int dst;
 };
 
-template <int K, bool F8>
+template <int K, int WF>
 __device__ __forceinline__ StagePart stage_part(int i0, int i1, int part, int n, int& dst) {
-    constexpr int S = steps(K), EB = F8 ? 1 : 2, SB = scale_bytes<F8>(K);
-    constexpr long long RB = row_bytes<F8>(K);
+    constexpr int S = steps(K), SB = scale_bytes<WF>(K);
+    constexpr long long RB = row_bytes<WF>(K);
     StagePart s{-1, 0, -1, 0, 0, 0u, 0u, 0, dst};
     const int lo = max(i0, part * n * S) - part * n * S, hi = min(i1, (part + 1) * n * S) - part * n * S;
     if (lo >= hi) return s;
     const int ra = lo / S, c0 = (lo % S) * STEP, rt = (hi - 1) / S;
     const int c1 = min(K, ((hi - 1) % S + 1) * STEP);
     s.first = ra;
-    s.base = dst - EB * c0;
-    s.src = ra * RB + EB * c0;
-    s.bytes = static_cast<unsigned>((rt - ra) * RB + EB * (c1 - c0) + (c1 == K ? SB : 0));
-    if (F8 && c1 < K) {
+    s.base = dst - static_cast<int>(code_bytes<WF>(c0));
+    s.src = ra * RB + code_bytes<WF>(c0);
+    s.bytes = static_cast<unsigned>((rt - ra) * RB + code_bytes<WF>(c1 - c0) + (c1 == K ? SB : 0));
+    if (WF != qw::BF16 && c1 < K) {
         s.last_cut = rt;
         s.tail = dst + static_cast<int>(s.bytes);
-        s.tail_src = rt * RB + EB * K;
+        s.tail_src = rt * RB + code_bytes<WF>(K);
         s.tail_bytes = SB;
     }
     dst += static_cast<int>(s.bytes + s.tail_bytes);
@@ -72,15 +72,15 @@ __device__ __forceinline__ StagePart stage_part(int i0, int i1, int part, int n,
 
 // Stages of a matrix phase over n_rows rows of K columns (PAIRS: gate/up), for this block:
 // runs of items (SPLIT), or whole rows (a gate/up pair together) as many as a stage takes.
-template <int K, bool F8, bool PAIRS>
+template <int K, int WF, bool PAIRS>
 __device__ __forceinline__ int matrix_tiles(int n_rows) {
     int lo, hi;
     block_range(n_rows, lo, hi);
     if constexpr (SPLIT) {
         const int items = (hi - lo) * steps(K) * (PAIRS ? 2 : 1);
-        return (items + items_per_stage<F8>(K) - 1) / items_per_stage<F8>(K);
+        return (items + items_per_stage<WF>(K) - 1) / items_per_stage<WF>(K);
     } else {
-        constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+        constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<WF>(K);
         return (hi - lo + PER - 1) / PER;
     }
 }
@@ -147,17 +147,17 @@ __device__ __forceinline__ MegaLayer* layer_table() {
 }
 
 __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
-    if (layer == a.num_layers) return matrix_tiles<qw::hidden, false, false>(qw::vocab);
+    if (layer == a.num_layers) return matrix_tiles<qw::hidden, qw::BF16, false>(qw::vocab);
     switch (phase) {
-        case QKV: return matrix_tiles<qw::hidden, qw::fp8, false>(QKV_ROWS);
+        case QKV: return matrix_tiles<qw::hidden, qw::wfmt, false>(QKV_ROWS);
         case ATTN: {
             if (QW_MK_SKIP & 2) return 0;
             const int len = producer.pos0 + f + 1;
             return attn_tiles(attn_geom(len, a.splits), len);
         }
-        case OPROJ: return matrix_tiles<qw::q_size, qw::fp8, false>(qw::hidden);
-        case GATEUP: return matrix_tiles<qw::hidden, qw::fp8, true>(qw::intermediate);
-        default: return matrix_tiles<qw::intermediate, qw::fp8, false>(qw::hidden);
+        case OPROJ: return matrix_tiles<qw::q_size, qw::wfmt, false>(qw::hidden);
+        case GATEUP: return matrix_tiles<qw::hidden, qw::wfmt, true>(qw::intermediate);
+        default: return matrix_tiles<qw::intermediate, qw::wfmt, false>(qw::hidden);
     }
 }
 
@@ -190,14 +190,14 @@ __device__ __forceinline__ void set_copy(TileSource& s, int slot, const void* sr
 
 // Stage t of a matrix phase over n_rows rows of w (PAIRS: the up rows follow the gate rows, `up`
 // rows further in w): its run of items (SPLIT) or its whole rows.
-template <int K, bool F8, bool PAIRS>
+template <int K, int WF, bool PAIRS>
 __device__ __forceinline__ void matrix_source(TileSource& s, int t, const void* w, int n_rows,
                                               int up = 0) {
-    constexpr long long RB = row_bytes<F8>(K);
+    constexpr long long RB = row_bytes<WF>(K);
     int lo, hi;
     block_range(n_rows, lo, hi);
     if constexpr (!SPLIT) {  // whole rows: the gate rows of a stage, then its up rows
-        constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<F8>(K);
+        constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<WF>(K);
         const int r0 = lo + t * PER, r1 = min(hi, r0 + PER);
         const unsigned bytes = static_cast<unsigned>((r1 - r0) * RB);
         set_copy(s, 0, static_cast<const unsigned char*>(w) + r0 * RB, bytes, 0);
@@ -207,11 +207,11 @@ __device__ __forceinline__ void matrix_source(TileSource& s, int t, const void* 
         return;
     }
     const int n = hi - lo, total = n * steps(K) * (PAIRS ? 2 : 1);
-    const int i0 = t * items_per_stage<F8>(K), i1 = min(total, i0 + items_per_stage<F8>(K));
+    const int i0 = t * items_per_stage<WF>(K), i1 = min(total, i0 + items_per_stage<WF>(K));
     int dst = 0;
 #pragma unroll
     for (int part = 0; part < (PAIRS ? 2 : 1); ++part) {
-        const StagePart p = stage_part<K, F8>(i0, i1, part, n, dst);
+        const StagePart p = stage_part<K, WF>(i0, i1, part, n, dst);
         const unsigned char* m = static_cast<const unsigned char*>(w) + (lo + part * up) * RB;
         set_copy(s, 2 * part, m + p.src, p.first < 0 ? 0u : p.bytes, p.dst);
         set_copy(s, 2 * part + 1, m + p.tail_src, p.first < 0 ? 0u : p.tail_bytes, p.tail);
@@ -223,16 +223,16 @@ __device__ TileSource tile_source(const MegaArgs& a) {
     TileSource s{{}, {0u, 0u, 0u, 0u}, {}, true};
     using qw::hidden;
     if (c.layer == a.num_layers) {
-        matrix_source<hidden, false, false>(s, c.t, a.lm_head, qw::vocab);
+        matrix_source<hidden, qw::BF16, false>(s, c.t, a.lm_head, qw::vocab);
         return s;
     }
     const MegaLayer& L = layer_table()[c.layer];
     switch (c.phase) {
-        case QKV: matrix_source<hidden, qw::fp8, false>(s, c.t, L.qkv, QKV_ROWS); break;
-        case OPROJ: matrix_source<qw::q_size, qw::fp8, false>(s, c.t, L.o, hidden); break;
-        case DOWN: matrix_source<qw::intermediate, qw::fp8, false>(s, c.t, L.down, hidden); break;
+        case QKV: matrix_source<hidden, qw::wfmt, false>(s, c.t, L.qkv, QKV_ROWS); break;
+        case OPROJ: matrix_source<qw::q_size, qw::wfmt, false>(s, c.t, L.o, hidden); break;
+        case DOWN: matrix_source<qw::intermediate, qw::wfmt, false>(s, c.t, L.down, hidden); break;
         case GATEUP:
-            matrix_source<hidden, qw::fp8, true>(s, c.t, L.gate_up, qw::intermediate,
+            matrix_source<hidden, qw::wfmt, true>(s, c.t, L.gate_up, qw::intermediate,
                                                  qw::intermediate);
             break;
         default: {  // ATTN: find the item and the stage within it

@@ -11,8 +11,9 @@
 // token g's activations; the two mma of a piece take its values 0-3 and 4-7 (a lane's k-slots
 // hold other columns than the mma's nominal ones, but the same in A and B, so every product is
 // one weight times its own activation). A step is 4 lanes x 32 bytes of a row: 64 bf16 columns,
-// or 128 FP8 codes, whose block scale (weights.cuh) is then one float a row; FP8 codes become
-// bf16 weights (code x scale, rounded, as the prefill's GEMMs make their tiles). The warps' sums
+// or 128 FP8 codes, whose block scale (weights.cuh) is then one float a row; or 4 lanes x 16
+// bytes, 128 int4 codes, one group (its scale and zero one record a row). Narrow codes become
+// bf16 weights (code x scale, or (code - zero) x scale, rounded). The warps' sums
 // of a row are added in warp order through shared memory: no atomics, the same sums each run.
 #include "common.cuh"
 #include "qwen3.cuh"
@@ -70,13 +71,28 @@ __device__ __forceinline__ float codes_unit() {
 #endif
 }
 
+// Eight int4 weights (a word, weights.cuh's order) as bf16 pairs in column order:
+// bf16((code - zero) x scale).
+__device__ __forceinline__ uint4 int4_bf16(unsigned w, float scale, unsigned zero2) {
+    unsigned p[4];
+    int4x8_f16x2(w, zero2, p);
+    unsigned out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 v = f16x2_floats(p[k]);
+        out[k] = pack_bf16x2(v.x * scale, v.y * scale);
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // out[tok][row] (= or +=) Σ_k W[row][k] a[tok][k] for tok < n and the block's 16 R rows.
-template <int K, bool F8, bool AF32, bool ADD, int R>
+template <int K, int WF, bool AF32, bool ADD, int R>
 __device__ __forceinline__ void verify_product(const void* __restrict__ a, int n,
                                                const unsigned char* __restrict__ W, int N,
                                                float* __restrict__ out) {
-    constexpr long long RB = row_bytes<F8>(K);
-    constexpr int COLS = F8 ? 128 : 64;  // a step's columns
+    constexpr bool F8 = WF == qw::FP8, I4 = WF == qw::INT4;
+    constexpr long long RB = row_bytes<WF>(K);
+    constexpr int COLS = WF == qw::BF16 ? 64 : 128;  // a step's columns
     constexpr int STEPS = (K + COLS - 1) / COLS;
     constexpr int PIECES = COLS / 32;  // 8-column pieces a lane takes a step: 2 or 4
     __shared__ float sums[VT_WARPS][16 * R][VT_TOKENS + 1];
@@ -101,10 +117,12 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a, int n
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[r][p][e] = 0.f;
 
-    // A step's loads: the weights of its rows (and FP8 block scales), token g's activations.
+    // A step's loads: the weights of its rows (and their scales), token g's activations.
+    constexpr int LOADS = I4 ? 1 : 2;  // 16-byte loads a row
     struct Loads {
-        uint4 raw[R][2][2];  // [tile][row g, g + 8][16-byte load]
+        uint4 raw[R][2][LOADS];  // [tile][row g, g + 8][16-byte load]
         float scale[R][2];
+        unsigned zero2[R][2];
         uint4 x[PIECES];
     };
     const auto load = [&](int s, Loads& l) {
@@ -114,17 +132,23 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a, int n
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
 #pragma unroll
-                for (int q = 0; q < 2; ++q) {
+                for (int q = 0; q < LOADS; ++q) {
                     const int col = c0 + q * (F8 ? 16 : 8);
                     const bool in = has[r][h] && (K % COLS == 0 || col < K);
-                    l.raw[r][h][q] = in ? ld_stream(rows[r][h] + (F8 ? col : 2 * col))
+                    l.raw[r][h][q] = in ? ld_stream(rows[r][h] + code_bytes<WF>(col))
                                         : make_uint4(0u, 0u, 0u, 0u);
                 }
                 l.scale[r][h] = 0.f;
+                l.zero2[r][h] = 0x64006400u;
+                const bool in = has[r][h] && (K % COLS == 0 || c0 < K);
                 if constexpr (F8) {
-                    if (has[r][h] && (K % COLS == 0 || c0 < K))
-                        l.scale[r][h] =
-                            reinterpret_cast<const float*>(rows[r][h] + K)[s] * codes_unit();
+                    if (in) l.scale[r][h] = reinterpret_cast<const float*>(rows[r][h] + K)[s] * codes_unit();
+                } else if constexpr (I4) {
+                    if (in) {
+                        const unsigned rec = reinterpret_cast<const unsigned*>(rows[r][h] + K / 2)[s];
+                        l.scale[r][h] = int4_scale(rec);
+                        l.zero2[r][h] = int4_zero2(rec);
+                    }
                 }
             }
 #pragma unroll
@@ -136,7 +160,16 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a, int n
     const auto multiply = [&](const Loads& l) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            if constexpr (F8) {
+            if constexpr (I4) {  // word j of the load: 8 columns, token g's piece j
+                const unsigned words[4] = {l.raw[r][0][0].x, l.raw[r][0][0].y, l.raw[r][0][0].z,
+                                           l.raw[r][0][0].w};
+                const unsigned words1[4] = {l.raw[r][1][0].x, l.raw[r][1][0].y, l.raw[r][1][0].z,
+                                            l.raw[r][1][0].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    mma_piece(acc[r][j & 1], int4_bf16(words[j], l.scale[r][0], l.zero2[r][0]),
+                              int4_bf16(words1[j], l.scale[r][1], l.zero2[r][1]), l.x[j]);
+            } else if constexpr (F8) {
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     unsigned w0[8], w1[8];
@@ -191,8 +224,8 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a, int n
     extern "C" __global__ void __launch_bounds__(VT_THREADS, qw::fp8 && R == 2 ? 1 : 2)          \
         name(const void* __restrict__ a, int n, const void* __restrict__ W, int N,               \
              float* __restrict__ out) {                                                          \
-        verify_product<K, qw::fp8, AF32, ADD, R>(a, n, static_cast<const unsigned char*>(W), N, \
-                                                 out);                                           \
+        verify_product<K, qw::wfmt, AF32, ADD, R>(a, n, static_cast<const unsigned char*>(W), N, \
+                                                  out);                                           \
     }
 
 // One tile a block measured faster everywhere on the H100 but at o_proj with FP8 weights, whose
@@ -208,7 +241,7 @@ VERIFY_KERNEL(verify_act, qw::intermediate, false, true, 1)
     extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)                                  \
         name(const void* __restrict__ a, int n, const void* __restrict__ W, int N,               \
              float* __restrict__ out) {                                                          \
-        verify_product<qw::hidden, false, false, false, R>(                                      \
+        verify_product<qw::hidden, qw::BF16, false, false, R>(                                   \
             a, n, static_cast<const unsigned char*>(W), N, out);                                 \
     }
 

@@ -1,33 +1,54 @@
 // How the linear layers' weights sit in GPU memory, and one 16-byte piece of a weight row
-// dotted with its activations. Two formats, chosen per model when the kernels are compiled:
-//   bf16 (QW_FP8 = 0): a row is K bf16 values.
-//   FP8  (QW_FP8 = 1, Qwen's fine-grained layout): a row is its K e4m3 codes, then one float
-//        scale per 128 columns (the scale of the row's 128 x 128 block), padded to 16 bytes;
-//        a weight is code x scale. The scales ride with the row, so whatever streams rows
-//        (a warp's loads, a shared-memory stage) brings them along at 1/32 of the bytes.
-// The embedding and the LM head stay bf16 in both (Qwen's FP8 checkpoints keep them so).
+// dotted with its activations. Three formats, chosen per model when the kernels are compiled
+// (qw::wfmt):
+//   bf16 (qw::BF16): a row is K bf16 values.
+//   FP8  (qw::FP8, QW_FP8 = 1, Qwen's fine-grained layout): a row is its K e4m3 codes, then one
+//        float scale per 128 columns (the scale of the row's 128 x 128 block), padded to 16
+//        bytes; a weight is code x scale.
+//   int4 (qw::INT4, QW_INT4 = 1, AWQ's groups): a row is its K 4-bit codes, eight a 32-bit
+//        word (nibble i holds the word's column ORDER[i] = 0, 2, 4, 6, 1, 3, 5, 7, AWQ's own
+//        order, so that (word >> 4k) & 0x000f000f holds columns 2k and 2k + 1), then one
+//        record per group of 128 columns: the f16 scale in the low half, the f16 value
+//        1024 + zero in the high half; padded to 16 bytes. A weight is (code - zero) x scale.
+// The scales ride with the row, so whatever streams rows (a warp's loads, a shared-memory
+// stage) brings them along at 1/32 (FP8) or 1/16 (int4) of the bytes.
+// The embedding and the LM head stay bf16 in every format (Qwen's FP8 and AWQ checkpoints keep
+// them unquantized).
 #pragma once
 #include "common.cuh"
 
 #ifndef QW_FP8
 #define QW_FP8 0
 #endif
+#ifndef QW_INT4
+#define QW_INT4 0
+#endif
 
 namespace qw {
-constexpr bool fp8 = QW_FP8 != 0;
-constexpr int FP8_BLOCK = 128;
+enum : int { BF16 = 0, FP8 = 1, INT4 = 2 };
+constexpr int wfmt = QW_INT4 ? INT4 : QW_FP8 ? FP8 : BF16;
+constexpr bool fp8 = wfmt == FP8;
+constexpr bool int4 = wfmt == INT4;
+constexpr int FP8_BLOCK = 128;  // columns of an FP8 block or an int4 group
 }  // namespace qw
 
 // Values in one 16-byte piece of a row.
-template <bool F8>
+template <int WF>
 __host__ __device__ constexpr int piece_values() {
-    return F8 ? 16 : 8;
+    return WF == qw::INT4 ? 32 : WF == qw::FP8 ? 16 : 8;
+}
+
+// Bytes of K columns' weights (without their scales).
+template <int WF>
+__host__ __device__ constexpr long long code_bytes(long long k) {
+    return WF == qw::INT4 ? k / 2 : WF == qw::FP8 ? k : 2 * k;
 }
 
 // Bytes from one row to the next for K columns.
-template <bool F8>
+template <int WF>
 __host__ __device__ constexpr long long row_bytes(long long k) {
-    return F8 ? k + ((k + qw::FP8_BLOCK - 1) / qw::FP8_BLOCK * 4 + 15) / 16 * 16 : 2 * k;
+    return code_bytes<WF>(k) +
+           (WF == qw::BF16 ? 0 : ((k + qw::FP8_BLOCK - 1) / qw::FP8_BLOCK * 4 + 15) / 16 * 16);
 }
 
 // 2^120: an e4m3 code moved bit for bit into float32's fields (below) is its value times 2^-120.
@@ -103,25 +124,94 @@ __device__ __forceinline__ float dot16_e4m3(const uint4 w, const float* x) {
     return dot8_e4m3(make_uint2(w.x, w.y), x) + dot8_e4m3(make_uint2(w.z, w.w), x + 8);
 }
 
-// Piece c of a row with K columns, and (FP8) the scale of the block it lies in.
+// The eight 4-bit codes of a word (weights.cuh's order) as four f16 pairs (1024 + code):
+// pair k holds columns 2k (low half) and 2k + 1. One LOP3 (and a shift) a pair, on every
+// architecture: a code ORed into the mantissa of 1024.0 (0x6400) is 1024 + code exactly.
+__device__ __forceinline__ void int4x8_biased(unsigned w, unsigned (&p)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = ((w >> (4 * k)) & 0x000f000fu) | 0x64006400u;
+}
+
+// a - b on f16 pairs (exact for the biased codes and their zero: small integers).
+__device__ __forceinline__ unsigned hsub2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// An int4 group's record (weights.cuh): its scale as a float and its zero as the f16 pair
+// (1024 + zero, 1024 + zero), which hsub2 takes off biased codes.
+__device__ __forceinline__ float int4_scale(unsigned rec) {
+    float s;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.f32.f16 %0, lo;\n}" : "=f"(s) : "r"(rec));
+    return s;
+}
+__device__ __forceinline__ unsigned int4_zero2(unsigned rec) { return __byte_perm(rec, 0u, 0x3232); }
+
+// The eight weights of a word as four f16 pairs (code - zero), exact: the tensor cores' A.
+__device__ __forceinline__ void int4x8_f16x2(unsigned w, unsigned zero2, unsigned (&p)[4]) {
+    int4x8_biased(w, p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = hsub2(p[k], zero2);
+}
+
+// An f16 pair as two floats.
+__device__ __forceinline__ float2 f16x2_floats(unsigned h) {
+    float lo, hi;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+    return make_float2(lo, hi);
+}
+
+// Dot product of 8 int4 weights (one word, code - zero) with 8 floats (columns in order).
+__device__ __forceinline__ float dot8_int4(unsigned w, unsigned zero2, const float* x) {
+    unsigned p[4];
+    int4x8_f16x2(w, zero2, p);
+    float acc = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 v = f16x2_floats(p[k]);
+        acc += v.x * x[2 * k] + v.y * x[2 * k + 1];
+    }
+    return acc;
+}
+
+// Piece c of a row with K columns, and (FP8, int4) the scale of the block or group it lies
+// in and (int4) the group's zero pair.
 struct WeightPiece {
     uint4 w;
     float scale;
+    unsigned zero2;
 };
 
-template <bool F8, int K>
+template <int WF, int K>
 __device__ __forceinline__ WeightPiece load_piece(const unsigned char* row, int c) {
     WeightPiece p;
     p.w = reinterpret_cast<const uint4*>(row)[c];
-    p.scale = F8 ? reinterpret_cast<const float*>(row + K)[c * 16 / qw::FP8_BLOCK] : 1.f;
+    p.zero2 = 0u;
+    if constexpr (WF == qw::FP8) {
+        p.scale = reinterpret_cast<const float*>(row + K)[c * 16 / qw::FP8_BLOCK];
+    } else if constexpr (WF == qw::INT4) {
+        const unsigned rec = reinterpret_cast<const unsigned*>(row + K / 2)[c * 32 / qw::FP8_BLOCK];
+        p.scale = int4_scale(rec);
+        p.zero2 = int4_zero2(rec);
+    } else {
+        p.scale = 1.f;
+    }
     return p;
 }
 
-__device__ __forceinline__ WeightPiece no_piece() { return {make_uint4(0, 0, 0, 0), 0.f}; }
+__device__ __forceinline__ WeightPiece no_piece() { return {make_uint4(0, 0, 0, 0), 0.f, 0u}; }
 
 // The piece's weights dotted with x[0 .. piece_values).
-template <bool F8>
+template <int WF>
 __device__ __forceinline__ float piece_dot(const WeightPiece& p, const float* x) {
-    if constexpr (F8) return dot16_e4m3(p.w, x) * FP8_UNSCALE * p.scale;
-    else return dot8(p.w, x);
+    if constexpr (WF == qw::FP8) {
+        return dot16_e4m3(p.w, x) * FP8_UNSCALE * p.scale;
+    } else if constexpr (WF == qw::INT4) {
+        return (dot8_int4(p.w.x, p.zero2, x) + dot8_int4(p.w.y, p.zero2, x + 8) +
+                dot8_int4(p.w.z, p.zero2, x + 16) + dot8_int4(p.w.w, p.zero2, x + 24)) * p.scale;
+    } else {
+        return dot8(p.w, x);
+    }
 }

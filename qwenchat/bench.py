@@ -754,10 +754,6 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
         raise UsageError("give --config (random weights) or --model (a checkpoint), not both")
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize)
-    if options.quantize == "int4" and options.backend != "cpu":
-        raise UsageError("--quantize int4: the GPU runs 4-bit weights dequantized to bf16 for "
-                         "now, so bench would time bf16; add --backend cpu, or bench "
-                         "--quantize fp8")
     settings = options.settings
     console = Console(file=err)
 
@@ -818,8 +814,10 @@ def _open_weights(options: BenchOptions) -> tuple[str, Qwen3Config, Checkpoint |
         return model.spec, model.config, model.checkpoint, "checkpoint"
     name = options.config or DEFAULT_CONFIG
     config = named_config(name)
-    if options.quantize == "fp8":  # drawn as FP8 directly: seconds, not minutes, on 32B
-        return name, config, RandomWeights(config, weight_format="fp8"), "random FP8 (seed 0)"
+    if options.quantize in ("fp8", "int4"):  # drawn narrow directly: seconds on 32B
+        label = {"fp8": "FP8", "int4": "int4"}[options.quantize]
+        return (name, config, RandomWeights(config, weight_format=options.quantize),
+                f"random {label} (seed 0)")
     return name, config, RandomWeights(config), "random (seed 0)"
 
 

@@ -24,8 +24,9 @@ Section = tuple[str, list[tuple[str, str]]]
 WEIGHT_FORMATS = ("bf16 (f16 and f32 checkpoints are converted to it); fp8: Qwen's FP8 "
                   "checkpoints (e4m3, 128 x 128 blocks) and any checkpoint with --quantize fp8, "
                   "converted in registers on sm_80 and newer; decode dots them on the tensor "
-                  "cores on sm_89 and newer; 4-bit: Qwen's AWQ checkpoints and --quantize int4, "
-                  "run dequantized to bf16 on the GPU for now")
+                  "cores on sm_89 and newer; int4: Qwen's AWQ checkpoints and --quantize int4 "
+                  "(groups of 128, zero points), decode dots them on the tensor cores, prefill "
+                  "dequantizes a matrix at a time to bf16")
 
 
 def gather() -> list[Section]:
@@ -93,15 +94,17 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
         raise UsageError("--model and --config both name the model to compile for: give one")
     if options.config is not None:
         name, config = options.config, named_config(options.config)
-        weight_format = "fp8" if options.quantize == "fp8" else "bf16"
+        weight_format = options.quantize if options.quantize in ("fp8", "int4") else "bf16"
     else:
         from qwenchat.model.loader import open_model
 
         model = open_model(options.model or DEFAULT_MODEL)
         name, config = model.spec, model.config
-        # The GPU runs FP8 checkpoints (or --quantize fp8) in FP8, any other dtype in bf16.
+        # The GPU runs FP8 checkpoints (or --quantize fp8) in FP8, AWQ ones (or --quantize
+        # int4) in int4, any other dtype in bf16.
         quantized = with_quantization(model.checkpoint, options.quantize)
-        weight_format = "fp8" if quantized.weight_format == "fp8" else "bf16"
+        weight_format = (quantized.weight_format if quantized.weight_format in ("fp8", "int4")
+                         else "bf16")
         model.close()
     try:
         from qwenchat.engine.cuda.engine import compile_kernels

@@ -65,7 +65,7 @@ def main() -> None:
         top_p = reply(engine, prompt, 32, seed=1, temperature=1.0, top_p=0.95, top_k=0)
         layout = engine.mk_layout
         print(f"{args.weights}, {layout.stages} x {layout.stage_bytes} B stages, parts of rows: "
-              f"{layout.split}, FP8 on the tensor cores: {layout.f8_mma}; greedy {greedy[:8]} "
+              f"{layout.split}, FP8 on the tensor cores: {layout.mma}; greedy {greedy[:8]} "
               f"sampled {sampled[:8]} top-p {top_p[:8]}")
     finally:
         engine.close()

@@ -374,8 +374,8 @@ def test_random_fp8_weights_are_seeded_finite_codes_with_block_scales():
         assert weights.fp8_blocks(kept) is None and weights.dtype(kept) == "BF16"
         assert np.array_equal(weights.float32(kept), plain.float32(kept))
     assert plain.fp8_blocks(name) is None
-    with pytest.raises(ValueError, match="bf16 or fp8"):
-        RandomWeights(config, weight_format="int4")
+    with pytest.raises(ValueError, match="bf16, fp8 or int4"):
+        RandomWeights(config, weight_format="q8")
 
 
 def test_bench_quantize_fp8_on_a_config_draws_fp8_weights(tiny_config_file):
@@ -387,26 +387,49 @@ def test_bench_quantize_fp8_on_a_config_draws_fp8_weights(tiny_config_file):
     assert record["weight_format"] == "fp8"
 
 
-def test_bench_quantize_int4_runs_on_the_cpu_and_is_refused_where_the_gpu_would_time_bf16(
-        tiny_config_file, tmp_path):
-    """(The GPU runs 4-bit weights dequantized to bf16 until their kernels exist.)"""
-    refused = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--quantize", "int4",
-                       "--backend", "cuda")
-    assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [
-        "qwenchat: error: --quantize int4: the GPU runs 4-bit weights dequantized to bf16 for "
-        "now, so bench would time bf16; add --backend cpu, or bench --quantize fp8"]
+def test_bench_quantize_int4_on_a_config_draws_int4_weights(tiny_config_file, tmp_path):
     # (a shape whose linear inputs are whole groups of 128 columns)
     whole = tmp_path / "whole.json"
     whole.write_text(json.dumps(tiny_config(**AWQ_SHAPE)))
     result = qwenchat("bench", "--config", str(whole), *SMALL, "--quantize", "int4", "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["weight_format"] == "int4"
+    record = json.loads(result.stdout)
+    assert record["weights"] == "random int4 (seed 0)"
+    assert record["weight_format"] == "int4"
     odd = qwenchat("bench", "--config", str(tiny_config_file), *SMALL, "--quantize", "int4")
     assert odd.returncode == 1
     assert odd.stderr.strip().splitlines()[-1] == (
         "qwenchat: error: --quantize int4 needs every linear layer's inputs in whole groups "
         "of 128 columns; this model's hidden_size is 64")
+
+
+def test_random_int4_weights_are_seeded_codes_in_awqs_layout():
+    from qwenchat.model import awq
+
+    config = Qwen3Config.from_dict(tiny_config(**AWQ_SHAPE))
+    weights = RandomWeights(config, seed=5, weight_format="int4")
+    name = "model.layers.1.mlp.down_proj.weight"  # inputs: 3 groups of 128
+    qweight, qzeros, scales = weights.awq_groups(name)
+    out_features, in_features = config.tensor_shapes()[name]
+    assert qweight.shape == (in_features, out_features // 8) and scales.dtype == np.float16
+    codes, zeros = awq.unpack(qweight), awq.unpack(qzeros)
+    assert codes.min() == 0 and codes.max() == 15  # uniform codes: every value appears
+    assert set(np.unique(zeros)) == {7, 8}
+    unit = 1 / (4.6 * np.sqrt(in_features))
+    assert 0.5 * unit * 0.999 <= scales.astype(np.float32).min()
+    assert scales.astype(np.float32).max() <= 1.5 * unit * 1.001
+    values = weights.float32(name)
+    assert np.array_equal(values, awq.dequantize(qweight, qzeros, scales))
+    assert 0.7 < values.std() * np.sqrt(in_features) < 1.3  # unit-variance rows, as bf16's
+    again = RandomWeights(config, seed=5, weight_format="int4")
+    assert np.array_equal(again.awq_groups(name)[0], qweight)
+    assert not np.array_equal(RandomWeights(config, seed=6, weight_format="int4")
+                              .awq_groups(name)[0], qweight)
+    kept = "model.layers.1.input_layernorm.weight"
+    assert weights.awq_groups(kept) is None
+    assert np.array_equal(weights.float32(kept), RandomWeights(config, seed=5).float32(kept))
+    assert weights.device_draw(name).format == "int4"
+    assert weights.device_draw(kept).format == "bf16"
 
 
 def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():

@@ -38,7 +38,7 @@ def make_engine(layers: int = 8, weight_format: str = "bf16", ctx: int = 2048, s
                       ctx=ctx, decode=decode)
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
+@pytest.fixture(scope="module", params=["bf16", "fp8", "int4"])
 def engine(request):
     engine = make_engine(weight_format=request.param)
     assert engine.decode == "megakernel" and engine.can_speculate

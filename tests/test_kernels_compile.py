@@ -124,9 +124,13 @@ def test_every_define_becomes_one_sorted_option():
 
 # The kernels that read the linear layers' weights are also built for FP8 ones (weights.cuh).
 FP8_KERNEL_FILES = ("gemm.cu", "layers.cu", "megakernel.cu")
+# And for int4 ones: the megakernel on an architecture with FP8 conversion in hardware and one
+# without (int4 rows take the tensor cores on both), the rest on every one.
+INT4_BUILDS = ([(k, "int4", arch) for k in ("layers.cu", "verify.cu") for arch in ARCHS]
+               + [("megakernel.cu", "int4", arch) for arch in ("sm_80", "sm_90")])
 # Hopper-only sources (wgmma, TMA) are built for sm_90a alone, as the engine builds them.
 BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in SM90_KERNELS for arch in ARCHS]
-          + [(k, "fp8", arch) for k in FP8_KERNEL_FILES for arch in ARCHS]
+          + [(k, "fp8", arch) for k in FP8_KERNEL_FILES for arch in ARCHS] + INT4_BUILDS
           + [(k, "bf16", "sm_90a") for k in SM90_KERNELS]
           + [(k, "fp8", "sm_90a") for k in SM90_KERNELS])
 
@@ -140,6 +144,9 @@ def test_hopper_sources_are_among_the_kernel_files():
 @pytest.mark.parametrize(("kernel", "weights", "arch"), BUILDS)
 def test_every_kernel_compiles(kernel, weights, arch, shape):
     config = SHAPES[shape]
+    if weights == "int4" and any(k % 128 for k in (config.hidden_size, config.q_size,
+                                                  config.intermediate_size)):
+        pytest.skip("int4 weights need inputs in whole groups of 128 (Int4Weights refuses)")
     defines = kernel_defines(config, weights)
     if kernel == "megakernel.cu":  # built as the engine builds it on such a GPU, or refused
         layout = megakernel_layout(config, *GPUS[arch], weights, fp8_on_tensor_cores(arch))
@@ -151,9 +158,10 @@ def test_every_kernel_compiles(kernel, weights, arch, shape):
     assert cubin.startswith(ELF_MAGIC)
 
 
-def test_fp8_weights_add_one_define():
+def test_narrow_weights_add_one_define():
     config = PRESETS["qwen3-8b"]
     assert kernel_defines(config, "fp8") == {**kernel_defines(config), "QW_FP8": 1}
+    assert kernel_defines(config, "int4") == {**kernel_defines(config), "QW_INT4": 1}
 
 
 @needs_nvrtc
@@ -424,12 +432,12 @@ def test_fp8_rows_go_to_the_tensor_cores_where_the_gpu_converts_fp8():
     config = PRESETS["qwen3-0.6b"]
     for arch, on in (("sm_80", False), ("sm_86", False), ("sm_89", True), ("sm_90", True)):
         plan = plan_kernels(config, "fp8", gpu_shape(arch))
-        assert plan.megakernel_layout.f8_mma is on
+        assert plan.megakernel_layout.mma is on
         assert dict(plan.megakernel.defines)["QW_MK_F8_MMA"] == int(on)
     fma = plan_kernels(config, "fp8", gpu_shape("sm_90"), megakernel_consumer="fma")
     assert dict(fma.megakernel.defines)["QW_MK_F8_MMA"] == 0
     bf16 = plan_kernels(config, "bf16", gpu_shape("sm_90"))
-    assert not bf16.megakernel_layout.f8_mma and "QW_MK_F8_MMA" not in dict(bf16.megakernel.defines)
+    assert not bf16.megakernel_layout.mma and "QW_MK_F8_MMA" not in dict(bf16.megakernel.defines)
     with pytest.raises(QwenchatError, match="unknown megakernel consumer 'tc'; known: auto, fma"):
         plan_kernels(config, "fp8", gpu_shape("sm_90"), megakernel_consumer="tc")
 
@@ -467,7 +475,7 @@ def test_stages_hold_parts_of_rows_where_whole_rows_fill_them_poorly_or_do_not_f
         h100 = megakernel_layout(cfg, *GPUS["sm_90"], "fp8", True, "auto", H100_BANDWIDTH)
         mma = megakernel_layout(cfg, *GPUS["sm_90"], "fp8", True, "auto", H200_BANDWIDTH)
         assert h100 == plan(name, "fp8") and (h100.stage_bytes, h100.mma_seg) == (32768, 1024)
-        assert mma.fixed <= fma.fixed and mma.f8_mma and not fma.f8_mma
+        assert mma.fixed <= fma.fixed and mma.mma and not fma.mma
         assert (fma.stage_bytes, fma.mma_seg) == (32768, 1024)
         assert 2048 <= mma.mma_seg <= 2560 and mma.mma_seg % 256 == 0, name
         assert dict(mma.defines(cfg, "fp8"))["QW_MK_MMA_SEG"] == mma.mma_seg

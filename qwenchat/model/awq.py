@@ -20,6 +20,7 @@ from qwenchat.model import fp8
 
 if TYPE_CHECKING:
     from qwenchat.model.checkpoint import WeightSource
+    from qwenchat.model.config import Qwen3Config
 
 BITS = 4
 GROUP = 128  # input columns a scale and a zero point cover
@@ -81,6 +82,34 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pack(codes), pack(zeros.astype(np.uint8)), scales
 
 
+def gpu_rows(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An AWQ layer as the GPU engine's rows (uint8, out x fp8.row_bytes(in, "int4"),
+    cuda_src/weights.cuh): each output row's codes along its inputs, eight a word in ORDER
+    (as AWQ packs its output columns), then a record per group, the f16 scale in the low half
+    and the f16 value 1024 + zero in the high half, then zeros to 16 bytes."""
+    codes = unpack(qweight)  # (in, out)
+    in_features, out_features = codes.shape
+    groups = in_features // GROUP
+    out = np.zeros((out_features, fp8.row_bytes(in_features, "int4")), np.uint8)
+    out[:, : in_features // 2] = pack(np.ascontiguousarray(codes.T)).view(np.uint8)
+    zero_bits = np.uint32(0x6400) + unpack(qzeros).astype(np.uint32)  # f16 of 1024 + zero
+    records = (scales.astype(np.float16).view(np.uint16).astype(np.uint32)
+               | (zero_bits << np.uint32(16)))  # (groups, out)
+    out[:, in_features // 2 : in_features // 2 + 4 * groups] = (
+        np.ascontiguousarray(records.T).view(np.uint8))
+    return out
+
+
+def check_int4_shape(cfg: Qwen3Config) -> None:
+    """One line (ModelError) unless every linear layer's inputs are whole groups of 128."""
+    for name, columns in (("hidden_size", cfg.hidden_size),
+                          ("intermediate_size", cfg.intermediate_size),
+                          ("num_attention_heads x head_dim", cfg.q_size)):
+        if columns % GROUP:
+            raise ModelError(f"--quantize int4 needs every linear layer's inputs in whole "
+                             f"groups of {GROUP} columns; this model's {name} is {columns}")
+
+
 class Int4Weights(fp8.QuantizedLinears):
     """`--quantize int4`: a checkpoint's linear layers as 4-bit codes in AWQ's layout (round
     to nearest, asymmetric, groups of 128 input columns: `quantize`), made at load time; an
@@ -90,13 +119,7 @@ class Int4Weights(fp8.QuantizedLinears):
     weight_format = "int4"
 
     def __init__(self, source: WeightSource):
-        cfg = source.config
-        for name, columns in (("hidden_size", cfg.hidden_size),
-                              ("intermediate_size", cfg.intermediate_size),
-                              ("num_attention_heads x head_dim", cfg.q_size)):
-            if columns % GROUP:
-                raise ModelError(f"--quantize int4 needs every linear layer's inputs in whole "
-                                 f"groups of {GROUP} columns; this model's {name} is {columns}")
+        check_int4_shape(source.config)
         super().__init__(source)
 
     def groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

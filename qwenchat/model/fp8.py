@@ -102,6 +102,15 @@ class QuantizedLinears:
     def lm_head_name(self) -> str:
         return self.source.lm_head_name()
 
+    def device_draw(self, name: str) -> Any:
+        """The source's device draw (random weights), where it gives this tensor in the format
+        this source serves it in; None where it would be quantized here, on the CPU."""
+        own = getattr(self.source, "device_draw", None)
+        draw = own(name) if own is not None else None
+        if draw is None or (is_linear(name) and draw.format != self.weight_format):
+            return None
+        return draw
+
     def close(self) -> None:
         self.source.close()
 
@@ -121,22 +130,14 @@ class Fp8Weights(QuantizedLinears):
     def linear(self, name: str) -> np.ndarray:
         return dequantize(*self.fp8(name))
 
-    def device_draw(self, name: str) -> Any:
-        """The source's device draw (random weights), where it gives this tensor in the format
-        this source serves it in; None where it would be quantized here, on the CPU."""
-        own = getattr(self.source, "device_draw", None)
-        draw = own(name) if own is not None else None
-        if draw is None or (is_linear(name) and draw.scales is None):
-            return None
-        return draw
-
 
 def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:
-    """The weights an engine runs: 4-bit linears when asked (`--quantize int4`), FP8 linears
-    when asked (`--quantize fp8`) or when the checkpoint holds any (a layer it left in bf16 is
-    quantized too, so every linear layer has one format), else the checkpoint as it is."""
-    if quantize_to == "int4":  # (awq imports this module: imported here, not at the top)
-        from qwenchat.model.awq import Int4Weights
+    """The weights an engine runs: 4-bit linears when asked (`--quantize int4`) or when the
+    source holds 4-bit ones (an AWQ checkpoint, random int4 weights), FP8 linears when asked
+    (`--quantize fp8`) or when the checkpoint holds any (a layer it left in bf16 is quantized
+    too, so every linear layer has one format), else the checkpoint as it is."""
+    if quantize_to == "int4" or weights.weight_format in ("awq", "int4"):
+        from qwenchat.model.awq import Int4Weights  # (awq imports this module)
 
         return weights if isinstance(weights, Int4Weights) else Int4Weights(weights)
     if quantize_to == "fp8" or weights.weight_format == "fp8":
@@ -166,8 +167,19 @@ def weight_bytes(shapes: dict[str, tuple[int, ...]], weight_format: str) -> int:
                for name, shape in shapes.items())
 
 
+def row_bytes(cols: int, weight_format: str) -> int:
+    """Bytes of one row of a linear layer on the GPU (cuda_src/weights.cuh): bf16 values, FP8
+    codes and their block scales (packed_row_bytes), or int4 codes and their groups' records
+    (4 bytes a group of 128 columns), padded to 16 bytes."""
+    if weight_format == "fp8":
+        return packed_row_bytes(cols)
+    if weight_format == "int4":
+        return cols // 2 + -(-4 * math.ceil(cols / BLOCK) // 16) * 16
+    return 2 * cols
+
+
 def linear_bytes(shape: tuple[int, ...], weight_format: str) -> int:
     """Bytes a linear layer's weight occupies on the GPU in this format (bf16 for any
     unquantized one: the GPU engine converts f16 and f32 checkpoints)."""
     rows, cols = shape
-    return rows * (packed_row_bytes(cols) if weight_format == "fp8" else 2 * cols)
+    return rows * row_bytes(cols, weight_format)

@@ -1,5 +1,6 @@
 """Random weights for any Qwen3 shape, so `qwenchat bench` runs with nothing downloaded:
-bf16, or (weight_format "fp8") linear layers drawn directly as FP8 codes and block scales.
+bf16, or (weight_format "fp8" / "int4") linear layers drawn directly as FP8 codes and block
+scales, or as 4-bit codes with their groups' scales and zeros (AWQ's layout).
 
 Every tensor is a pure function of (seed, tensor name): asking in any order, or twice, gives
 the same values. Values are exact bfloat16 numbers, so `float32` and `bf16_bits` describe the
@@ -12,7 +13,9 @@ distribution (bf16 has only 65,536 values anyway) at the cost of a few integer o
 one gather, in bands of rows on every core. FP8 linear layers index a table of 256 e4m3 codes
 of normal samples with 8 bits of the same hash, and each 128 × 128 block's scale comes from
 the hash of the block's index. Such an FP8 model is a different random model from the bf16 one
-of the same seed (`--quantize fp8` on a bf16 source quantizes that source instead).
+of the same seed (`--quantize fp8` on a bf16 source quantizes that source instead). int4
+linear layers take the top 4 bits of the hash as the code, and each group of 128 input columns
+of a row its scale and zero from the hash of the group's index (INT4_SALT).
 
 Because the hash needs nothing but the index, the GPU engine draws the very same values on
 the device (`device_draw`: the key and the table; cuda_src/layers.cu's draw kernels), so even
@@ -38,6 +41,8 @@ FP8_SPREAD = 4.0  # an FP8 block's codes span ±4 standard deviations (clipped b
 BAND_VALUES = 1 << 22  # values a band draws on one thread
 HASH_STEP = 0x9E3779B9  # the element index's multiplier in the hash (2^32 / golden ratio)
 SCALE_SALT = 0x5CA1E5  # the FP8 block scales' key is the codes' key xor this
+INT4_SALT = 0x6E4A11  # the int4 groups' key is the codes' key xor this
+INT4_SPREAD = 4.6  # about the standard deviation of (code - zero) for uniform codes
 
 
 def mix32(x: np.ndarray) -> np.ndarray:
@@ -59,11 +64,20 @@ def draw_hash(key: int, start: int, count: int) -> np.ndarray:
 class DeviceDraw:
     """What the GPU needs to draw a tensor exactly as RandomWeights does on the CPU: the
     tensor's key and table (bf16 bits indexed by hash >> 16, or e4m3 codes by hash >> 24),
-    and for FP8 the block scales (float32, [row blocks, column blocks])."""
+    for FP8 the block scales (float32, [row blocks, column blocks]), for int4 the unit its
+    groups' scales are drawn around (layers.cu's draw_int4_rows; no table)."""
 
     key: int
-    table: np.ndarray
+    table: np.ndarray | None
     scales: np.ndarray | None = None
+    int4_unit: float | None = None
+
+    @property
+    def format(self) -> str:
+        """The format the tensor is drawn in: "bf16", "fp8" or "int4"."""
+        if self.int4_unit is not None:
+            return "int4"
+        return "fp8" if self.scales is not None else "bf16"
 
 
 class RandomWeights:
@@ -75,8 +89,12 @@ class RandomWeights:
     """
 
     def __init__(self, config: Qwen3Config, seed: int = 0, weight_format: str = "bf16"):
-        if weight_format not in ("bf16", "fp8"):
-            raise ValueError(f"random weights come in bf16 or fp8, not {weight_format!r}")
+        if weight_format not in ("bf16", "fp8", "int4"):
+            raise ValueError(f"random weights come in bf16, fp8 or int4, not {weight_format!r}")
+        if weight_format == "int4":  # (the same check and line as Int4Weights)
+            from qwenchat.model.awq import check_int4_shape
+
+            check_int4_shape(config)
         self.config = config
         self.seed = seed
         self.weight_format = weight_format
@@ -87,17 +105,22 @@ class RandomWeights:
 
     def float32(self, name: str) -> np.ndarray:
         """The tensor as float32 (a new array); every value is exactly a bfloat16 number, or
-        (FP8 linear layers) exactly code × block scale."""
+        (FP8 linear layers) exactly code × block scale, or (int4) (code - zero) × scale."""
         blocks = self.fp8_blocks(name)
         if blocks is not None:
             return fp8.dequantize(*blocks)
+        groups = self.awq_groups(name)
+        if groups is not None:
+            from qwenchat.model import awq  # (awq imports fp8, which this module imports)
+
+            return awq.dequantize(*groups)
         # Gathering from the table's float32 form writes the result once, with no bf16-sized
         # intermediate to widen afterwards.
         return self._gather(name, bf16_bits_to_f32(self._table(name)))
 
     def bf16_bits(self, name: str) -> np.ndarray:
         """The tensor as bfloat16 bit patterns (uint16), rounded to nearest even from float32."""
-        if self.weight_format == "fp8" and fp8.is_linear(name):
+        if self.weight_format != "bf16" and fp8.is_linear(name):
             return f32_to_bf16_bits(self.float32(name))
         return self._gather(name, self._table(name))
 
@@ -108,8 +131,38 @@ class RandomWeights:
             return None
         return self._gather(name, self._fp8_table()), self._fp8_scales(name)
 
+    def awq_groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(qweight, qzeros, scales) of an int4 linear layer in AWQ's layout, as a checkpoint's
+        would be; None for a tensor kept in bf16 (and for every tensor unless int4)."""
+        if self.weight_format != "int4" or not fp8.is_linear(name):
+            return None
+        from qwenchat.model import awq
+
+        codes = self._gather(name, np.arange(16, dtype=np.uint8))  # (out, in): hash >> 28
+        scales, zeros = self._int4_groups(name)  # (groups, out)
+        return awq.pack(np.ascontiguousarray(codes.T)), awq.pack(zeros), scales
+
+    def _int4_unit(self, name: str) -> np.float32:
+        return np.float32(1.0 / (INT4_SPREAD * math.sqrt(self._shape(name)[1])))
+
+    def _int4_groups(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(scales fp16, zeros uint8), each [groups, out]: scales of 0.5 to 1.5 units (as
+        float32 arithmetic, then rounded to f16), zeros 7 or 8, from the hash of group g of
+        row r at index g * rows + r (layers.cu: draw_int4_rows)."""
+        rows, cols = self._shape(name)
+        groups = cols // 128
+        h = draw_hash(self._key(name) ^ INT4_SALT, 0, groups * rows).reshape(groups, rows)
+        unit = self._int4_unit(name)
+        byte = (h >> np.uint32(24)).astype(np.float32)
+        scales = (unit * (byte / np.float32(255)) + unit * np.float32(0.5)).astype(np.float16)
+        zeros = (np.uint32(7) + ((h >> np.uint32(23)) & np.uint32(1))).astype(np.uint8)
+        return scales, zeros
+
     def device_draw(self, name: str) -> DeviceDraw:
-        """The key and table (and FP8 scales) from which the GPU draws this tensor."""
+        """The key and table (and FP8 scales, or int4's unit) from which the GPU draws this
+        tensor."""
+        if self.weight_format == "int4" and fp8.is_linear(name):
+            return DeviceDraw(self._key(name), None, int4_unit=float(self._int4_unit(name)))
         if self.weight_format != "fp8" or not fp8.is_linear(name):
             return DeviceDraw(self._key(name), self._table(name))
         return DeviceDraw(self._key(name), self._fp8_table(), self._fp8_scales(name))
@@ -121,7 +174,9 @@ class RandomWeights:
 
     def dtype(self, name: str) -> str:
         self._shape(name)
-        return "F8_E4M3" if self.weight_format == "fp8" and fp8.is_linear(name) else "BF16"
+        if fp8.is_linear(name) and self.weight_format != "bf16":
+            return {"fp8": "F8_E4M3", "int4": "I32"}[self.weight_format]
+        return "BF16"
 
     def close(self) -> None:
         self._tables.clear()
@@ -134,7 +189,7 @@ class RandomWeights:
 
     def _gather(self, name: str, table: np.ndarray) -> np.ndarray:
         """The tensor: `table` indexed by the top bits of each element's hash (16 bits for a
-        table of 65,536, 8 for one of 256), in bands of whole rows on every core."""
+        table of 65,536, 8 for one of 256, 4 for 16), in bands of whole rows on every core."""
         shape = self._shape(name)
         rows = shape[0]
         cols = math.prod(shape[1:])

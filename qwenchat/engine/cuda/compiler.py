@@ -63,8 +63,8 @@ class KernelCompileError(QwenchatError):
 
 
 def kernel_defines(config: Qwen3Config, weight_format: str = "bf16") -> dict[str, int]:
-    """The model dimensions as the QW_* macros cuda_src/qwen3.cuh expects, and QW_FP8 for
-    FP8 linear layers (cuda_src/weights.cuh)."""
+    """The model dimensions as the QW_* macros cuda_src/qwen3.cuh expects, and QW_FP8 or
+    QW_INT4 for FP8 or int4 linear layers (cuda_src/weights.cuh)."""
     defines = {"QW_HIDDEN": config.hidden_size,
                "QW_INTERMEDIATE": config.intermediate_size,
                "QW_HEADS": config.num_attention_heads,
@@ -73,6 +73,8 @@ def kernel_defines(config: Qwen3Config, weight_format: str = "bf16") -> dict[str
                "QW_VOCAB": config.vocab_size}
     if weight_format == "fp8":
         defines["QW_FP8"] = 1
+    elif weight_format == "int4":
+        defines["QW_INT4"] = 1
     return defines
 
 

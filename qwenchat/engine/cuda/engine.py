@@ -43,6 +43,7 @@ from qwenchat.engine.cuda.prefill import (
     PREFILL_SCRATCH_BUDGET,
     Prefill,
     attention90_shared,
+    dequant_scratch_bytes,
     gemm_shared_bytes,
     prefill_attention_shared,
 )
@@ -60,7 +61,8 @@ from qwenchat.sampling.speculative import verify
 KERNELS = {
     "layers.cu": ("embed_rows", "rmsnorm_rows", "rmsnorm_gemv2", "rmsnorm_gemv4",
                   "gemv_residual_attn", "gemv_residual_swiglu", "swiglu_rows",
-                  "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows"),
+                  "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows", "draw_int4_rows",
+                  "dequant_int4_rows"),
     "gemm.cu": ("gemm_store", "gemm_add"),
     "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_decode_partial",
                      "attn_decode_merge"),
@@ -82,10 +84,10 @@ MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and frag
 
 def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str | None:
     """Why the kernels cannot run this shape, or None (they need 16-byte aligned rows: 8 bf16
-    values, or 16 FP8 ones)."""
+    values, 16 FP8 ones; int4 rows are whole groups of 128)."""
     if config.head_dim not in (16, 32, 64, 128, 256):
         return f"head_dim {config.head_dim} (the CUDA kernels need 16, 32, 64, 128 or 256)"
-    multiple = 16 if weight_format == "fp8" else 8
+    multiple = {"fp8": 16, "int4": 128}.get(weight_format, 8)
     for name in ("hidden_size", "intermediate_size"):
         if getattr(config, name) % multiple:
             return (f"{name} {getattr(config, name)} (the CUDA kernels need a multiple of "
@@ -214,12 +216,11 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
             raise QwenchatError(f"prefill_kernels must be one of {choices}; "
                                 f"got {prefill_kernels!r}")
         # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8 (with
-        # any layer the file left in bf16 quantized, so every linear layer has one format).
+        # any layer the file left in bf16 quantized, so every linear layer has one format);
+        # AWQ ones run their 4-bit codes (Int4Weights).
         weights = fp8.with_quantization(weights, "none")
-        self.weight_format = "fp8" if weights.weight_format == "fp8" else "bf16"
-        if weights.weight_format in ("awq", "int4"):
-            notice("4-bit weights run dequantized to bf16 on the GPU for now (their own "
-                   "kernels are to come); --quantize fp8 takes half that memory")
+        self.weight_format = (weights.weight_format if weights.weight_format in ("fp8", "int4")
+                              else "bf16")
         reason = unsupported_reason(config, self.weight_format)
         if reason:
             raise BackendUnavailable(f"this model's {reason}; use --backend cpu")
@@ -310,7 +311,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         cfg = self.config
         free, _ = self.device.mem_info()
         per_position = cfg.kv_bytes_per_position() + 4  # + the context id kept for penalties
-        scratch = PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
+        scratch = (PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
+                   + dequant_scratch_bytes(cfg, self.weight_format))
         fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
         wanted = ctx or cfg.max_position_embeddings
         if wanted <= fits:
@@ -347,6 +349,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # gemm_sm90.cu applies SwiGLU in gate/up's product.
         self.gu = self._device_buffer((1 if self.gemm90 else c) * 2 * cfg.intermediate_size * 4)
         self.act = self._device_buffer(c * cfg.intermediate_size * 2)
+        self.w16 = self._device_buffer(dequant_scratch_bytes(cfg, self.weight_format))
         self.ids = self._device_buffer(c * 4)
         sms = self.device.sm_count
         # Flash-decoding split counts, one decode graph each: few chunks while the context is

@@ -81,9 +81,9 @@ class MegakernelLayout:
     fixed: int  # the rest of its dynamic shared memory: the union region, the layer table
     blocks: int  # one per SM
     lm_rows: int  # LM-head rows per block
-    f8_mma: bool = False  # FP8 rows on the tensor cores, their input vectors staged as f16
+    mma: bool = False  # narrow (FP8, int4) rows on the tensor cores, their vectors staged as f16
     split: bool = False  # stages hold parts of rows (runs of 256-column items)
-    mma_seg: int = 1024  # (f8_mma, whole rows) columns of a row that one consumer warp dots
+    mma_seg: int = 1024  # (mma, whole rows) columns of a row that one consumer warp dots
 
     def defines(self, config: Qwen3Config,
                 weight_format: str = "bf16") -> dict[str, int | float]:
@@ -94,10 +94,10 @@ class MegakernelLayout:
                        QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows,
                        QW_MK_HOST_UNION=union)
         if weight_format == "fp8":
-            defines["QW_MK_F8_MMA"] = int(self.f8_mma)
+            defines["QW_MK_F8_MMA"] = int(self.mma)
         if self.split:
             defines["QW_MK_SPLIT"] = 1
-        if self.f8_mma and self.mma_seg != 1024:
+        if self.mma and self.mma_seg != 1024:
             defines["QW_MK_MMA_SEG"] = self.mma_seg
         return defines
 
@@ -116,8 +116,8 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
                       rows: str = "auto", bandwidth: float = 0.0) -> MegakernelLayout | str:
     """The megakernel's layout on a GPU with this much opt-in shared memory per block and
     this many SMs, for linear layers in `weight_format` (FP8: dotted on the tensor cores with
-    `f8_mma`, see fp8_on_tensor_cores), or why it cannot run there (then the per-op graph
-    decodes).
+    `f8_mma`, see fp8_on_tensor_cores; int4: always there), or why it cannot run there (then
+    the per-op graph decodes).
 
     Two ways to stream the weights (QW_MK_SPLIT in mk_layout.cuh): whole rows, each consumer
     warp holding a segment of the input vector in registers; or stages that hold parts of
@@ -132,7 +132,8 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     if rows not in MEGAKERNEL_ROWS:
         raise QwenchatError(f"unknown megakernel rows {rows!r}; "
                             f"known: {', '.join(MEGAKERNEL_ROWS)}")
-    f8_mma = f8_mma and weight_format == "fp8"
+    # int4 rows always take the tensor cores (their conversion is integer work on any GPU).
+    f8_mma = weight_format == "int4" or (f8_mma and weight_format == "fp8")
     wide = f8_mma and bandwidth / sm_count >= MMA_RING_BANDWIDTH
     if rows != "auto":
         return _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, rows == "parts",
@@ -166,7 +167,7 @@ def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -
 
     def fill(k: int, fmt: str, pairs: bool = False) -> float:
         row = fp8.linear_bytes((1, k), fmt) * (2 if pairs else 1)
-        mma = fmt == "fp8" and layout.f8_mma
+        mma = fmt != "bf16" and layout.mma
         groups = consumers // min(-(-k // (layout.mma_seg if mma else 1024)), consumers)
         if mma:
             groups *= 2
@@ -237,7 +238,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         fits, smallest = count >= 2, stage
     seg = 1024
     if wide and not split and cfg.hidden_size >= 2048:
-        ring = _mma_ring(cfg, shared_per_block - static - fixed, widest_row)
+        ring = _mma_ring(cfg, shared_per_block - static - fixed, widest_row, weight_format)
         if ring:
             count, stage, seg = ring
     if not fits:
@@ -259,7 +260,8 @@ MMA_STAGE_ROWS = 10  # the fewest hidden-wide rows a stage of that ring must hol
 MMA_RING_BANDWIDTH = 30e9
 
 
-def _mma_ring(cfg: Qwen3Config, room: int, widest_row: int) -> tuple[int, int, int] | None:
+def _mma_ring(cfg: Qwen3Config, room: int, widest_row: int,
+              weight_format: str = "fp8") -> tuple[int, int, int] | None:
     """(stages, stage bytes, segment columns) for FP8 rows on the tensor cores, or None to keep
     the 32 KB ring: each warp dots a long segment of a row (half of a hidden-wide row from 4B
     up) and a stage holds as many gate/up pairs of hidden-wide rows as three stages leave room
@@ -271,7 +273,7 @@ def _mma_ring(cfg: Qwen3Config, room: int, widest_row: int) -> tuple[int, int, i
     hidden = cfg.hidden_size
     parts = -(-hidden // MMA_SEG_MOST)
     seg = -(-hidden // parts // 256) * 256
-    row = fp8.linear_bytes((1, hidden), "fp8")
+    row = fp8.linear_bytes((1, hidden), weight_format)
     for count in (3, 2):
         rows = room // count // row // 2 * 2
         stage = -(-rows * row // 128) * 128

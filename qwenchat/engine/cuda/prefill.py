@@ -8,6 +8,7 @@ import ctypes
 import math
 
 from qwenchat.engine.cuda import runtime as rt
+from qwenchat.model.config import Qwen3Config
 from qwenchat.model.fp8 import packed_row_bytes
 
 GEMM_TILE = 128
@@ -55,6 +56,17 @@ def gemm_shared_bytes(weight_format: str) -> int:
     return stages * 2 * tile
 
 
+def dequant_scratch_bytes(cfg: Qwen3Config, weight_format: str) -> int:
+    """The bf16 matrix int4 weights are dequantized into before each prefill product (the
+    largest linear layer: gate/up), or 0 for other formats."""
+    if weight_format != "int4":
+        return 0
+    qkv_rows = cfg.q_size + 2 * cfg.kv_size
+    return 2 * max(qkv_rows * cfg.hidden_size, cfg.hidden_size * cfg.q_size,
+                   2 * cfg.intermediate_size * cfg.hidden_size,
+                   cfg.hidden_size * cfg.intermediate_size)
+
+
 def prefill_attention_shared(head_dim: int) -> int:
     """attn_prefill's dynamic shared memory: two stages of a K and a V tile (PF_KV keys of
     head_dim + 8 bf16 values each) in attention.cu."""
@@ -92,11 +104,12 @@ class Prefill:
             self._attention_prefill(i, start, n, scale)
             self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
+            gate_up = self._dense(w.gate_up, 2 * inter, h)
             if self.gemm90:  # SwiGLU applied in gate/up's product
                 self._gemm90("swiglu", self.gemm90_maps_a["xn"], self.gemm90_maps[i]["gate_up"],
-                             w.gate_up, self.act, n, inter, h, up_row=inter)
+                             gate_up, self.act, n, inter, h, up_row=inter)
             else:
-                self._gemm("gemm_store", self.xn, w.gate_up, self.gu, n, 2 * inter, h)
+                self._gemm("gemm_store", self.xn, gate_up, self.gu, n, 2 * inter, h)
                 blocks = min(4096, math.ceil(n * inter / 256))
                 self._launch("swiglu_rows", blocks, 256, self.gu, c_int(n), self.act)
             self._product("add", "act", i, "down", self.x, n, h, inter)
@@ -105,12 +118,23 @@ class Prefill:
                  k: int) -> None:
         """c = (kind "store") or += ("add") buffer `a` . layer's `weight`^T, on gemm_sm90.cu
         where the engine uses it, else gemm.cu."""
-        b = getattr(self.layers[layer], weight)
+        b = self._dense(getattr(self.layers[layer], weight), n, k)
         if self.gemm90:
             self._gemm90(kind, self.gemm90_maps_a[a], self.gemm90_maps[layer][weight], b, c, m,
                          n, k)
         else:
             self._gemm(f"gemm_{kind}", getattr(self, a), b, c, m, n, k)
+
+    def _dense(self, weights, rows: int, cols: int):
+        """A layer's weights as the GEMMs take them: bf16 or FP8 rows as they are; int4 rows
+        dequantized to bf16 into the scratch matrix first (dequant_int4_rows), which costs
+        about a tenth of a 4K-token prefill (docs/int4.md)."""
+        if self.weight_format != "int4":
+            return weights
+        total = rows * cols // 8
+        self._launch("dequant_int4_rows", min(32 * self.device.sm_count, math.ceil(total / 256)),
+                     256, weights, ctypes.c_int(rows), ctypes.c_int(cols), self.w16)
+        return self.w16
 
     def _build_tensor_maps(self) -> None:
         """Tensor maps of the Hopper kernels' operands, encoded once: the activation buffers
@@ -123,6 +147,8 @@ class Prefill:
             return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
 
         def weights(buffer, rows: int, cols: int) -> rt.TensorMap:
+            if self.weight_format == "int4":  # the bf16 matrix _dense makes
+                return tiles(self.w16, rows, cols)
             if self.weight_format == "fp8":  # the codes of each packed row (weights.cuh)
                 return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64, codes=True,
                                    row_bytes=packed_row_bytes(cols))

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
-from qwenchat.model import fp8
+from qwenchat.model import awq, fp8
 from qwenchat.model.checkpoint import WeightSource
-from qwenchat.model.random_weights import DeviceDraw
+from qwenchat.model.random_weights import INT4_SALT, DeviceDraw
 
 
 @dataclass
@@ -63,7 +63,7 @@ class WeightUpload:
             if any(d is None for d in draws):
                 return None
             matrices = [(shapes[n][0], math.prod(shapes[n][1:])) for n in names]
-            sizes = [rows_ * (fp8.packed_row_bytes(cols) if d.scales is not None else 2 * cols)
+            sizes = [rows_ * fp8.row_bytes(cols, d.format)
                      for (rows_, cols), d in zip(matrices, draws, strict=True)]
             buffer = rt.DeviceBuffer(sum(sizes))
             self._buffers.append(buffer)
@@ -88,6 +88,8 @@ class WeightUpload:
                 return buffer
             if self.weight_format == "fp8":
                 parts = [fp8.pack_rows(*weights.fp8(n)) for n in names]
+            elif self.weight_format == "int4":
+                parts = [awq.gpu_rows(*weights.groups(n)) for n in names]
             else:
                 parts = [weights.bf16_bits(n) for n in names]
             buffer = _upload_rows(parts)
@@ -119,8 +121,8 @@ class WeightUpload:
         self.inv_freq.upload(inv_freq)
 
     def _draw_weights(self) -> None:
-        """Draw the random weights _upload_weights left to the device (layers.cu's draw_bf16
-        and draw_fp8_rows), each table and scale block uploaded once."""
+        """Draw the random weights _upload_weights left to the device (layers.cu's draw_bf16,
+        draw_fp8_rows and draw_int4_rows), each table and scale block uploaded once."""
         if not self._pending_draws:
             return
         uploaded: dict[int, rt.DeviceBuffer] = {}  # by id of the table array
@@ -134,12 +136,20 @@ class WeightUpload:
 
         most = 32 * self.device.sm_count
         for ptr, (rows, cols), draw in self._pending_draws:
-            if id(draw.table) not in uploaded:
-                uploaded[id(draw.table)] = upload(draw.table)
-            table = uploaded[id(draw.table)]
             if rows * cols >= 2**32:
                 raise ValueError(f"a {rows} x {cols} tensor is too large to draw on the device")
             key = ctypes.c_uint32(draw.key)
+            if draw.int4_unit is not None:
+                words = fp8.row_bytes(cols, "int4") // 4
+                grid = min(most, math.ceil(rows * words / DRAW_THREADS))
+                self._launch("draw_int4_rows", grid, DRAW_THREADS, rt.Ptr(ptr),
+                             ctypes.c_int(rows), ctypes.c_int(cols), ctypes.c_int(words), key,
+                             ctypes.c_uint32(draw.key ^ INT4_SALT),
+                             ctypes.c_float(draw.int4_unit))
+                continue
+            if id(draw.table) not in uploaded:
+                uploaded[id(draw.table)] = upload(draw.table)
+            table = uploaded[id(draw.table)]
             if draw.scales is None:
                 grid = min(most, math.ceil(rows * cols / DRAW_THREADS))
                 self._launch("draw_bf16", grid, DRAW_THREADS, rt.Ptr(ptr),

@@ -1,0 +1,156 @@
+"""4-bit weights on the GPU: Qwen's AWQ checkpoints and `--quantize int4` against the NumPy
+reference on the same (dequantized) weights, on both decode paths, prefill and the speculative
+pass (GPU only; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hf_compare import relative_error
+from test_cuda_fp8 import follows_the_reference, greedy_against_the_reference, one_step_a_launch
+from tiny_model import write_tiny_model
+
+from qwenchat.engine.base import GenerateRequest
+from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.model.awq import Int4Weights
+from qwenchat.model.loader import open_model_dir
+from qwenchat.sampling.params import LiveParams, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
+
+DECODES = ["megakernel", "layered"]
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny AWQ checkpoint in the published layout (fp16 beside the codes); head_dim 64 so
+    the megakernel takes it, down_proj's 384 inputs an odd count of groups (3)."""
+    return write_tiny_model(tmp_path_factory.mktemp("awq") / "m", dtype="AWQ", head_dim=64,
+                            tokenizer=tiny_tokenizer, max_position_embeddings=2048)
+
+
+def engines(directory: Path, ctx: int | None = None, decode: str = "layered", **kwargs):
+    from qwenchat.engine import create_engine
+
+    model = open_model_dir(directory)
+    gpu = create_engine("cuda", model.config, model.checkpoint, ctx, decode=decode, **kwargs)
+    assert gpu.decode == decode and gpu.weight_format == "int4"
+    one_step_a_launch(gpu)
+    ref = create_engine("cpu", model.config, model.checkpoint, ctx, **kwargs)
+    return gpu, ref
+
+
+@pytest.mark.parametrize("prefill_kernels", ["hopper", "portable"])
+def test_awq_prefill_logits_match_the_reference(awq_dir, prefill_kernels, cuda_gpu):
+    if prefill_kernels == "hopper" and cuda_gpu.gpus[0].compute_capability != (9, 0):
+        pytest.skip("the Hopper prefill needs sm_90")
+    gpu, ref = engines(awq_dir, prefill_kernels=prefill_kernels)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
+    error = relative_error(gpu.prefill_logits(ids), ref.prefill_logits(ids))
+    print(f"{prefill_kernels} prefill: relative logit error {error:.2e}")
+    assert error <= 2e-2
+    gpu.close()
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_awq_greedy_decode_follows_the_reference_for_256_steps(awq_dir, decode):
+    follows_the_reference(*engines(awq_dir, decode=decode), prompt_seed=1, prompt_tokens=40,
+                          steps=256)
+
+
+@pytest.mark.parametrize("rows", ["whole", "parts"])
+def test_both_megakernel_streams_decode_int4_as_the_reference(awq_dir, rows):
+    """Whole rows (two a warp on the tensor cores) and runs of items (one row an mma)."""
+    gpu, ref = engines(awq_dir, decode="megakernel", megakernel_rows=rows)
+    assert gpu.mk_layout.split == (rows == "parts") and gpu.mk_layout.mma
+    follows_the_reference(gpu, ref, prompt_seed=7, prompt_tokens=20, steps=64)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_quantize_int4_on_the_gpu_equals_the_awq_checkpoint_of_the_same_codes(
+        awq_dir, tmp_path, tiny_tokenizer, decode):
+    """`--quantize int4` of the dequantized weights makes the checkpoint's own codes again
+    (each group's range holds its codes' extremes), so both run the same 4-bit weights."""
+    from qwenchat.engine import create_engine
+
+    model = open_model_dir(awq_dir)
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 400, 100)]
+    from_file = create_engine("cuda", model.config, model.checkpoint, 512, decode=decode)
+    plain = Int4Weights(model.checkpoint)
+    at_load = create_engine("cuda", model.config, plain, 512, decode=decode)
+    assert from_file.weight_format == at_load.weight_format == "int4"
+    assert np.array_equal(at_load.prefill_logits(ids), from_file.prefill_logits(ids))
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=64)),
+                              frozenset(), seed=0)
+    assert list(at_load.generate(request)) == list(from_file.generate(request))
+    at_load.close()
+    from_file.close()
+
+
+def test_int4_weights_take_about_a_quarter_of_bf16_and_peak_stays_within_256_mib(awq_dir):
+    from qwenchat.engine.cuda import runtime as rt
+    from qwenchat.engine.cuda.prefill import dequant_scratch_bytes
+    from qwenchat.model.fp8 import weight_bytes
+
+    before = rt.allocated_bytes()
+    rt.reset_peak()
+    gpu, _ = engines(awq_dir, ctx=1024, decode="layered")
+    shapes = gpu.config.tensor_shapes()
+    assert gpu.weight_bytes == weight_bytes(shapes, "int4") < weight_bytes(shapes, "fp8")
+    gpu.prefill(list(range(1, 300)))
+    list(gpu.generate(GenerateRequest(
+        LiveParams(SamplingParams(temperature=0.0, max_tokens=20)), frozenset(), seed=0)))
+    used = rt.peak_allocated_bytes() - before
+    assert used <= (gpu.weight_bytes + gpu.kv_bytes + 256 * 2**20
+                    + dequant_scratch_bytes(gpu.config, "int4"))
+    gpu.close()
+
+
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "qwen3-14b"])
+def int4_shape(request):
+    """Two layers of a real width with random int4 weights, and the reference on them."""
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS[request.param], num_hidden_layers=2)
+    weights = Int4Weights(RandomWeights(config, seed=3, weight_format="int4"))
+    return config, weights, ReferenceEngine(config, weights, ctx=256)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_real_widths_in_int4_prefill_and_decode_as_the_reference(int4_shape, decode):
+    """Random int4 weights drawn on the device (layers.cu's draw_int4_rows) are the ones the
+    CPU draws, and every path computes with them as the reference does."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    config, weights, ref = int4_shape
+    gpu = CudaEngine(config, weights, ctx=256, decode=decode)
+    try:
+        assert gpu.decode == decode and gpu.weight_format == "int4"
+        one_step_a_launch(gpu)
+        prompt = [int(i) for i in np.random.default_rng(4).integers(0, config.vocab_size, 24)]
+        ref.truncate(0)
+        assert relative_error(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
+        worst, ties = greedy_against_the_reference(gpu, ref, 32)
+        print(f"{config.hidden_size}: worst {worst:.2e}; near-ties: {ties or 'none'}")
+        assert worst <= 2e-2
+    finally:
+        gpu.close()
+
+
+def test_the_speculative_pass_of_int4_weights_gives_the_reference_logits(awq_dir):
+    """verify.cu's int4 products: a pass of 8 rows against the reference's prefill of them."""
+    gpu, ref = engines(awq_dir, ctx=512)
+    prompt = [int(i) for i in np.random.default_rng(8).integers(0, 400, 30)]
+    gpu.prefill(prompt)
+    ref.prefill(prompt)
+    rows = [int(i) for i in np.random.default_rng(9).integers(0, 400, 8)]
+    ours = gpu.pass_logits(rows)
+    want = np.stack([ref.prefill_logits([t]) for t in rows])
+    assert ours.shape == want.shape
+    for r in range(len(rows)):
+        assert relative_error(ours[r], want[r]) <= 2e-2, r
+    gpu.close()
