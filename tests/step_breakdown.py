@@ -36,15 +36,15 @@ def main() -> None:
     parser.add_argument("--positions", default="1,4096")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quantize", default="none", choices=("none", "fp8"))
+    parser.add_argument("--quantize", default="none", choices=("none", "fp8", "int4"))
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args()
     positions = parse_sizes(args.positions, "--positions")
     settings = BenchSettings(prompts=(1,), positions=positions, steps=args.steps,
                              repeats=args.repeats)
     config = PRESETS[args.config]
-    weights = RandomWeights(config, seed=0, weight_format="fp8" if args.quantize == "fp8"
-                            else "bf16")
+    weights = RandomWeights(config, seed=0,
+                            weight_format="bf16" if args.quantize == "none" else args.quantize)
     ms: dict[str, dict[int, float]] = {}
     for name, skip in VARIANTS.items():
         engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),

@@ -44,7 +44,7 @@ def record_step(config_name: str, quantize: str, position: int, steps: int,
                 rows: str = "auto", stages: int | tuple[int, int] | None = None) -> tuple:
     """(the records of the last whole step [phase][block], the engine's description)."""
     config = PRESETS[config_name]
-    weights = RandomWeights(config, weight_format="fp8" if quantize == "fp8" else "bf16")
+    weights = RandomWeights(config, weight_format="bf16" if quantize == "none" else quantize)
     per_step = 5 * config.num_hidden_layers + 2
     engine = CudaEngine(config, weights, ctx=position + steps + 64, decode="megakernel",
                         megakernel_timeline=per_step * steps + 1, megakernel_rows=rows,
@@ -236,7 +236,7 @@ def write_png(step: np.ndarray, analysis: dict, title: str, path: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="qwen3-0.6b", choices=sorted(PRESETS))
-    parser.add_argument("--quantize", default="none", choices=("none", "fp8"))
+    parser.add_argument("--quantize", default="none", choices=("none", "fp8", "int4"))
     parser.add_argument("--position", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--zoom", type=int, default=None, metavar="LAYER",

@@ -33,13 +33,13 @@ def awq_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 
 def engines(directory: Path, ctx: int | None = None, decode: str = "layered", **kwargs):
-    from qwenchat.engine import create_engine
+    from qwenchat.engine.cuda.engine import CudaEngine
 
     model = open_model_dir(directory)
-    gpu = create_engine("cuda", model.config, model.checkpoint, ctx, decode=decode, **kwargs)
+    gpu = CudaEngine(model.config, model.checkpoint, ctx, decode=decode, **kwargs)
     assert gpu.decode == decode and gpu.weight_format == "int4"
     one_step_a_launch(gpu)
-    ref = create_engine("cpu", model.config, model.checkpoint, ctx, **kwargs)
+    ref = ReferenceEngine(model.config, model.checkpoint, ctx)
     return gpu, ref
 
 
