@@ -546,7 +546,13 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
         const int span = PAIRS ? 2 * PER : n;  // the stage's rows (PAIRS: r % PER >= n unused)
         if (group < GROUPS) {
             if constexpr (MMA) {
-                for (int r = 2 * group; r < span; r += 2 * GROUPS) {
+                // Pair p of the stage goes to row group (p + t x pairs) % GROUPS: the groups
+                // take turns at the first pairs, so that where a stage holds fewer pairs than
+                // there are groups (long segments: few groups, rows of many bytes), every
+                // group still gets its share of the phase.
+                const int pairs = (span + 1) / 2, t = (r0 - lo) / PER;
+                const int first = (group + GROUPS - (t * pairs) % GROUPS) % GROUPS;
+                for (int r = 2 * first; r < span; r += 2 * GROUPS) {
                     const bool use0 = !PAIRS || r % PER < n;
                     const bool use1 = r + 1 < span && (!PAIRS || (r + 1) % PER < n);
                     if (!use0 && !use1) continue;
