@@ -211,9 +211,12 @@ constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
 // or (after the LM head's input vector, which warps may still be reading while others write
 // logits) the block's LM-head logits, or (block 0, sampling) the radix histograms.
-constexpr int VEC_BYTES =
-    NARROW_MMA ? 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate))
-           : 4 * VEC_FLOATS;
+// int4 rows add the sums of the vector's 64-column windows after it (stage_f16, int4_pair_dot).
+constexpr int VEC_F16_BYTES =
+    2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate));
+constexpr int WINDOW = 64;  // int4_pair_dot's window: a lane group's columns of a 512-column step
+constexpr int WINDOW_SUMS = qw::int4 ? (VEC_FLOATS + 511) / 512 * 8 : 0;
+constexpr int VEC_BYTES = NARROW_MMA ? VEC_F16_BYTES + 4 * WINDOW_SUMS : 4 * VEC_FLOATS;
 constexpr int UNION_BYTES =
     (cmax(cmax(HIST_BYTES, VEC_BYTES),
           cmax(4 * (qw::hidden + LM_ROWS), WARPS * qw::group * HD * 4)) + 127) / 128 * 128;
