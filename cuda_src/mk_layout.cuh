@@ -211,11 +211,13 @@ constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
 // or (after the LM head's input vector, which warps may still be reading while others write
 // logits) the block's LM-head logits, or (block 0, sampling) the radix histograms.
-// int4 rows add the sums of the vector's 64-column windows after it (stage_f16, int4_pair_dot).
+// Whole int4 rows (int4_pair_dot) take the vector in 512-column steps, in the order its lanes
+// read it (stage_f16), and the sums of its 64-column windows after it.
+constexpr bool INT4_PAIRS = qw::int4 && !SPLIT;
 constexpr int VEC_F16_BYTES =
-    2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate));
-constexpr int WINDOW = 64;  // int4_pair_dot's window: a lane group's columns of a 512-column step
-constexpr int WINDOW_SUMS = qw::int4 ? (VEC_FLOATS + 511) / 512 * 8 : 0;
+    INT4_PAIRS ? 1024 * ((VEC_FLOATS + 511) / 512)
+               : 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate));
+constexpr int WINDOW_SUMS = INT4_PAIRS ? (VEC_FLOATS + 511) / 512 * 8 : 0;
 constexpr int VEC_BYTES = NARROW_MMA ? VEC_F16_BYTES + 4 * WINDOW_SUMS : 4 * VEC_FLOATS;
 constexpr int UNION_BYTES =
     (cmax(cmax(HIST_BYTES, VEC_BYTES),

@@ -192,6 +192,16 @@ __device__ __forceinline__ float* window_sums() {
     return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(vec_buf()) + VEC_F16_BYTES);
 }
 
+// Where stage_f16 puts f16 pair i (columns 2i, 2i + 1) for int4_pair_dot, in 32-bit words:
+// step j's 1,024 bytes hold, for lanes 0-31 in turn, each lane's first 8 columns (16 bytes),
+// then each lane's last 8, so that a warp's two 16-byte loads of a step are each 512
+// contiguous bytes (columns in plain order, a lane's 16 bytes 32 apart, would meet two lanes
+// in every bank: twice the wavefronts).
+__device__ __forceinline__ int int4_slot(int i) {
+    const int c = 2 * i, j = c >> 9, lane = (c & 511) >> 4, half = (c >> 3) & 1;
+    return 256 * j + 128 * half + 4 * lane + ((c & 7) >> 1);
+}
+
 // Lane (g, t)'s 16 f16 vector values of a 512-column step j (columns 512 j + 64 g + 16 t ..),
 // zeros past K: int4_pair_dot's B operands.
 template <int K>
@@ -199,9 +209,9 @@ __device__ __forceinline__ void int4_vector(int j, uint4& xa, uint4& xb) {
     const int lane = threadIdx.x & 31, col = 512 * j + 64 * (lane >> 2) + 16 * (lane & 3);
     xa = xb = make_uint4(0u, 0u, 0u, 0u);
     if (K % 512 == 0 || col < K) {
-        const uint4* x = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vec_buf()) + 2 * col);
-        xa = x[0];
-        xb = x[1];
+        const uint4* x = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vec_buf()) + 1024 * j);
+        xa = x[lane];
+        xb = x[32 + lane];
     }
 }
 
@@ -275,15 +285,16 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
         if (i < K / 2) {
             unsigned h;
             asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(v[q].y * s), "f"(v[q].x * s));
-            buf[i] = h;
+            buf[INT4_PAIRS ? int4_slot(i) : i] = h;
         }
     }
-    for (int i = K / 2 + threadIdx.x; i < steps(K) * 128; i += THREADS) buf[i] = 0u;
-    __syncthreads();
-    if constexpr (qw::int4) {  // the sums of the f16 vector's 64-column windows
-        stage_window_sums<K>();
+    if constexpr (INT4_PAIRS) {  // (int4_vector reads no column past K) the windows' sums
         __syncthreads();
+        stage_window_sums<K>();
+    } else {
+        for (int i = K / 2 + threadIdx.x; i < steps(K) * 128; i += THREADS) buf[i] = 0u;
     }
+    __syncthreads();
     return (norm ? rsqrtf(total / K + eps) : 1.f) / s;
 }
 

@@ -128,8 +128,12 @@ __device__ __forceinline__ float dot16_e4m3(const uint4 w, const float* x) {
 // pair k holds columns 2k (low half) and 2k + 1. One LOP3 (and a shift) a pair, on every
 // architecture: a code ORed into the mantissa of 1024.0 (0x6400) is 1024 + code exactly.
 __device__ __forceinline__ void int4x8_biased(unsigned w, unsigned (&p)[4]) {
+    // (As one LOP3 with the mask as an immediate and the exponent bits in a register: written
+    // in C the compiler makes an AND and an OR of two immediates.)
+    const unsigned bias = 0x64006400u;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = ((w >> (4 * k)) & 0x000f000fu) | 0x64006400u;
+    for (int k = 0; k < 4; ++k)
+        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(p[k]) : "r"(w >> (4 * k)), "n"(0x000f000f), "r"(bias));
 }
 
 // a - b on f16 pairs (exact for the biased codes and their zero: small integers).

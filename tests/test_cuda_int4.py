@@ -10,7 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hf_compare import relative_error
-from test_cuda_fp8 import follows_the_reference, greedy_against_the_reference, one_step_a_launch
+from test_cuda_fp8 import (
+    ODD_BLOCKS,
+    follows_the_reference,
+    greedy_against_the_reference,
+    one_step_a_launch,
+)
 from tiny_model import write_tiny_model
 
 from qwenchat.engine.base import GenerateRequest
@@ -109,13 +114,19 @@ def test_int4_weights_take_about_a_quarter_of_bf16_and_peak_stays_within_256_mib
     gpu.close()
 
 
-@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "qwen3-14b"])
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "qwen3-14b", "odd-groups"])
 def int4_shape(request):
-    """Two layers of a real width with random int4 weights, and the reference on them."""
+    """Two layers of a real width with random int4 weights, and the reference on them; and
+    a shape whose rows end inside a 512-column step (hidden 1280: 10 groups of 128, the MLP's
+    3456: 27)."""
+    from qwenchat.model.config import Qwen3Config
     from qwenchat.model.presets import PRESETS
     from qwenchat.model.random_weights import RandomWeights
 
-    config = dataclasses.replace(PRESETS[request.param], num_hidden_layers=2)
+    if request.param == "odd-groups":
+        config = Qwen3Config(vocab_size=151_936, **{**ODD_BLOCKS, "num_hidden_layers": 2})
+    else:
+        config = dataclasses.replace(PRESETS[request.param], num_hidden_layers=2)
     weights = Int4Weights(RandomWeights(config, seed=3, weight_format="int4"))
     return config, weights, ReferenceEngine(config, weights, ctx=256)
 

@@ -193,8 +193,8 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
     # The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to
     # whole 256-column steps (VEC_BYTES in mk_layout.cuh).
     f16_vector = 2 * 256 * max(math.ceil(k / 256) for k in widths)
-    if weight_format == "int4":  # and the sums of its 64-column windows (WINDOW_SUMS)
-        f16_vector += 4 * 8 * math.ceil(max(widths) / 512)
+    if weight_format == "int4" and not split:  # 512-column steps and their windows' sums
+        f16_vector = (1024 + 4 * 8) * math.ceil(max(widths) / 512)
 
     def fixed_bytes(vector: int) -> int:  # the union region and the layer table
         union = max(MEGAKERNEL_HISTOGRAM_BYTES, vector,
