@@ -44,7 +44,7 @@ __device__ __forceinline__ float load_tile_fp8(unsigned char (*dst)[BK], const u
     const int r = threadIdx.x >> 1, c = (threadIdx.x & 1) * 16;
     const int gr = row0 + r;
     const bool ok = gr < rows && k0 + c < K;
-    const unsigned char* row = src + gr * row_bytes<true>(K);
+    const unsigned char* row = src + gr * row_bytes<qw::FP8>(K);
     cp_async_16(&dst[r][c], ok ? row + k0 + c : src, ok ? 16 : 0);
     return ok ? reinterpret_cast<const float*>(row + K)[k0 / qw::FP8_BLOCK] : 0.f;
 }
@@ -64,7 +64,7 @@ __device__ __forceinline__ void convert_tile_fp8(bf16_t (*dst)[LDS],
 // and converted into a single bf16 tile before each step's products.
 template <int EPI, bool F8>
 __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__ Bv,
-                          float* __restrict__ C, int M, int N, int K) {
+                          float* __restrict__ C, int M, int N, int K, int ldc) {
     extern __shared__ __align__(16) unsigned char gemm_shared[];
     typedef bf16_t Tile[LDS];
     typedef unsigned char CodeTile[BK];
@@ -149,9 +149,9 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
             for (int half = 0; half < 2; ++half) {
                 const int row = m0 + wm + i * 16 + g + half * 8;
                 if (row >= M) continue;
-                float* out = C + static_cast<long long>(row) * N + col;
+                float* out = C + static_cast<long long>(row) * ldc + col;
                 const float v0 = acc[i][j][half * 2], v1 = acc[i][j][half * 2 + 1];
-                if (col + 1 < N && (N & 1) == 0) {  // one 8-byte access (col is even)
+                if (col + 1 < N && (ldc & 1) == 0) {  // one 8-byte access (col is even)
                     float2* o2 = reinterpret_cast<float2*>(out);
                     if (EPI == ADD_F32) {
                         const float2 old = *o2;
@@ -174,14 +174,15 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
 }
 }  // namespace
 
-// C = A . B^T (fp32 out): Q/K/V and gate/up projections (B in the model's weight format).
+// C (row stride ldc) = A . B^T (fp32 out): Q/K/V and gate/up projections (B in the model's
+// weight format).
 extern "C" __global__ void __launch_bounds__(THREADS)
-    gemm_store(const bf16_t* A, const void* B, float* C, int M, int N, int K) {
-    gemm_bf16<STORE_F32, qw::fp8>(A, B, C, M, N, K);
+    gemm_store(const bf16_t* A, const void* B, float* C, int M, int N, int K, int ldc) {
+    gemm_bf16<STORE_F32, qw::fp8>(A, B, C, M, N, K, ldc);
 }
 
 // C += A . B^T (fp32 residual stream): o_proj and down_proj.
 extern "C" __global__ void __launch_bounds__(THREADS)
-    gemm_add(const bf16_t* A, const void* B, float* C, int M, int N, int K) {
-    gemm_bf16<ADD_F32, qw::fp8>(A, B, C, M, N, K);
+    gemm_add(const bf16_t* A, const void* B, float* C, int M, int N, int K, int ldc) {
+    gemm_bf16<ADD_F32, qw::fp8>(A, B, C, M, N, K, ldc);
 }

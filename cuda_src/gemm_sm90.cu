@@ -53,7 +53,7 @@ __device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char
                                               const unsigned char* __restrict__ b_rows, int N,
                                               int K, int step, int tile_n, int up_row) {
     constexpr int ITEMS = (BN * 4 + CONVERTERS - 1) / CONVERTERS;  // per converter
-    const long long row_stride = row_bytes<true>(K);
+    const long long row_stride = row_bytes<qw::FP8>(K);
     const int rows_b = N + (EPI == SWIGLU_BF16 ? up_row : 0);
     // Every scale this converter needs first, all loads in flight together: one at a time,
     // each global load's latency would be paid ITEMS times a step.
@@ -97,7 +97,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 template <int BN, int EPI>
 __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMap& map_b,
                                           const unsigned char* __restrict__ b_rows,
-                                          void* __restrict__ c, int M, int N, int K, int up_row) {
+                                          void* __restrict__ c, int M, int N, int K, int up_row,
+                                          int ldc) {
     constexpr int STAGE_BYTES = Tiles<BN>::STAGE_BYTES, STAGES = Tiles<BN>::STAGES;
     static_assert(EPI != SWIGLU_BF16 || BN == 256, "SwiGLU tiles pair 128 gate and 128 up rows");
     extern __shared__ unsigned char gemm_shared[];
@@ -207,8 +208,8 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
                 if (row >= M || col >= N) continue;
                 const float g0 = d[j * 4 + h * 2], g1 = d[j * 4 + h * 2 + 1];
                 const float u0 = d[(j + 16) * 4 + h * 2], u1 = d[(j + 16) * 4 + h * 2 + 1];
-                bf16_t* o = out + static_cast<long long>(row) * N + col;
-                if (col + 1 < N && (N & 1) == 0) {  // one 4-byte store (col is even)
+                bf16_t* o = out + static_cast<long long>(row) * ldc + col;
+                if (col + 1 < N && (ldc & 1) == 0) {  // one 4-byte store (col is even)
                     *reinterpret_cast<unsigned*>(o) = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
                 } else {
                     o[0] = f32_to_bf16(silu(g0) * u0);
@@ -225,9 +226,9 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
             for (int h = 0; h < 2; ++h) {
                 const int row = row0 + h * 8;
                 if (row >= M || col >= N) continue;
-                float* o = out + static_cast<long long>(row) * N + col;
+                float* o = out + static_cast<long long>(row) * ldc + col;
                 const float v0 = d[j * 4 + h * 2], v1 = d[j * 4 + h * 2 + 1];
-                if (col + 1 < N && (N & 1) == 0) {  // one 8-byte access (col is even)
+                if (col + 1 < N && (ldc & 1) == 0) {  // one 8-byte access (col is even)
                     float2* o2 = reinterpret_cast<float2*>(o);
                     float2 v = make_float2(v0, v1);
                     if (EPI == ADD_F32) {
@@ -247,11 +248,12 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
 }  // namespace
 
 // b_rows: B itself, for FP8 weights' scales (the map covers their codes); unused for bf16.
+// ldc: C's row stride (N, or more where C's columns are written a slice of B at a time).
 #define GEMM90(name, BN, EPI)                                                                   \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                   \
         name(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b, \
-             const unsigned char* b_rows, void* c, int M, int N, int K, int up_row) {          \
-        gemm_tile<BN, EPI>(map_a, map_b, b_rows, c, M, N, K, up_row);                          \
+             const unsigned char* b_rows, void* c, int M, int N, int K, int up_row, int ldc) { \
+        gemm_tile<BN, EPI>(map_a, map_b, b_rows, c, M, N, K, up_row, ldc);                     \
     }
 
 GEMM90(gemm90_store_128, 128, STORE_F32)  // Q/K/V (fp32 out)

@@ -9,7 +9,8 @@ Small enough for racecheck to finish in about two minutes on an H100:
     compute-sanitizer --tool synccheck python tests/megakernel_sanitize.py
     compute-sanitizer --tool racecheck python tests/megakernel_sanitize.py
 
-`--weights fp8` checks the FP8 consumer (on the tensor cores from sm_89), `--shared 101376`
+`--weights fp8` checks the FP8 consumer (on the tensor cores from sm_89), `--weights int4` the
+int4 one (int4_pair_dot; with `--rows parts`, item_dot), `--shared 101376`
 the layout of a 99 KB card (two 16 KB stages), `--consumer fma` the CUDA-core FP8 consumer,
 `--rows parts` stages that hold parts of rows (the layout takes whole rows at this width),
 `--intermediate 8192` a down projection whose input is polled in batches (8 or more pairs a
@@ -35,7 +36,7 @@ from qwenchat.sampling.params import LiveParams, SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
+    parser.add_argument("--weights", default="bf16", choices=("bf16", "fp8", "int4"))
     parser.add_argument("--consumer", default="auto", choices=("auto", "fma"))
     parser.add_argument("--shared", type=int, help="lay the megakernel out for this much "
                                                    "shared memory a block")

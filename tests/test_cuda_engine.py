@@ -245,7 +245,7 @@ def test_gemm_matches_numpy_on_sizes_off_the_tile_grid(kernels, m, n, k):
     expected = bf16_bits_to_f32(a_bits) @ bf16_bits_to_f32(b_bits).T
     a, b, c = upload(rt, a_bits), upload(rt, b_bits), poisoned(rt, m * n * 4)
     grid = ((n + 127) // 128, (m + 127) // 128)
-    args = [a, b, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
+    args = [a, b, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(n)]
     shared = gemm_shared_bytes("bf16")
     for name in ("gemm_store", "gemm_add"):
         modules["gemm.cu"].function(name).set_max_dynamic_shared(shared)
@@ -312,7 +312,8 @@ def test_hopper_gemm_matches_numpy_on_sizes_off_the_tile_grid(hopper_gemm, m, n,
     a, b, c = upload(rt, a_bits), upload(rt, b_bits), poisoned(rt, m * n * 4)
     maps = [rt.tile_map(a.ptr, m, k, 128, 64), rt.tile_map(b.ptr, n, k, 128, 64)]
     grid = ((m + 127) // 128, (n + width - 1) // width)
-    args = [*maps, b, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0)]
+    args = [*maps, b, c, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0),
+            ctypes.c_int(n)]
     rt.launch(functions[f"gemm90_store_{width}"], grid, GEMM90_THREADS, args,
               shared=GEMM90_SHARED, stream=stream)
     stream.synchronize()
@@ -324,6 +325,33 @@ def test_hopper_gemm_matches_numpy_on_sizes_off_the_tile_grid(hopper_gemm, m, n,
               shared=GEMM90_SHARED, stream=stream)
     stream.synchronize()
     assert rel_err(download(c, np.float32, (m, n)), base + expected) <= 1e-4
+
+
+def test_hopper_gemm_writes_a_slice_of_a_wider_c(hopper_gemm):
+    """ldc: the product of a slice of B's rows lands in its columns of a wider C (the int4
+    prefill's dequantized slices), the other columns untouched."""
+    from qwenchat.engine.cuda.prefill import GEMM90_SHARED, GEMM90_THREADS
+
+    rt, functions, stream = hopper_gemm
+    m, n, k, ldc, first = 130, 200, 264, 520, 256
+    rng = np.random.default_rng(11)
+    a_bits = f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+    b_bits = f32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
+    expected = bf16_bits_to_f32(a_bits) @ bf16_bits_to_f32(b_bits).T
+    base = rng.standard_normal((m, ldc)).astype(np.float32)
+    a, b, c = upload(rt, a_bits), upload(rt, b_bits), upload(rt, base)
+    maps = [rt.tile_map(a.ptr, m, k, 128, 64), rt.tile_map(b.ptr, n, k, 128, 64)]
+    args = [*maps, b, rt.Ptr(c.ptr + 4 * first), ctypes.c_int(m), ctypes.c_int(n),
+            ctypes.c_int(k), ctypes.c_int(0), ctypes.c_int(ldc)]
+    rt.launch(functions["gemm90_add_128"], ((m + 127) // 128, (n + 127) // 128), GEMM90_THREADS,
+              args, shared=GEMM90_SHARED, stream=stream)
+    stream.synchronize()
+    out = download(c, np.float32, (m, ldc))
+    want = base.copy()
+    want[:, first:first + n] += expected
+    assert np.array_equal(out[:, :first], base[:, :first])
+    assert np.array_equal(out[:, first + n:], base[:, first + n:])
+    assert rel_err(out[:, first:first + n], want[:, first:first + n]) <= 1e-4
 
 
 @pytest.mark.parametrize(("m", "inter", "k"), [(77, 200, 72), (1, 48, 48), (260, 384, 520)])
@@ -342,7 +370,7 @@ def test_hopper_gate_up_product_applies_swiglu(hopper_gemm, m, inter, k):
     out_buffer = poisoned(rt, m * inter * 2)
     maps = [rt.tile_map(a.ptr, m, k, 128, 64), rt.tile_map(b.ptr, 2 * inter, k, 128, 64)]
     args = [*maps, b, out_buffer, ctypes.c_int(m), ctypes.c_int(inter), ctypes.c_int(k),
-            ctypes.c_int(inter)]
+            ctypes.c_int(inter), ctypes.c_int(inter)]
     rt.launch(functions["gemm90_swiglu"], ((m + 127) // 128, (inter + 127) // 128),
               GEMM90_THREADS, args, shared=GEMM90_SHARED, stream=stream)
     stream.synchronize()
@@ -374,7 +402,7 @@ def test_hopper_gemm_turns_fp8_codes_into_the_bf16_weights_of_gemm_cu(hopper_gem
         expected = gate / (1 + np.exp(-gate)) * up
         out = poisoned(rt, m * n * 2)
         args = [*maps, b, out, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
-                ctypes.c_int(n)]
+                ctypes.c_int(n), ctypes.c_int(n)]
         rt.launch(functions["gemm90_swiglu"], ((m + 127) // 128, (n + 127) // 128),
                   GEMM90_THREADS, args, shared=GEMM90_SHARED, stream=stream)
         stream.synchronize()
@@ -384,7 +412,8 @@ def test_hopper_gemm_turns_fp8_codes_into_the_bf16_weights_of_gemm_cu(hopper_gem
     width = int(kind.split("_")[1])
     base = rng.standard_normal((m, n)).astype(np.float32) if kind.startswith("add") else 0
     out = upload(rt, np.zeros((m, n), np.float32) + base)
-    args = [*maps, b, out, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0)]
+    args = [*maps, b, out, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0),
+            ctypes.c_int(n)]
     rt.launch(functions[f"gemm90_{kind}"], ((m + 127) // 128, (n + width - 1) // width),
               GEMM90_THREADS, args, shared=GEMM90_SHARED, stream=stream)
     stream.synchronize()

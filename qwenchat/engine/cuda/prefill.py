@@ -9,7 +9,7 @@ import math
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.model.config import Qwen3Config
-from qwenchat.model.fp8 import packed_row_bytes
+from qwenchat.model.fp8 import packed_row_bytes, row_bytes
 
 GEMM_TILE = 128
 PREFILL_QUERIES_PER_BLOCK = 64
@@ -56,15 +56,33 @@ def gemm_shared_bytes(weight_format: str) -> int:
     return stages * 2 * tile
 
 
+DEQUANT_SLICE_BYTES = 32 * 2**20  # int4 weights dequantized for prefill: this much at a time
+
+
+def dequant_slice_rows(cols: int) -> int:
+    """Rows of `cols` bf16 columns that a slice of dequantized int4 weights holds (whole
+    256-row tiles of the GEMMs)."""
+    return max(256, DEQUANT_SLICE_BYTES // (2 * cols) // 256 * 256)
+
+
+def gate_up_slice(cfg: Qwen3Config) -> int:
+    """Features (gate and up rows each) a dequantized slice of gate/up holds: whole 128-row
+    tiles of the SwiGLU GEMM."""
+    return min(cfg.intermediate_size,
+               max(128, DEQUANT_SLICE_BYTES // (4 * cfg.hidden_size) // 128 * 128))
+
+
 def dequant_scratch_bytes(cfg: Qwen3Config, weight_format: str) -> int:
-    """The bf16 matrix int4 weights are dequantized into before each prefill product (the
-    largest linear layer: gate/up), or 0 for other formats."""
+    """The bf16 matrix that int4 weights are dequantized into before the prefill's products,
+    a slice of at most DEQUANT_SLICE_BYTES at a time, or 0 for other formats."""
     if weight_format != "int4":
         return 0
-    qkv_rows = cfg.q_size + 2 * cfg.kv_size
-    return 2 * max(qkv_rows * cfg.hidden_size, cfg.hidden_size * cfg.q_size,
-                   2 * cfg.intermediate_size * cfg.hidden_size,
-                   cfg.hidden_size * cfg.intermediate_size)
+    h, q, inter = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
+    qkv_rows = q + 2 * cfg.kv_size
+    return 2 * max(min(qkv_rows, dequant_slice_rows(h)) * h,
+                   min(h, dequant_slice_rows(q)) * q,
+                   min(h, dequant_slice_rows(inter)) * inter,
+                   2 * gate_up_slice(cfg) * h)
 
 
 def prefill_attention_shared(head_dim: int) -> int:
@@ -104,37 +122,74 @@ class Prefill:
             self._attention_prefill(i, start, n, scale)
             self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
-            gate_up = self._dense(w.gate_up, 2 * inter, h)
-            if self.gemm90:  # SwiGLU applied in gate/up's product
-                self._gemm90("swiglu", self.gemm90_maps_a["xn"], self.gemm90_maps[i]["gate_up"],
-                             gate_up, self.act, n, inter, h, up_row=inter)
-            else:
-                self._gemm("gemm_store", self.xn, gate_up, self.gu, n, 2 * inter, h)
-                blocks = min(4096, math.ceil(n * inter / 256))
-                self._launch("swiglu_rows", blocks, 256, self.gu, c_int(n), self.act)
+            self._gate_up(i, n)
             self._product("add", "act", i, "down", self.x, n, h, inter)
 
     def _product(self, kind: str, a: str, layer: int, weight: str, c, m: int, n: int,
                  k: int) -> None:
         """c = (kind "store") or += ("add") buffer `a` . layer's `weight`^T, on gemm_sm90.cu
-        where the engine uses it, else gemm.cu."""
-        b = self._dense(getattr(self.layers[layer], weight), n, k)
-        if self.gemm90:
-            self._gemm90(kind, self.gemm90_maps_a[a], self.gemm90_maps[layer][weight], b, c, m,
-                         n, k)
-        else:
-            self._gemm(f"gemm_{kind}", getattr(self, a), b, c, m, n, k)
-
-    def _dense(self, weights, rows: int, cols: int):
-        """A layer's weights as the GEMMs take them: bf16 or FP8 rows as they are; int4 rows
-        dequantized to bf16 into the scratch matrix first (dequant_int4_rows), which costs
-        about a tenth of a 4K-token prefill (docs/int4.md)."""
+        where the engine uses it, else gemm.cu. int4 weights are dequantized to bf16 a slice
+        of rows at a time (_dequant), each slice's product writing its columns of c."""
+        b = getattr(self.layers[layer], weight)
         if self.weight_format != "int4":
-            return weights
+            maps = self.gemm90_maps[layer][weight] if self.gemm90 else None
+            self._gemm_any(kind, a, maps, b, c, m, n, k, ldc=n)
+            return
+        rows = dequant_slice_rows(k)
+        for r0 in range(0, n, rows):
+            r = min(rows, n - r0)
+            self._dequant(b, r0, r, k, 0)
+            maps = self.w16_maps[weight] if self.gemm90 else None
+            self._gemm_any(kind, a, maps, self.w16, rt.Ptr(c.ptr + 4 * r0), m, r, k, ldc=n)
+
+    def _gate_up(self, layer: int, m: int) -> None:
+        """act = silu(gate) * up for m tokens (xn): SwiGLU in gate/up's product on gemm_sm90.cu,
+        else gate/up into gu and swiglu_rows. int4 weights: a slice of features at a time
+        (their gate rows, then their up rows, dequantized)."""
+        cfg = self.config
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        w = self.layers[layer].gate_up
+        if self.weight_format != "int4":
+            if self.gemm90:
+                self._gemm90("swiglu", self.gemm90_maps_a["xn"], self.gemm90_maps[layer]["gate_up"],
+                             w, self.act, m, inter, h, up_row=inter)
+            else:
+                self._gemm("gemm_store", self.xn, w, self.gu, m, 2 * inter, h)
+        else:
+            features = gate_up_slice(cfg)
+            for f0 in range(0, inter, features):
+                f = min(features, inter - f0)
+                self._dequant(w, f0, f, h, 0)
+                self._dequant(w, inter + f0, f, h, features)
+                if self.gemm90:
+                    self._gemm90("swiglu", self.gemm90_maps_a["xn"], self.w16_maps["gate_up"],
+                                 self.w16, rt.Ptr(self.act.ptr + 2 * f0), m, f, h,
+                                 up_row=features, ldc=inter)
+                    continue
+                for half in range(2):  # the gate rows' product, then the up rows'
+                    rows = rt.Ptr(self.w16.ptr + half * features * h * 2)
+                    self._gemm("gemm_store", self.xn, rows,
+                               rt.Ptr(self.gu.ptr + 4 * (f0 + half * inter)), m, f, h,
+                               ldc=2 * inter)
+        if not self.gemm90:
+            blocks = min(4096, math.ceil(m * inter / 256))
+            self._launch("swiglu_rows", blocks, 256, self.gu, ctypes.c_int(m), self.act)
+
+    def _gemm_any(self, kind: str, a: str, maps, b, c, m: int, n: int, k: int,
+                  ldc: int) -> None:
+        if self.gemm90:
+            self._gemm90(kind, self.gemm90_maps_a[a], maps, b, c, m, n, k, ldc=ldc)
+        else:
+            self._gemm(f"gemm_{kind}", getattr(self, a), b, c, m, n, k, ldc=ldc)
+
+    def _dequant(self, weights, row0: int, rows: int, cols: int, to_row: int) -> None:
+        """int4 rows row0 .. row0 + rows of `weights` as bf16 rows of the scratch matrix from
+        row `to_row` (dequant_int4_rows): about a tenth of a 4K-token prefill's time
+        (docs/perf.md)."""
         total = rows * cols // 8
         self._launch("dequant_int4_rows", min(32 * self.device.sm_count, math.ceil(total / 256)),
-                     256, weights, ctypes.c_int(rows), ctypes.c_int(cols), self.w16)
-        return self.w16
+                     256, rt.Ptr(weights.ptr + row0 * row_bytes(cols, "int4")), ctypes.c_int(rows),
+                     ctypes.c_int(cols), rt.Ptr(self.w16.ptr + to_row * cols * 2))
 
     def _build_tensor_maps(self) -> None:
         """Tensor maps of the Hopper kernels' operands, encoded once: the activation buffers
@@ -147,8 +202,6 @@ class Prefill:
             return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
 
         def weights(buffer, rows: int, cols: int) -> rt.TensorMap:
-            if self.weight_format == "int4":  # the bf16 matrix _dense makes
-                return tiles(self.w16, rows, cols)
             if self.weight_format == "fp8":  # the codes of each packed row (weights.cuh)
                 return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64, codes=True,
                                    row_bytes=packed_row_bytes(cols))
@@ -165,6 +218,14 @@ class Prefill:
         self.gemm90_maps_a = {"xn": tiles(self.xn, c, cfg.hidden_size),
                               "attn": tiles(self.attn, c, cfg.q_size),
                               "act": tiles(self.act, c, cfg.intermediate_size)}
+        if self.weight_format == "int4":  # the slices _dequant makes, every layer's
+            h, q, inter = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
+            self.w16_maps = {
+                "qkv": tiles(self.w16, min(qkv_cols, dequant_slice_rows(h)), h),
+                "o": tiles(self.w16, min(h, dequant_slice_rows(q)), q),
+                "gate_up": tiles(self.w16, 2 * gate_up_slice(cfg), h),
+                "down": tiles(self.w16, min(h, dequant_slice_rows(inter)), inter)}
+            return
         self.gemm90_maps = [{"qkv": weights(w.qkv, qkv_cols, cfg.hidden_size),
                              "o": weights(w.o, cfg.hidden_size, cfg.q_size),
                              "gate_up": weights(w.gate_up, 2 * cfg.intermediate_size,
@@ -173,15 +234,15 @@ class Prefill:
                             for w in self.layers]
 
     def _gemm90(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, b, c, m: int,
-                n: int, k: int, up_row: int = 0) -> None:
+                n: int, k: int, up_row: int = 0, ldc: int | None = None) -> None:
         """c = or += A . B^T (kind "store", "add"), or c = silu(gate) * up ("swiglu"); b is
-        B's buffer (FP8 rows' scales are read from it)."""
+        B's buffer (FP8 rows' scales are read from it); c's rows are ldc apart (n)."""
         width = 256 if kind == "swiglu" else gemm90_width(m, n, self.device.sm_count)
         name = "gemm90_swiglu" if kind == "swiglu" else f"gemm90_{kind}_{width}"
         tiles_n = math.ceil(n / (128 if kind == "swiglu" else width))
         self._launch(name, (math.ceil(m / 128), tiles_n), GEMM90_THREADS, map_a, map_b, b, c,
                      ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(up_row),
-                     shared=GEMM90_SHARED)
+                     ctypes.c_int(n if ldc is None else ldc), shared=GEMM90_SHARED)
 
     def prefill_key_splits(self, start: int, n: int) -> int:
         """Blocks along the keys for the prefill attention of n tokens after `start` cached
@@ -212,7 +273,9 @@ class Prefill:
             self._launch("attn_prefill_merge", (n, heads), self.config.head_dim,
                          self.prefill_part_o, self.prefill_part_ml, c_int(splits), self.attn)
 
-    def _gemm(self, kernel: str, a, b, c, m: int, n: int, k: int) -> None:
+    def _gemm(self, kernel: str, a, b, c, m: int, n: int, k: int,
+              ldc: int | None = None) -> None:
         grid = (math.ceil(n / GEMM_TILE), math.ceil(m / GEMM_TILE))
         self._launch(kernel, grid, 256, a, b, c, ctypes.c_int(m), ctypes.c_int(n),
-                     ctypes.c_int(k), shared=gemm_shared_bytes(self.weight_format))
+                     ctypes.c_int(k), ctypes.c_int(n if ldc is None else ldc),
+                     shared=gemm_shared_bytes(self.weight_format))
