@@ -12,8 +12,9 @@
 // hold other columns than the mma's nominal ones, but the same in A and B, so every product is
 // one weight times its own activation). A step is 4 lanes x 32 bytes of a row: 64 bf16 columns,
 // or 128 FP8 codes, whose block scale (weights.cuh) is then one float a row; or 4 lanes x 16
-// bytes, 128 int4 codes, one group (its scale and zero one record a row). Narrow codes become
-// bf16 weights (code x scale, or (code - zero) x scale, rounded). The warps' sums
+// bytes, 128 int4 codes, one group (its scale and zero one record a row). FP8 codes become bf16
+// weights (code x scale, rounded); int4 codes go to the tensor cores as code - zero (exact in
+// bf16), the group's scale multiplying the step's sums. The warps' sums
 // of a row are added in warp order through shared memory: no atomics, the same sums each run.
 #include "common.cuh"
 #include "qwen3.cuh"
@@ -71,18 +72,19 @@ __device__ __forceinline__ float codes_unit() {
 #endif
 }
 
-// Eight int4 weights (a word, weights.cuh's order) as bf16 pairs in column order:
-// bf16((code - zero) x scale).
-__device__ __forceinline__ uint4 int4_bf16(unsigned w, float scale, unsigned zero2) {
+// Eight int4 weights (a word, weights.cuh's order) as bf16 pairs in column order without their
+// scale: code - zero, exact (small integers). A code ORed into the mantissa of 128.0 (0x4300) is
+// the bf16 value 128 + code; one FMA a pair takes 128 + zero off (`neg_zero2`: the bf16 pair
+// -(128 + zero)), on every architecture from sm_80 (bf16 subtraction itself is sm_90's).
+__device__ __forceinline__ uint4 int4_bf16(unsigned w, unsigned neg_zero2) {
+    const unsigned bias = 0x43004300u, one = 0x3f803f80u;
     unsigned p[4];
-    int4x8_f16x2(w, zero2, p);
-    unsigned out[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        const float2 v = f16x2_floats(p[k]);
-        out[k] = pack_bf16x2(v.x * scale, v.y * scale);
+        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(p[k]) : "r"(w >> (4 * k)), "n"(0x000f000f), "r"(bias));
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p[k]) : "r"(p[k]), "r"(one), "r"(neg_zero2));
     }
-    return make_uint4(out[0], out[1], out[2], out[3]);
+    return make_uint4(p[0], p[1], p[2], p[3]);
 }
 
 // out[tok][row] (= or +=) Σ_k W[row][k] a[tok][k] for tok < n and the block's 16 R rows.
@@ -139,15 +141,16 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a, int n
                                         : make_uint4(0u, 0u, 0u, 0u);
                 }
                 l.scale[r][h] = 0.f;
-                l.zero2[r][h] = 0x64006400u;
+                l.zero2[r][h] = 0xc300c300u;  // (int4: codes 0 less 128 + 0: zeros)
                 const bool in = has[r][h] && (K % COLS == 0 || c0 < K);
                 if constexpr (F8) {
                     if (in) l.scale[r][h] = reinterpret_cast<const float*>(rows[r][h] + K)[s] * codes_unit();
                 } else if constexpr (I4) {
-                    if (in) {
+                    if (in) {  // the record's zero: f16 1024 + zero in its high half
                         const unsigned rec = reinterpret_cast<const unsigned*>(rows[r][h] + K / 2)[s];
+                        const unsigned neg = 0xc300u + (rec >> 16) - 0x6400u;  // bf16 -(128 + z)
                         l.scale[r][h] = int4_scale(rec);
-                        l.zero2[r][h] = int4_zero2(rec);
+                        l.zero2[r][h] = neg | (neg << 16);
                     }
                 }
             }
@@ -161,14 +164,20 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a, int n
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             if constexpr (I4) {  // word j of the load: 8 columns, token g's piece j
+                // The weights without their scale (exact) on the tensor cores, the group's
+                // scale (one a row for the step's 128 columns) on the step's sums.
                 const unsigned words[4] = {l.raw[r][0][0].x, l.raw[r][0][0].y, l.raw[r][0][0].z,
                                            l.raw[r][0][0].w};
                 const unsigned words1[4] = {l.raw[r][1][0].x, l.raw[r][1][0].y, l.raw[r][1][0].z,
                                             l.raw[r][1][0].w};
+                float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // (two chains)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    mma_piece(acc[r][j & 1], int4_bf16(words[j], l.scale[r][0], l.zero2[r][0]),
-                              int4_bf16(words1[j], l.scale[r][1], l.zero2[r][1]), l.x[j]);
+                    mma_piece(d[j & 1], int4_bf16(words[j], l.zero2[r][0]),
+                              int4_bf16(words1[j], l.zero2[r][1]), l.x[j]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)  // d[.][e]: row g (e < 2) or g + 8
+                    acc[r][0][e] += (d[0][e] + d[1][e]) * l.scale[r][e >> 1];
             } else if constexpr (F8) {
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {

@@ -150,6 +150,20 @@ def test_real_widths_in_int4_prefill_and_decode_as_the_reference(int4_shape, dec
         gpu.close()
 
 
+def test_real_widths_prefill_int4_slices_on_the_portable_gemm_as_the_reference(int4_shape):
+    """gemm.cu's products of the dequantized slices (8B: gate/up in 6 slices, down in 4)."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    config, weights, ref = int4_shape
+    gpu = CudaEngine(config, weights, ctx=256, decode="layered", prefill_kernels="portable")
+    try:
+        prompt = [int(i) for i in np.random.default_rng(5).integers(0, config.vocab_size, 40)]
+        ref.truncate(0)
+        assert relative_error(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
+    finally:
+        gpu.close()
+
+
 @pytest.mark.parametrize("decode", DECODES)
 def test_the_speculative_pass_of_int4_weights_gives_the_reference_logits(awq_dir, decode):
     """verify.cu's int4 products: a prefill of at most 8 tokens runs as a speculative pass

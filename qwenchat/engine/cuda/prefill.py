@@ -56,7 +56,7 @@ def gemm_shared_bytes(weight_format: str) -> int:
     return stages * 2 * tile
 
 
-DEQUANT_SLICE_BYTES = 32 * 2**20  # int4 weights dequantized for prefill: this much at a time
+DEQUANT_SLICE_BYTES = 64 * 2**20  # int4 weights dequantized for prefill: this much at a time
 
 
 def dequant_slice_rows(cols: int) -> int:
