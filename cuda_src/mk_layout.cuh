@@ -34,14 +34,6 @@
 #ifndef QW_MK_MMA_SEG
 #define QW_MK_MMA_SEG 1024
 #endif
-// The tensor-core consumer's loop over a row pair's steps: steps unrolled, and whether a step's
-// two mma add into one accumulator or two independent ones (measured, docs/perf.md).
-#ifndef QW_MK_PAIR_UNROLL
-#define QW_MK_PAIR_UNROLL 2
-#endif
-#ifndef QW_MK_PAIR_CHAINS
-#define QW_MK_PAIR_CHAINS 1
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(QW_MK_NO_TMA)
 #define QW_MK_TMA 1
 #else
@@ -61,7 +53,6 @@ constexpr int HD = qw::head_dim;
 constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
 
 constexpr bool SPLIT = QW_MK_SPLIT != 0;
-constexpr int PAIR_UNROLL = QW_MK_PAIR_UNROLL, PAIR_CHAINS = QW_MK_PAIR_CHAINS;
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // Narrow rows (FP8 or int4) on the tensor cores (mk_matvec.cuh): FP8 needs the e4m3 -> f16x2
 // conversion of sm_89 and later (QW_MK_F8_MMA), int4 always; their input vectors are staged as

@@ -434,7 +434,7 @@ __device__ __forceinline__ float2 narrow_pair_dot(const unsigned char* row0, con
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned char* xh = reinterpret_cast<const unsigned char*>(vec_buf());
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll PAIR_UNROLL
+#pragma unroll 2
     for (int j = j0; j < j1; ++j) {
         const int col = 256 * j + 32 * g + 8 * t;
         const bool in = K % 256 == 0 || col < K;
@@ -445,13 +445,13 @@ __device__ __forceinline__ float2 narrow_pair_dot(const unsigned char* row0, con
         const unsigned b0[2] = {x.x, x.y}, b1[2] = {x.z, x.w};
         const unsigned a0[4] = {p0[0], p1[0], p0[1], p1[1]};
         const unsigned a1[4] = {p0[2], p1[2], p0[3], p1[3]};
-        float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};  // (two chains)
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
         mma_f16_16816(d, a0, b0);
-        mma_f16_16816(PAIR_CHAINS == 2 ? e : d, a1, b1);
-        tot[0] += (d[0] + e[0]) * sc0;
-        tot[1] += (d[1] + e[1]) * sc0;
-        tot[2] += (d[2] + e[2]) * sc1;
-        tot[3] += (d[3] + e[3]) * sc1;
+        mma_f16_16816(d, a1, b1);
+        tot[0] += d[0] * sc0;
+        tot[1] += d[1] * sc0;
+        tot[2] += d[2] * sc1;
+        tot[3] += d[3] * sc1;
     }
     if (t != g >> 1) return make_float2(0.f, 0.f);
     return (g & 1) ? make_float2(tot[1], tot[3]) : make_float2(tot[0], tot[2]);
@@ -475,7 +475,7 @@ __device__ __forceinline__ float2 int4_pair_dot(const unsigned char* row0, const
     const unsigned* rec1 = reinterpret_cast<const unsigned*>(row1 + K / 2);
     const float* sums = window_sums();
     float tot0 = 0.f, tot1 = 0.f;
-#pragma unroll PAIR_UNROLL
+#pragma unroll 2
     for (int j = j0; j < j1; ++j) {
         const int col = 512 * j + 64 * g + 16 * t;
         const bool in = K % 512 == 0 || col < K;

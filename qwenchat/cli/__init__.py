@@ -51,8 +51,8 @@ DecodeOpt = Annotated[str, typer.Option(
 QuantizeOpt = Annotated[str, typer.Option(
     "--quantize", help="none, fp8 or int4: quantize the linear layers at load time, to FP8 "
     "(Qwen's 128 x 128-block recipe), halving the bytes a decode step reads, or to 4 bits "
-    "(round to nearest, groups of 128; on the GPU still run as bf16 for now). FP8 "
-    "checkpoints are always run in FP8.")]
+    "(round to nearest, groups of 128, zero points: about a third of bf16's bytes). FP8 "
+    "and AWQ checkpoints always run in their own format.")]
 SpeculateOpt = Annotated[str, typer.Option(
     "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
     "where it occurred before (prompt lookup) and verify several a step; the reply is the "

@@ -11,6 +11,7 @@ import numpy as np
 from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.kv_cache import cached
 from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.sampler import sample_token
 from qwenchat.sampling.speculative import verify
@@ -86,10 +87,12 @@ class ReferenceEngine(CacheBookkeeping):
     # rounding, if at all)
     prefill_chunk = 256
 
-    def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None):
+    def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None,
+                 kv_cache: str = "bf16"):
         super().__init__(ctx or config.max_position_embeddings)
         self.config = config
         self.weight_format = checkpoint.weight_format
+        self.kv_format = kv_cache  # what the cache holds (qwenchat/model/kv_cache.py)
         self.embed = checkpoint.float32("model.embed_tokens.weight")
         self.layers = [LayerWeights.load(checkpoint, i) for i in range(config.num_hidden_layers)]
         self.final_norm = checkpoint.float32("model.norm.weight")
@@ -162,8 +165,8 @@ class ReferenceEngine(CacheBookkeeping):
             v = (h @ w.v.T).reshape(count, cfg.num_key_value_heads, cfg.head_dim)
             q = apply_rope(rms_norm(q, w.q_norm, cfg.rms_norm_eps), cos, sin)
             k = apply_rope(rms_norm(k, w.k_norm, cfg.rms_norm_eps), cos, sin)
-            self._k[index, :, start : start + count] = k.transpose(1, 0, 2)
-            self._v[index, :, start : start + count] = v.transpose(1, 0, 2)
+            self._k[index, :, start : start + count] = cached(k, self.kv_format).transpose(1, 0, 2)
+            self._v[index, :, start : start + count] = cached(v, self.kv_format).transpose(1, 0, 2)
             x = x + self._attend(index, q, start) @ w.o.T
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
             x = x + (silu(h @ w.gate.T) * (h @ w.up.T)) @ w.down.T
