@@ -38,6 +38,7 @@ class AskOptions:
     quantize: str = "none"
     speculate: str = "off"
     draft: str | None = None  # a draft model's directory or hub id (speculative decoding)
+    kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
 
 
 # Byte-order marks honoured on stdin: UTF-8's is dropped, UTF-16's (as Windows tools write)
@@ -81,7 +82,7 @@ def check_overrides(overrides: dict[str, Any]) -> None:
 def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize)
+                       options.quantize, options.kv_cache)
     check_speculate(options.speculate, options.draft)
     draft = options.draft
     if draft and (looks_like_path(draft) or Path(draft).expanduser().exists()):
@@ -93,7 +94,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
     engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
                            device=options.device, notice=say, decode=options.decode,
-                           quantize=options.quantize)
+                           quantize=options.quantize, kv_cache=options.kv_cache)
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
     speculate, notice = speculation_asked(options.speculate, options.draft, engine)
@@ -117,6 +118,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
             stats = event.stats
     if options.as_json:
         record = {"model": model.spec, "backend": engine.name, "weights": engine.weight_format,
+                  "kv_cache": engine.kv_format,
                   "speculate": ("draft" if proposer else options.speculate) if speculate
                   else "off", "draft": options.draft if proposer else None,
                   "load_s": round(load_s, 4),

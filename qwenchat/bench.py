@@ -35,7 +35,7 @@ from qwenchat.engine import (
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
 from qwenchat.errors import UsageError
-from qwenchat.model import fp8
+from qwenchat.model import fp8, kv_cache
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
 from qwenchat.model.config import Qwen3Config, parameters_text
 from qwenchat.model.loader import open_model
@@ -123,10 +123,12 @@ def weight_bytes_per_step(config: Qwen3Config, weight_format: str = "bf16") -> i
     return fp8.weight_bytes(shapes, weight_format)
 
 
-def bytes_per_step(config: Qwen3Config, position: int, weight_format: str = "bf16") -> int:
-    """Weights plus the bf16 keys and values of `position` cached tokens."""
+def bytes_per_step(config: Qwen3Config, position: int, weight_format: str = "bf16",
+                   kv_format: str = "bf16") -> int:
+    """Weights plus the keys and values of `position` cached tokens (with their scales in an
+    8-bit cache)."""
     return (weight_bytes_per_step(config, weight_format)
-            + config.kv_bytes_per_position() * position)
+            + kv_cache.bytes_per_position(config, kv_format) * position)
 
 
 @dataclass
@@ -213,6 +215,7 @@ class BenchResult:
     sampler: str  # what chose the decoded tokens
     weight_format: str  # of the linear layers, as the engine ran them
     weight_bytes_per_step: int
+    kv_format: str  # of the KV cache, as the engine ran it
     kv_bytes_per_position: int
     copy_bandwidth_bytes_s: float | None
     peak_memory_bytes: int | None
@@ -259,7 +262,8 @@ def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights:
         repeats=settings.repeats, sampler=_sampler_name(settings),
         weight_format=engine.weight_format,
         weight_bytes_per_step=weight_bytes_per_step(config, engine.weight_format),
-        kv_bytes_per_position=config.kv_bytes_per_position(),
+        kv_format=engine.kv_format,
+        kv_bytes_per_position=kv_cache.bytes_per_position(config, engine.kv_format),
         copy_bandwidth_bytes_s=copy_bandwidth,
         peak_memory_bytes=_optional_call(engine, "peak_memory_bytes"),
         prefill=prefill, decode=decode, speculation=speculation,
@@ -289,9 +293,9 @@ def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
 
 def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
                     rng: np.random.Generator, copy_bandwidth: float | None) -> DecodeResult:
-    config, weight_format = engine.config, engine.weight_format
+    config, weight_format, kv_format = engine.config, engine.weight_format, engine.kv_format
     if position + settings.steps > engine.capacity:
-        return DecodeResult(position, bytes_per_step(config, position, weight_format),
+        return DecodeResult(position, bytes_per_step(config, position, weight_format, kv_format),
                             skipped=_no_room(settings.steps, engine.capacity))
     ids = _random_ids(rng, config, position)
     engine.truncate(0)
@@ -304,7 +308,7 @@ def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
             engine.prefill(ids[-1:])
         rates.append(_decode_rate(engine, settings.steps, settings.sampled))
     return _decode_result(config, position, statistics.median(rates), copy_bandwidth,
-                          weight_format)
+                          weight_format, kv_format)
 
 
 def _decode_rate(engine: Engine, steps: int, sampled: bool = False) -> float:
@@ -416,10 +420,12 @@ def _measure_speculation(engine: Engine, settings: BenchSettings, rng: np.random
 
 
 def _decode_result(config: Qwen3Config, position: int, tok_s: float,
-                   copy_bandwidth: float | None, weight_format: str = "bf16") -> DecodeResult:
+                   copy_bandwidth: float | None, weight_format: str = "bf16",
+                   kv_format: str = "bf16") -> DecodeResult:
     """The rate beside its napkin math: the bytes the step actually reads (in the engine's
-    weight format), and the floors those bytes and bf16 weights would give."""
-    nbytes = bytes_per_step(config, position, weight_format)
+    weight and KV-cache formats), and the floors those bytes and bf16 weights and cache would
+    give."""
+    nbytes = bytes_per_step(config, position, weight_format, kv_format)
     achieved = nbytes * tok_s
     if not copy_bandwidth:
         return DecodeResult(position, nbytes, tok_s, achieved / 1e9)
@@ -742,7 +748,8 @@ class BenchOptions:
     as_json: bool = False
     compare_hf: bool = False
     decode: str = "auto"  # the CUDA engine's decode path
-    quantize: str = "none"  # "fp8": the linear layers quantized at load time
+    quantize: str = "none"  # "fp8" or "int4": the linear layers quantized at load time
+    kv_cache: str = "bf16"  # the KV cache's format
 
 
 def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -753,7 +760,7 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
     if options.config is not None and options.model is not None:
         raise UsageError("give --config (random weights) or --model (a checkpoint), not both")
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize)
+                       options.quantize, options.kv_cache)
     settings = options.settings
     console = Console(file=err)
 
@@ -777,7 +784,8 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
         try:
             ctx = settings.default_ctx(config) if options.ctx is None else options.ctx
             engine = create_engine(options.backend, config, weights, ctx, device=options.device,
-                                   notice=say, decode=options.decode, quantize=options.quantize)
+                                   notice=say, decode=options.decode, quantize=options.quantize,
+                                   kv_cache=options.kv_cache)
             draft = None
             try:
                 if isinstance(engine, ReferenceEngine):
@@ -836,7 +844,8 @@ def render(result: BenchResult, out: TextIO) -> None:
         f"{result.steps} decode steps, {result.sampler}, median of {result.repeats} runs\n"
         f"a decode step reads {_bytes(result.weight_bytes_per_step)} of "
         f"{result.weight_format} weights{_bf16_beside(result)} + "
-        f"{_bytes(result.kv_bytes_per_position)} of KV cache per cached position\n"
+        f"{_bytes(result.kv_bytes_per_position)} of {result.kv_format} KV cache per cached "
+        "position\n"
         f"copy bandwidth {_bandwidth(result.copy_bandwidth_bytes_s)} · peak GPU memory "
         f"{_bytes(result.peak_memory_bytes)}", markup=False, soft_wrap=True)
 

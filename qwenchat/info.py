@@ -28,6 +28,9 @@ WEIGHT_FORMATS = ("bf16 (f16 and f32 checkpoints are converted to it); fp8: Qwen
                   "(groups of 128, zero points), decode dots them on the tensor cores, prefill "
                   "dequantizes a matrix at a time to bf16")
 
+KV_FORMATS = ("bf16; int8 (--kv-cache int8: 8-bit codes and a scale a head and token), on the "
+              "CPU engine only for now")
+
 
 def gather() -> list[Section]:
     return [_software(), _gpu(), _locations()]
@@ -61,6 +64,7 @@ def _gpu() -> Section:
     rows.extend(("problem", p) for p in found.problems)
     rows.append(("cuda backend", "usable" if found.usable else "not usable: CPU fallback"))
     rows.append(("weight formats", WEIGHT_FORMATS))
+    rows.append(("KV cache formats", KV_FORMATS))
     return "GPU", rows
 
 

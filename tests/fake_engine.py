@@ -24,6 +24,7 @@ class FakeEngine(CacheBookkeeping):
 
     name = "fake engine"
     weight_format = "bf16"
+    kv_format = "bf16"
     device_name = "Fake GPU 9000"
     prefill_chunk = 64
     prefill_s_per_token = 0.0  # how long prefill "takes"

@@ -432,6 +432,25 @@ def test_random_int4_weights_are_seeded_codes_in_awqs_layout():
     assert weights.device_draw(kept).format == "bf16"
 
 
+def test_bench_kv_cache_int8_counts_the_bytes_an_8bit_cache_reads(tmp_path):
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(tiny_config(**AWQ_SHAPE)))
+    result = qwenchat("bench", "--config", str(whole), *SMALL, "--kv-cache", "int8", "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    config = Qwen3Config.from_dict(tiny_config(**AWQ_SHAPE))
+    row = config.head_dim + 4  # int8 codes and a float scale
+    assert record["kv_format"] == "int8"
+    assert record["kv_bytes_per_position"] == (config.num_hidden_layers * 2
+                                               * config.num_key_value_heads * row)
+    decoded = next(d for d in record["decode"] if d["tok_s"])
+    assert decoded["bytes_per_step"] == (record["weight_bytes_per_step"]
+                                         + record["kv_bytes_per_position"] * decoded["position"])
+    plain = json.loads(qwenchat("bench", "--config", str(whole), *SMALL, "--json").stdout)
+    assert plain["kv_format"] == "bf16"
+    assert plain["kv_bytes_per_position"] == config.kv_bytes_per_position()
+
+
 def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():
     config = TIED
     ours = [bench_module.PrefillResult(512, 60_000.0, 512 / 60_000, 0.009),
@@ -442,8 +461,9 @@ def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():
     result = bench_module.BenchResult(
         model="m", weights="random", engine="e", device="d", config=config, parameters=1,
         ctx=1024, steps=4, repeats=3, sampler="greedy", weight_format="bf16",
-        weight_bytes_per_step=1, kv_bytes_per_position=1, copy_bandwidth_bytes_s=None,
-        peak_memory_bytes=None, prefill=ours, decode=[], transformers=[theirs])
+        weight_bytes_per_step=1, kv_format="bf16", kv_bytes_per_position=1,
+        copy_bandwidth_bytes_s=None, peak_memory_bytes=None, prefill=ours, decode=[],
+        transformers=[theirs])
     out = io.StringIO()
     bench_module.render(result, out)
     rows = {tuple(line.split("│")[1:3]): line for line in out.getvalue().splitlines()

@@ -179,12 +179,29 @@ def test_out_of_range_parameters_exit_2_naming_the_range(tiny_model_dir, flag, v
     ["ask", "--backend", "tpu", "Hi"],
     ["ask", "--decode", "fast", "Hi"],
     ["ask", "--ctx", "1", "Hi"],
+    ["ask", "--kv-cache", "int4", "Hi"],
     ["ask"],
     ["ask", "   "],
 ])
 def test_usage_errors_exit_2_with_one_line(tiny_model_dir, args):
     result = qwenchat(*args, "--model", str(tiny_model_dir))
     assert_one_error_line(result, 2)
+
+
+def test_an_int8_kv_cache_answers_on_the_cpu_and_is_refused_elsewhere(tiny_model_dir):
+    """(The GPU's 8-bit cache is not built yet: the flag says so rather than run bf16.)"""
+    for backend in ("cuda", "auto"):
+        refused = qwenchat("ask", "--model", str(tiny_model_dir), "--kv-cache", "int8",
+                           "--backend", backend, "Hi")
+        assert_one_error_line(refused, 2, "--kv-cache int8 runs on the CPU engine only",
+                              "--backend cpu")
+    done = qwenchat("ask", "--model", str(tiny_model_dir), "--kv-cache", "int8", "--backend",
+                    "cpu", "--max-tokens", "4", "--temperature", "0", "--json", "Hi")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["kv_cache"] == "int8"
+    plain = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu",
+                     "--max-tokens", "4", "--temperature", "0", "--json", "Hi")
+    assert json.loads(plain.stdout)["kv_cache"] == "bf16"
 
 
 def test_missing_model_directory_exit_2(tmp_path):
@@ -268,6 +285,8 @@ def test_ask_and_info_work_where_textual_and_cuda_python_cannot_load(tiny_model_
     ["chat", "--ctx", "1"],
     ["chat", "--device", "-1"],
     ["chat", "--decode", "fastest"],
+    ["chat", "--kv-cache", "fp8"],
+    ["chat", "--kv-cache", "int8", "--backend", "cuda"],
     ["chat", "--model", "/nowhere/at/all"],
     ["chat", "--no-such-flag"],
 ])

@@ -53,6 +53,10 @@ QuantizeOpt = Annotated[str, typer.Option(
     "(Qwen's 128 x 128-block recipe), halving the bytes a decode step reads, or to 4 bits "
     "(round to nearest, groups of 128, zero points: about a third of bf16's bytes). FP8 "
     "and AWQ checkpoints always run in their own format.")]
+KvCacheOpt = Annotated[str, typer.Option(
+    "--kv-cache", help="bf16 or int8: how keys and values are cached; int8 keeps 8-bit codes "
+    "and a scale a head and token (the GPU's 8-bit cache is to come: for now --backend cpu "
+    "only).")]
 SpeculateOpt = Annotated[str, typer.Option(
     "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
     "where it occurred before (prompt lookup) and verify several a step; the reply is the "
@@ -149,6 +153,7 @@ def chat(
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
+    kv_cache: KvCacheOpt = "bf16",
     speculate: SpeculateOpt = "off",
     draft: DraftOpt = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
@@ -166,7 +171,7 @@ def chat(
 
         options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
                               quantize, speculate, draft, history=not no_history,
-                              debug=debug)
+                              debug=debug, kv_cache=kv_cache)
         check_chat_options(options)
         require_terminal()
         from qwenchat.tui.app import run_chat  # Textual loads only once the flags are good
@@ -202,6 +207,7 @@ def ask(
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
+    kv_cache: KvCacheOpt = "bf16",
     speculate: SpeculateOpt = "off",
     draft: DraftOpt = None,
     debug: DebugOpt = False,
@@ -219,7 +225,7 @@ def ask(
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
                              verbose, ctx, overrides, device, decode, quantize, speculate,
-                             draft)
+                             draft, kv_cache=kv_cache)
         return run_ask(options)
 
     run_guarded(action, debug)
@@ -296,6 +302,7 @@ def bench(
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
+    kv_cache: KvCacheOpt = "bf16",
     ctx: Annotated[int | None, typer.Option(
         "--ctx", help="KV-cache size in tokens.",
         show_default="room for the largest position and prompt, within the model's maximum")
@@ -329,7 +336,7 @@ def bench(
                                  parse_sizes(positions, "--positions"), steps, repeats,
                                  sampled=sampled, speculation=speculation)
         return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
-                                      compare_hf, decode, quantize))
+                                      compare_hf, decode, quantize, kv_cache=kv_cache))
 
     run_guarded(action, debug)
 

@@ -9,6 +9,7 @@ from qwenchat.errors import BackendUnavailable, UsageError
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.fp8 import QUANTIZE_CHOICES, with_quantization
+from qwenchat.model.kv_cache import KV_CACHE_CHOICES
 
 BACKENDS = ("auto", "cuda", "cpu")
 DECODES = ("auto", "megakernel", "layered")  # the CUDA engine's decode paths
@@ -18,9 +19,10 @@ __all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
 
 
 def check_engine_flags(backend: str, ctx: int | None, device: int,
-                       decode: str = "auto", quantize: str = "none") -> None:
-    """Validate --backend, --ctx, --device, --decode and --quantize before anything is loaded,
-    so mistakes fail fast."""
+                       decode: str = "auto", quantize: str = "none",
+                       kv_cache: str = "bf16") -> None:
+    """Validate --backend, --ctx, --device, --decode, --quantize and --kv-cache before
+    anything is loaded, so mistakes fail fast."""
     if backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if decode not in DECODES:
@@ -28,6 +30,12 @@ def check_engine_flags(backend: str, ctx: int | None, device: int,
     if quantize not in QUANTIZE_CHOICES:
         raise UsageError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}; "
                          f"got {quantize!r}")
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise UsageError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}; "
+                         f"got {kv_cache!r}")
+    if kv_cache != "bf16" and backend != "cpu":
+        raise UsageError(f"--kv-cache {kv_cache} runs on the CPU engine only for now (the GPU's "
+                         "8-bit KV cache is not built yet): add --backend cpu")
     if ctx is not None and ctx < 2:
         raise UsageError(f"--ctx must be at least 2 tokens; got {ctx}")
     if device < 0:
@@ -44,11 +52,14 @@ def create_engine(
     decode: str = "auto",
     quantize: str = "none",
     progress: Callable[[str], None] | None = None,
+    kv_cache: str = "bf16",
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`.
-    `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does).
-    `progress` gets a line as each GPU kernel compile ends (the first run for a model)."""
-    check_engine_flags(backend, ctx, device, decode, quantize)
+    `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does), "int4" in
+    4 bits (an AWQ checkpoint always does); `kv_cache` "int8" keeps keys and values in 8 bits
+    (qwenchat/model/kv_cache.py; the CPU engine only, for now). `progress` gets a line as
+    each GPU kernel compile ends (the first run for a model)."""
+    check_engine_flags(backend, ctx, device, decode, quantize, kv_cache)
     weights = with_quantization(weights, quantize)
     if backend in ("auto", "cuda"):
         try:
@@ -59,7 +70,7 @@ def create_engine(
             notice(f"using the CPU reference engine: {why}")
     from qwenchat.engine.reference import ReferenceEngine
 
-    return ReferenceEngine(config, weights, ctx)
+    return ReferenceEngine(config, weights, ctx, kv_cache=kv_cache)
 
 
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,

@@ -79,6 +79,7 @@ class Engine(Protocol):
     config: Qwen3Config
     name: str
     weight_format: str  # of the linear layers, as the engine runs them: "bf16", "fp8", ...
+    kv_format: str  # of the KV cache: "bf16" or "int8" (qwenchat/model/kv_cache.py)
     # Tokens one prefill pass takes: a longer prefill runs in passes of this many (the CUDA
     # engine's scratch memory bounds them), so prefill in parts of this size gives the cache
     # and logits of one call.

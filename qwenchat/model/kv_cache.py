@@ -15,7 +15,12 @@ values an 8-bit cache holds (codes times their scale, as float32).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from qwenchat.model.config import Qwen3Config
 
 KV_CACHE_CHOICES = ("bf16", "int8")
 INT8_MAX = 127
@@ -29,6 +34,13 @@ def bytes_per_value(kv_format: str) -> int:
 def row_scale_bytes(kv_format: str) -> int:
     """Bytes of one cached row's scale (one head, one token)."""
     return 0 if kv_format == "bf16" else 4
+
+
+def bytes_per_position(config: Qwen3Config, kv_format: str = "bf16") -> int:
+    """Bytes one cached token takes over every layer: a key and a value row of each kv head,
+    each with its scale in an 8-bit cache."""
+    row = config.head_dim * bytes_per_value(kv_format) + row_scale_bytes(kv_format)
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * row
 
 
 def cached(rows: np.ndarray, kv_format: str) -> np.ndarray:

@@ -87,7 +87,8 @@ def model_loader(options: ChatOptions) -> Loader:
 
         engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
                                options.device, notice=engine_message, decode=options.decode,
-                               quantize=options.quantize, progress=progress)
+                               quantize=options.quantize, progress=progress,
+                               kv_cache=options.kv_cache)
         proposer = None
         try:
             tokenizer, eos_ids = model.tokenizer, model.eos_ids
@@ -111,7 +112,8 @@ def _engine_text(engine: Engine) -> str:
     cfg = engine.config
     device = getattr(engine, "device_name", None)
     text = (f"{parameters_text(cfg.parameter_count())} parameters, {engine.name}"
-            f"{f' on {device}' if device else ''}, {engine.weight_format} weights")
+            f"{f' on {device}' if device else ''}, {engine.weight_format} weights"
+            f"{'' if engine.kv_format == 'bf16' else f', {engine.kv_format} KV cache'}")
     weights, cache = getattr(engine, "weight_bytes", None), getattr(engine, "kv_bytes", None)
     if weights is not None and cache is not None:
         text += (f" ({weights / 2**30:.2f} GiB), KV cache of {engine.capacity:,} tokens "

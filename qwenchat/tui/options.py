@@ -24,18 +24,19 @@ class ChatOptions:
     ctx: int | None = None
     device: int = 0
     decode: str = "auto"  # the CUDA engine's decode path
-    quantize: str = "none"  # "fp8": quantize the linear layers at load time
+    quantize: str = "none"  # "fp8" or "int4": quantize the linear layers at load time
     speculate: str = "off"  # "ngram": prompt lookup, verified several tokens a step
     draft: str | None = None  # a draft model that proposes instead
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
+    kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
 
 
 def check_chat_options(options: ChatOptions) -> None:
     """The same checks, and the same one-line errors, as `ask`: before the app starts."""
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize)
+                       options.quantize, options.kv_cache)
     check_speculate(options.speculate, options.draft)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.

@@ -221,6 +221,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         weights = fp8.with_quantization(weights, "none")
         self.weight_format = (weights.weight_format if weights.weight_format in ("fp8", "int4")
                               else "bf16")
+        self.kv_format = "bf16"  # (the 8-bit cache is the CPU engine's only, for now)
         reason = unsupported_reason(config, self.weight_format)
         if reason:
             raise BackendUnavailable(f"this model's {reason}; use --backend cpu")

@@ -156,7 +156,8 @@ class ChatScreen(Screen[None]):
                                   "Ctrl+J new line · /help")
         self.sampler = SamplerPanel(id="sampler")
         self.status = StatusBar(model.engine.name, model.device_name,
-                                model.engine.weight_format, id="status")
+                                model.engine.weight_format,
+                                model.engine.kv_format, id="status")
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:

@@ -43,10 +43,13 @@ class KVGauge(Widget):
 
 
 class StatusBar(Horizontal):
-    def __init__(self, engine: str, device: str, weights: str = "bf16", id: str | None = None):
+    def __init__(self, engine: str, device: str, weights: str = "bf16", kv: str = "bf16",
+                 id: str | None = None):
         super().__init__(id=id)
         label = f"{engine} · {device}" if device not in engine else engine
         label += f" · {weights} weights"
+        if kv != "bf16":  # (the usual cache goes unsaid)
+            label += f" · {kv} KV cache"
         self._engine = Static(label, id="engine", markup=False)
         self._activity = Static("", id="activity", markup=False)
         self._numbers = Static("", id="numbers", markup=False)
