@@ -1600,6 +1600,27 @@ def test_the_loader_loads_a_draft_of_the_same_tokenizer_and_refuses_another(
             steps.append, steps.append, lambda _: None)
 
 
+def test_an_int8_kv_cache_is_named_in_the_status_bar_and_model_info(tmp_path, tiny_model_dir):
+    from qwenchat.tui.loader import model_loader
+
+    loaded = model_loader(ChatOptions(str(tiny_model_dir), backend="cpu", kv_cache="int8"))(
+        lambda _: None, lambda _: None, lambda _: None)
+    try:
+        assert loaded.engine.kv_format == "int8"
+        assert "int8 KV cache" in loaded.describe()
+    finally:
+        loaded.close()
+    model = open_model_dir(tiny_model_dir, "tiny-qwen3")
+    engine = ReferenceEngine(model.config, model.checkpoint, kv_cache="int8")
+    app = make_app(tmp_path, LoadedModel(model.spec, model.directory, engine, model.tokenizer,
+                                         model.eos_ids))
+
+    async def scenario(pilot, screen):
+        assert "int8 KV cache" in str(screen.query_one("#engine").render())
+
+    drive(app, scenario)
+
+
 def test_the_speculation_switch_turns_prompt_lookup_on_and_off_live(tmp_path, tiny_model_dir):
     quote = "def add(a, b):\n    return a + b\n" * 3
     app = make_app(tmp_path, reference_model(tiny_model_dir),
