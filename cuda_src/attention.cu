@@ -1,4 +1,5 @@
-// Causal grouped-query attention over the KV cache ([kv_head][capacity][head_dim], bf16).
+// Causal grouped-query attention over the KV cache ([kv_head][capacity][head_dim], bf16, or
+// int8 rows and their scales: kv8.cuh).
 // Prefill: flash-attention on the tensor cores, one block per (64 queries, head), keys streamed
 //   through two shared-memory stages (cp.async) with an online softmax; nothing O(N^2) is
 //   stored. A few new tokens after a long cached prefix (a chat's next message) would leave most
@@ -9,6 +10,7 @@
 //   the whole chip busy); each block writes an unnormalised partial output with its running max
 //   and sum, and a merge kernel combines the chunks.
 #include "common.cuh"
+#include "kv8.cuh"
 #include "qwen3.cuh"
 
 namespace {
@@ -37,24 +39,63 @@ constexpr int LDS = HD + 8;  // padded rows: ldmatrix's eight row addresses hit 
 constexpr int PF_TILE = PF_KV * LDS;  // bf16 values of one K (or V) tile
 static_assert(PF_KV % 16 == 0 && HD % 16 == 0, "whole mma tiles");
 
-// Keys [j0, j0 + PF_KV) of K and V into stage `dst` (K tile, then V tile), zeros past k_end.
-__device__ __forceinline__ void load_kv_tile(bf16_t* dst, const bf16_t* kc, const bf16_t* vc,
-                                             int j0, int k_end) {
-    constexpr int CHUNKS = PF_KV * HD / 8;  // 16-byte pieces of one tile
+// Keys [j0, j0 + PF_KV) of K and V into stage `dst` (K tile, then V tile), zeros past k_end:
+// bf16 rows by cp.async; int8 rows (kv8.cuh) loaded and turned into bf16 (code x scale,
+// rounded) as they are stored, the row's scale at ks[key] / vs[key].
+__device__ __forceinline__ void load_kv_tile(bf16_t* dst, const unsigned char* kc,
+                                             const unsigned char* vc, const float* ks,
+                                             const float* vs, int j0, int k_end) {
+    constexpr int CHUNKS = PF_KV * HD / 8;  // pieces of 8 values of one tile
     for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += PF_THREADS) {
         const int r = chunk / (HD / 8), c = (chunk % (HD / 8)) * 8;
         const int key = j0 + r;
         const bool in = key < k_end;
         const long long at = static_cast<long long>(in ? key : 0) * HD + c;
-        cp_async_16(dst + r * LDS + c, kc + at, in ? 16 : 0);
-        cp_async_16(dst + PF_TILE + r * LDS + c, vc + at, in ? 16 : 0);
+        if constexpr (qw::kv8) {
+            const uint2 kw = in ? *reinterpret_cast<const uint2*>(kc + at) : make_uint2(0u, 0u);
+            const uint2 vw = in ? *reinterpret_cast<const uint2*>(vc + at) : make_uint2(0u, 0u);
+            const float ksc = in ? ks[key] : 0.f, vsc = in ? vs[key] : 0.f;
+            float kf[8], vf[8];
+            kv8_floats(kw, kf);
+            kv8_floats(vw, vf);
+            *reinterpret_cast<uint4*>(dst + r * LDS + c) =
+                make_uint4(pack_bf16x2(kf[0] * ksc, kf[1] * ksc), pack_bf16x2(kf[2] * ksc, kf[3] * ksc),
+                           pack_bf16x2(kf[4] * ksc, kf[5] * ksc), pack_bf16x2(kf[6] * ksc, kf[7] * ksc));
+            *reinterpret_cast<uint4*>(dst + PF_TILE + r * LDS + c) =
+                make_uint4(pack_bf16x2(vf[0] * vsc, vf[1] * vsc), pack_bf16x2(vf[2] * vsc, vf[3] * vsc),
+                           pack_bf16x2(vf[4] * vsc, vf[5] * vsc), pack_bf16x2(vf[6] * vsc, vf[7] * vsc));
+        } else {
+            cp_async_16(dst + r * LDS + c, reinterpret_cast<const bf16_t*>(kc) + at, in ? 16 : 0);
+            cp_async_16(dst + PF_TILE + r * LDS + c, reinterpret_cast<const bf16_t*>(vc) + at,
+                        in ? 16 : 0);
+        }
     }
+}
+
+// A kv head's rows in a layer's cache (bytes) and, for int8 rows, their scales.
+constexpr int KV_BYTES = qw::kv8 ? 1 : 2;
+struct KvHead {
+    const unsigned char* k;
+    const unsigned char* v;
+    const float* ks;
+    const float* vs;
+};
+__device__ __forceinline__ KvHead kv_head(const void* k_cache, const void* v_cache, int kvh,
+                                          int capacity) {
+    const long long row0 = static_cast<long long>(kvh) * capacity;
+    KvHead h{static_cast<const unsigned char*>(k_cache) + row0 * HD * KV_BYTES,
+             static_cast<const unsigned char*>(v_cache) + row0 * HD * KV_BYTES, nullptr, nullptr};
+    if constexpr (qw::kv8) {
+        h.ks = kv8_scales(k_cache, capacity) + row0;
+        h.vs = kv8_scales(v_cache, capacity) + row0;
+    }
+    return h;
 }
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS)
-    attn_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                 const bf16_t* __restrict__ v_cache, int start, int n, int capacity, float scale,
+    attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                 const void* __restrict__ v_cache, int start, int n, int capacity, float scale,
                  bf16_t* __restrict__ out, float* __restrict__ part_o,
                  float* __restrict__ part_ml) {
     extern __shared__ __align__(16) bf16_t kv_stages[];  // [2][K tile, V tile]
@@ -64,8 +105,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
     // The last query tiles have the most keys: they go first, so none is left alone at the end.
     const int q_tile = gridDim.x - 1 - blockIdx.x;
     const int q_row0 = q_tile * PF_Q + warp * 16;  // this warp's first query (0-based in n)
-    const bf16_t* kc = k_cache + static_cast<long long>(kvh) * capacity * HD;
-    const bf16_t* vc = v_cache + static_cast<long long>(kvh) * capacity * HD;
+    const KvHead kv = kv_head(k_cache, v_cache, kvh, capacity);
 
     const int block_last_query = min(n, (q_tile + 1) * PF_Q) - 1;
     const int kv_len = start + block_last_query + 1;
@@ -73,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
     const int tiles_per_split = ((kv_len + PF_KV - 1) / PF_KV + splits - 1) / splits;
     const int k_begin = split * tiles_per_split * PF_KV;
     const int k_end = min(kv_len, k_begin + tiles_per_split * PF_KV);
-    if (k_begin < k_end) load_kv_tile(kv_stages, kc, vc, k_begin, k_end);
+    if (k_begin < k_end) load_kv_tile(kv_stages, kv.k, kv.v, kv.ks, kv.vs, k_begin, k_end);
     cp_async_commit();
 
     // Q fragments stay in registers for the whole key loop.
@@ -104,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
         const bf16_t* Ks = kv_stages + stage * 2 * PF_TILE;
         const bf16_t* Vs = Ks + PF_TILE;
         if (j0 + PF_KV < k_end)  // the next tile into the other stage (free since the last
-            load_kv_tile(kv_stages + (stage ^ 1) * 2 * PF_TILE, kc, vc, j0 + PF_KV, k_end);
+            load_kv_tile(kv_stages + (stage ^ 1) * 2 * PF_TILE, kv.k, kv.v, kv.ks, kv.vs,
+                         j0 + PF_KV, k_end);
         cp_async_commit();  // (an empty group at the end keeps the count right)
         cp_async_wait<1>();  // this tile's copies have landed (each thread its own)
         __syncthreads();     // ... and every thread's
@@ -250,8 +291,8 @@ constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(DC_THREADS)
-    attn_decode_partial(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                        const bf16_t* __restrict__ v_cache, const int* __restrict__ pos_ptr,
+    attn_decode_partial(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                        const void* __restrict__ v_cache, const int* __restrict__ pos_ptr,
                         int capacity, float scale, float* __restrict__ part_o,
                         float* __restrict__ part_ml) {
     __shared__ __align__(16) float qs[qw::group][HD];
@@ -281,17 +322,25 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
         return;
     }
 
-    const bf16_t* kc = k_cache + static_cast<long long>(kvh) * capacity * HD;
-    const bf16_t* vc = v_cache + static_cast<long long>(kvh) * capacity * HD;
+    const KvHead kvc = kv_head(k_cache, v_cache, kvh, capacity);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sub = lane / LANES_PER_KEY, part = lane % LANES_PER_KEY;
     constexpr int KEY_STRIDE = (DC_THREADS / 32) * KEYS_PER_WARP;
+    // Key `key`'s 8 values at this lane's dimensions: 16 bytes of bf16, or 8 int8 codes (in
+    // .x and .y; their scale multiplies the dot product).
+    const auto load_key = [&](int key) {
+        const unsigned char* at = kvc.k + (static_cast<long long>(k_begin + key) * HD + part * 8) * KV_BYTES;
+        if constexpr (qw::kv8) {
+            const uint2 w = *reinterpret_cast<const uint2*>(at);
+            return make_uint4(w.x, w.y, 0u, 0u);
+        } else {
+            return *reinterpret_cast<const uint4*>(at);
+        }
+    };
     // The first keys' loads go out before q is staged, so their latency overlaps it.
     const int first = warp * KEYS_PER_WARP + sub;
     uint4 kv_next = make_uint4(0, 0, 0, 0);
-    if (first < count)
-        kv_next = *reinterpret_cast<const uint4*>(kc + static_cast<long long>(k_begin + first) * HD +
-                                                  part * 8);
+    if (first < count) kv_next = load_key(first);
     for (int i = threadIdx.x; i < qw::group * HD; i += DC_THREADS) {
         const int gh = i / HD, d = i % HD;
         qs[gh][d] = bf16_to_f32(q[(kvh * qw::group + gh) * HD + d]);
@@ -301,12 +350,24 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
     for (int kidx = first; kidx - sub < count; kidx += KEY_STRIDE) {
         const uint4 kv = kv_next;
         const int next = kidx + KEY_STRIDE;
-        if (next < count)
-            kv_next = *reinterpret_cast<const uint4*>(kc + static_cast<long long>(k_begin + next) * HD +
-                                                      part * 8);
+        if (next < count) kv_next = load_key(next);
+        float kf[8];
+        if constexpr (qw::kv8) {
+            const float ksc = kidx < count ? kvc.ks[k_begin + kidx] : 0.f;
+            kv8_floats(make_uint2(kv.x, kv.y), kf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) kf[e] *= ksc;
+        }
 #pragma unroll
         for (int gh = 0; gh < qw::group; ++gh) {
-            float dot = dot8(kv, &qs[gh][part * 8]);
+            float dot;
+            if constexpr (qw::kv8) {
+                dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot += kf[e] * qs[gh][part * 8 + e];
+            } else {
+                dot = dot8(kv, &qs[gh][part * 8]);
+            }
 #pragma unroll
             for (int o = LANES_PER_KEY / 2; o > 0; o >>= 1)
                 dot += __shfl_xor_sync(0xffffffffu, dot, o);
@@ -346,16 +407,34 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int i = i0 + u * VALUE_SLOTS;
-            v[u] = i < count ? *reinterpret_cast<const uint4*>(
-                                   vc + static_cast<long long>(k_begin + i) * HD + dim0)
-                             : make_uint4(0, 0, 0, 0);
+            const unsigned char* at = kvc.v + (static_cast<long long>(k_begin + i) * HD + dim0) * KV_BYTES;
+            v[u] = make_uint4(0, 0, 0, 0);
+            if (i < count) {
+                if constexpr (qw::kv8) {
+                    const uint2 w = *reinterpret_cast<const uint2*>(at);
+                    v[u] = make_uint4(w.x, w.y, 0u, 0u);
+                } else {
+                    v[u] = *reinterpret_cast<const uint4*>(at);
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int i = i0 + u * VALUE_SLOTS;
             if (i >= count) continue;
-            const float vf[8] = {bf16_lo(v[u].x), bf16_hi(v[u].x), bf16_lo(v[u].y), bf16_hi(v[u].y),
-                                 bf16_lo(v[u].z), bf16_hi(v[u].z), bf16_lo(v[u].w), bf16_hi(v[u].w)};
+            float vf[8];
+            if constexpr (qw::kv8) {
+                const float vsc = kvc.vs[k_begin + i];
+                kv8_floats(make_uint2(v[u].x, v[u].y), vf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) vf[e] *= vsc;
+            } else {
+                const float b[8] = {bf16_lo(v[u].x), bf16_hi(v[u].x), bf16_lo(v[u].y),
+                                    bf16_hi(v[u].y), bf16_lo(v[u].z), bf16_hi(v[u].z),
+                                    bf16_lo(v[u].w), bf16_hi(v[u].w)};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) vf[e] = b[e];
+            }
 #pragma unroll
             for (int gh = 0; gh < qw::group; ++gh) {
                 const float pw = p[gh][i];

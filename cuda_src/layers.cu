@@ -4,6 +4,7 @@
 // The residual stream is float32; the KV cache is bf16; the linear layers' weights are bf16,
 // FP8 or int4 (weights.cuh).
 #include "common.cuh"
+#include "kv8.cuh"
 #include "qwen3.cuh"
 #include "weights.cuh"
 
@@ -208,23 +209,24 @@ extern "C" __global__ void swiglu_rows(const float* __restrict__ gu, int n,
 
 // For token t (blockIdx.x) and head h (blockIdx.y over q heads then kv heads): RMSNorm over
 // head_dim with q_norm / k_norm, rotate-half RoPE at position pos0 + t, then write q (bf16) or
-// append k and v to the layer's cache ([kv_head][capacity][head_dim], bf16). pos0 is read from
-// device memory when pos_ptr is set, so a captured decode graph follows the cache position.
+// append k and v to the layer's cache (kv8.cuh: bf16 rows, or int8 rows and their scales, the
+// row's largest value found by the block). pos0 is read from device memory when pos_ptr is
+// set, so a captured decode graph follows the cache position.
 extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qkv, int n,
                                               const int* __restrict__ pos_ptr, int pos_arg,
                                               const bf16_t* __restrict__ q_norm,
                                               const bf16_t* __restrict__ k_norm,
                                               const float* __restrict__ inv_freq, float eps,
                                               int capacity, bf16_t* __restrict__ q_out,
-                                              bf16_t* __restrict__ k_cache,
-                                              bf16_t* __restrict__ v_cache) {
+                                              void* __restrict__ k_cache,
+                                              void* __restrict__ v_cache) {
     constexpr int HD = qw::head_dim, HALF = HD / 2;
     __shared__ float scratch[32];
     const int t = blockIdx.x, h = blockIdx.y;
     if (t >= n) return;
     const int pos = (pos_ptr ? *pos_ptr : pos_arg) + t;
     const float* row = qkv + static_cast<long long>(t) * (qw::q_size + 2 * qw::kv_size);
-    const bool is_q = h < qw::heads;
+    const bool is_q = h < qw::heads;  // (the same for the whole block)
     const int kvh = h - qw::heads;
     const float* src = is_q ? row + h * HD : row + qw::q_size + kvh * HD;
     // Thread i < HALF rotates the pair (i, i + HALF); the block is rounded up to whole warps.
@@ -232,24 +234,50 @@ extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qkv, int
     const bool active = i < HALF;
     float a = active ? src[i] : 0.f, b = active ? src[i + HALF] : 0.f;
     const float rstd = rsqrtf(block_sum(a * a + b * b, scratch) / HD + eps);
-    if (!active) return;
-    const bf16_t* nw = is_q ? q_norm : k_norm;
-    a *= rstd * bf16_to_f32(nw[i]);
-    b *= rstd * bf16_to_f32(nw[i + HALF]);
-    float s, c;
-    sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
-    const float ra = a * c - b * s, rb = b * c + a * s;
+    float ra = 0.f, rb = 0.f;
+    if (active) {
+        const bf16_t* nw = is_q ? q_norm : k_norm;
+        a *= rstd * bf16_to_f32(nw[i]);
+        b *= rstd * bf16_to_f32(nw[i + HALF]);
+        float s, c;
+        sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
+        ra = a * c - b * s;
+        rb = b * c + a * s;
+    }
     if (is_q) {
+        if (!active) return;
         bf16_t* dst = q_out + static_cast<long long>(t) * qw::q_size + h * HD;
         dst[i] = f32_to_bf16(ra);
         dst[i + HALF] = f32_to_bf16(rb);
+        return;
+    }
+    const float* v = row + qw::q_size + qw::kv_size + kvh * HD;
+    const float va = active ? v[i] : 0.f, vb = active ? v[i + HALF] : 0.f;
+    const long long at = (static_cast<long long>(kvh) * capacity + pos) * HD;
+    if constexpr (qw::kv8) {
+        const float ks = __fdiv_rn(block_max(fmaxf(fabsf(ra), fabsf(rb)), scratch), 127.f);
+        const float vs = __fdiv_rn(block_max(fmaxf(fabsf(va), fabsf(vb)), scratch), 127.f);
+        signed char* kc = static_cast<signed char*>(k_cache);
+        signed char* vc = static_cast<signed char*>(v_cache);
+        if (active) {
+            kc[at + i] = static_cast<signed char>(kv8_code(ra, ks));
+            kc[at + i + HALF] = static_cast<signed char>(kv8_code(rb, ks));
+            vc[at + i] = static_cast<signed char>(kv8_code(va, vs));
+            vc[at + i + HALF] = static_cast<signed char>(kv8_code(vb, vs));
+        }
+        if (threadIdx.x == 0) {
+            const long long r = static_cast<long long>(kvh) * capacity + pos;
+            const_cast<float*>(kv8_scales(k_cache, capacity))[r] = ks;
+            const_cast<float*>(kv8_scales(v_cache, capacity))[r] = vs;
+        }
     } else {
-        const long long at = (static_cast<long long>(kvh) * capacity + pos) * HD;
-        k_cache[at + i] = f32_to_bf16(ra);
-        k_cache[at + i + HALF] = f32_to_bf16(rb);
-        const float* v = row + qw::q_size + qw::kv_size + kvh * HD;
-        v_cache[at + i] = f32_to_bf16(v[i]);
-        v_cache[at + i + HALF] = f32_to_bf16(v[i + HALF]);
+        if (!active) return;
+        bf16_t* kc = static_cast<bf16_t*>(k_cache);
+        bf16_t* vc = static_cast<bf16_t*>(v_cache);
+        kc[at + i] = f32_to_bf16(ra);
+        kc[at + i + HALF] = f32_to_bf16(rb);
+        vc[at + i] = f32_to_bf16(va);
+        vc[at + i + HALF] = f32_to_bf16(vb);
     }
 }
 

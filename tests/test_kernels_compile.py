@@ -172,6 +172,16 @@ def test_int4_kernels_compile(kernel, arch, shape):
     assert compile_source(kernel, arch, defines).startswith(ELF_MAGIC)
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b", "odd-tiny"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("kernel", ["layers.cu", "attention.cu", "verify.cu"])
+def test_int8_kv_cache_kernels_compile(kernel, arch, shape):
+    defines = kernel_defines(SHAPES[shape], "bf16", "int8")
+    assert defines["QW_KV8"] == 1
+    assert compile_source(kernel, arch, defines).startswith(ELF_MAGIC)
+
+
 def test_narrow_weights_add_one_define():
     config = PRESETS["qwen3-8b"]
     assert kernel_defines(config, "fp8") == {**kernel_defines(config), "QW_FP8": 1}

@@ -33,9 +33,6 @@ def check_engine_flags(backend: str, ctx: int | None, device: int,
     if kv_cache not in KV_CACHE_CHOICES:
         raise UsageError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}; "
                          f"got {kv_cache!r}")
-    if kv_cache != "bf16" and backend != "cpu":
-        raise UsageError(f"--kv-cache {kv_cache} runs on the CPU engine only for now (the GPU's "
-                         "8-bit KV cache is not built yet): add --backend cpu")
     if ctx is not None and ctx < 2:
         raise UsageError(f"--ctx must be at least 2 tokens; got {ctx}")
     if device < 0:
@@ -57,13 +54,13 @@ def create_engine(
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`.
     `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does), "int4" in
     4 bits (an AWQ checkpoint always does); `kv_cache` "int8" keeps keys and values in 8 bits
-    (qwenchat/model/kv_cache.py; the CPU engine only, for now). `progress` gets a line as
+    (qwenchat/model/kv_cache.py). `progress` gets a line as
     each GPU kernel compile ends (the first run for a model)."""
     check_engine_flags(backend, ctx, device, decode, quantize, kv_cache)
     weights = with_quantization(weights, quantize)
     if backend in ("auto", "cuda"):
         try:
-            return _cuda_engine(config, weights, ctx, device, notice, decode, progress)
+            return _cuda_engine(config, weights, ctx, device, notice, decode, progress, kv_cache)
         except BackendUnavailable as why:
             if backend == "cuda":
                 raise BackendUnavailable(f"--backend cuda: {why}; use --backend cpu") from None
@@ -75,7 +72,7 @@ def create_engine(
 
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,
                  notice: Callable[[str], None], decode: str,
-                 progress: Callable[[str], None] | None) -> Engine:
+                 progress: Callable[[str], None] | None, kv_cache: str = "bf16") -> Engine:
     try:
         from qwenchat.engine.cuda.probe import probe
     except ImportError as exc:  # cuda-python missing or broken
@@ -85,4 +82,5 @@ def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, de
         raise BackendUnavailable("; ".join(found.problems) or "no usable GPU")
     from qwenchat.engine.cuda.engine import CudaEngine
 
-    return CudaEngine(config, weights, ctx, device, notice, decode, progress=progress)
+    return CudaEngine(config, weights, ctx, device, notice, decode, progress=progress,
+                      kv_cache=kv_cache)

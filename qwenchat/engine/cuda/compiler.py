@@ -62,9 +62,11 @@ class KernelCompileError(QwenchatError):
         self.log = log
 
 
-def kernel_defines(config: Qwen3Config, weight_format: str = "bf16") -> dict[str, int]:
-    """The model dimensions as the QW_* macros cuda_src/qwen3.cuh expects, and QW_FP8 or
-    QW_INT4 for FP8 or int4 linear layers (cuda_src/weights.cuh)."""
+def kernel_defines(config: Qwen3Config, weight_format: str = "bf16",
+                   kv_format: str = "bf16") -> dict[str, int]:
+    """The model dimensions as the QW_* macros cuda_src/qwen3.cuh expects, QW_FP8 or
+    QW_INT4 for FP8 or int4 linear layers (cuda_src/weights.cuh), and QW_KV8 for an int8 KV
+    cache (cuda_src/kv8.cuh)."""
     defines = {"QW_HIDDEN": config.hidden_size,
                "QW_INTERMEDIATE": config.intermediate_size,
                "QW_HEADS": config.num_attention_heads,
@@ -75,6 +77,8 @@ def kernel_defines(config: Qwen3Config, weight_format: str = "bf16") -> dict[str
         defines["QW_FP8"] = 1
     elif weight_format == "int4":
         defines["QW_INT4"] = 1
+    if kv_format == "int8":
+        defines["QW_KV8"] = 1
     return defines
 
 

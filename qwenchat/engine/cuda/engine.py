@@ -54,6 +54,7 @@ from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.kv_cache import KV_CACHE_CHOICES, bytes_per_position
 from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.sampler import sample_token_gpu
 from qwenchat.sampling.speculative import verify
@@ -96,11 +97,12 @@ def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str 
 
 
 def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_gemm: bool,
-                  hopper_attention: bool, megakernel: KernelBuild | None) -> list[KernelBuild]:
+                  hopper_attention: bool, megakernel: KernelBuild | None,
+                  kv_format: str = "bf16") -> list[KernelBuild]:
     """The cubins a run uses, longest compile first: layers.cu, attention.cu and sampling.cu
     always; gemm.cu only where gemm_sm90.cu does not run the products; the Hopper sources
     (for sm_90a) where they run; the megakernel where it decodes."""
-    defines = kernel_defines(config, weight_format)
+    defines = kernel_defines(config, weight_format, kv_format)
     builds = [KernelBuild.of(source, arch, defines) for source in KERNELS
               if not (source == "gemm.cu" and hopper_gemm)]
     builds += [KernelBuild.of(source, "sm_90a", defines) for source in SM90_KERNELS
@@ -129,12 +131,14 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                  megakernel_stages: int | tuple[int, int] | None = None,
                  megakernel_timeline: int = 0, megakernel_consumer: str = "auto",
                  megakernel_shared: int | None = None,
-                 megakernel_rows: str = "auto") -> KernelPlan:
+                 megakernel_rows: str = "auto", kv_format: str = "bf16") -> KernelPlan:
     """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
     and prefills with the Hopper kernels on sm_90. `megakernel_shared` lays the megakernel out
     for that much shared memory a block instead of the GPU's (at most the GPU's): 101,376
     runs an H100 as an RTX 4090 would lay it out. `megakernel_rows` "whole" or "parts" forces
-    how its stages hold the weight rows (megakernel_layout; tests and comparisons)."""
+    how its stages hold the weight rows (megakernel_layout; tests and comparisons). An int8
+    KV cache (`kv_format`) decodes with the per-op graph and prefills with the portable
+    attention kernel: the megakernel's and attention_sm90.cu's 8-bit readers are to come."""
     shared = device.max_shared_per_block_optin
     if megakernel_shared is not None:
         if not MEGAKERNEL_MIN_SHARED <= megakernel_shared <= shared:
@@ -145,11 +149,13 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     if prefill_kernels == "hopper" and not hopper:
         raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {device.arch}")
     hopper_gemm = hopper and prefill_kernels != "portable"
-    hopper_attention = hopper_gemm and config.head_dim in (64, 128)
+    hopper_attention = hopper_gemm and config.head_dim in (64, 128) and kv_format == "bf16"
     layout = megakernel_layout(config, shared, device.sm_count, weight_format,
                                fp8_on_tensor_cores(device.arch, megakernel_consumer),
                                megakernel_rows, device.memory_bandwidth)
     why = megakernel_unusable(config, device, layout)
+    if why is None and kv_format != "bf16":
+        why = f"the megakernel has no {kv_format} KV cache yet"
     chosen = "layered" if why or decode == "layered" else "megakernel"
     build = None
     if chosen == "megakernel":
@@ -159,7 +165,8 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
         layout = None
     return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,
                       kernel_builds(config, weight_format, device.arch, hopper_gemm=hopper_gemm,
-                                    hopper_attention=hopper_attention, megakernel=build))
+                                    hopper_attention=hopper_attention, megakernel=build,
+                                    kv_format=kv_format))
 
 
 def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
@@ -201,13 +208,18 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         megakernel_consumer: str = "auto",
         megakernel_shared: int | None = None,
         megakernel_rows: str = "auto",
+        kv_cache: str = "bf16",
     ):
         """`notice` gets what the user should know (a kernel compile starting, a fallback);
         `progress` a line as each kernel compile ends. `megakernel_timeline` > 0 builds a
         megakernel that records that many phases of each launch (tests/step_timeline.py);
         `megakernel_consumer` "fma" keeps FP8 rows off the tensor cores (comparisons);
         `megakernel_shared` lays the megakernel out for less shared memory than the GPU has,
-        `megakernel_rows` forces whole rows or parts of rows in its stages (plan_kernels)."""
+        `megakernel_rows` forces whole rows or parts of rows in its stages (plan_kernels);
+        `kv_cache` "int8" keeps keys and values as int8 rows and their scales (kv8.cuh)."""
+        if kv_cache not in KV_CACHE_CHOICES:
+            raise QwenchatError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}; "
+                                f"got {kv_cache!r}")
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
@@ -221,7 +233,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         weights = fp8.with_quantization(weights, "none")
         self.weight_format = (weights.weight_format if weights.weight_format in ("fp8", "int4")
                               else "bf16")
-        self.kv_format = "bf16"  # (the 8-bit cache is the CPU engine's only, for now)
+        self.kv_format = kv_cache
         reason = unsupported_reason(config, self.weight_format)
         if reason:
             raise BackendUnavailable(f"this model's {reason}; use --backend cpu")
@@ -235,9 +247,11 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self._graphs: dict[int, rt.Graph] = {}  # decode step per flash-decoding split count
         plan = plan_kernels(config, self.weight_format, self.device, decode, prefill_kernels,
                             megakernel_skip, megakernel_stages, megakernel_timeline,
-                            megakernel_consumer, megakernel_shared, megakernel_rows)
+                            megakernel_consumer, megakernel_shared, megakernel_rows,
+                            kv_cache)
         self.mk_timeline_phases = megakernel_timeline
-        if plan.why_layered and decode == "megakernel":
+        if plan.why_layered and (decode == "megakernel" or (
+                decode == "auto" and kv_cache != "bf16")):
             notice(f"{plan.why_layered}: decoding layer by layer")
         self.decode, self.mk_layout = plan.decode, plan.megakernel_layout
         self.gemm90, self.attention90 = plan.hopper_gemm, plan.hopper_attention
@@ -311,7 +325,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         """The KV-cache size: as asked (or the model's maximum), if it fits in free memory."""
         cfg = self.config
         free, _ = self.device.mem_info()
-        per_position = cfg.kv_bytes_per_position() + 4  # + the context id kept for penalties
+        # (+ the context id kept for penalties)
+        per_position = bytes_per_position(cfg, self.kv_format) + 4
         scratch = (PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
                    + dequant_scratch_bytes(cfg, self.weight_format))
         fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
@@ -332,7 +347,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
 
     def _allocate_state(self) -> None:
         cfg, cap = self.config, self.capacity
-        layer_cache = cfg.num_key_value_heads * cap * cfg.head_dim * 2
+        # bf16 rows, or int8 rows then their float scales (cuda_src/kv8.cuh)
+        layer_cache = bytes_per_position(cfg, self.kv_format) // (2 * cfg.num_hidden_layers) * cap
         self.k_cache = [self._device_buffer(layer_cache) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [self._device_buffer(layer_cache) for _ in range(cfg.num_hidden_layers)]
         if self.attention90:  # rows it reads past the prompt must be finite (attention_sm90.cu)
