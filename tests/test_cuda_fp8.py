@@ -114,29 +114,46 @@ def test_quantize_fp8_on_the_gpu_equals_the_fp8_checkpoint_of_the_same_weights(
     ids = [int(i) for i in np.random.default_rng(2).integers(0, 400, 100)]
     at_load, _ = engines(plain, quantize="fp8", decode=decode)
     from_file, _ = engines(offline, decode=decode)
-    assert np.array_equal(at_load.prefill_logits(ids), from_file.prefill_logits(ids))
+    same_logits_and_replies(at_load, from_file, ids)
+
+
+def same_logits_and_replies(one, other, ids: list[int]) -> None:
+    """Two engines on the same weights: equal prefill logits and equal greedy replies of 64
+    tokens (both are closed)."""
+    assert np.array_equal(one.prefill_logits(ids), other.prefill_logits(ids))
     request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=64)),
                               frozenset(), seed=0)
-    assert list(at_load.generate(request)) == list(from_file.generate(request))
-    at_load.close()
-    from_file.close()
+    assert list(one.generate(request)) == list(other.generate(request))
+    one.close()
+    other.close()
 
 
-def test_fp8_weights_take_about_half_the_memory_and_peak_stays_within_256_mib(fp8_dir):
+def peak_stays_within_256_mib(make) -> None:
+    """The engine `make()` builds (prefill 299 tokens, then 20 greedy steps) never holds
+    more GPU memory than its weights, its KV cache and 256 MiB (it is closed)."""
     from qwenchat.engine.cuda import runtime as rt
-    from qwenchat.model.fp8 import weight_bytes
 
     before = rt.allocated_bytes()
     rt.reset_peak()
-    gpu, _ = engines(fp8_dir, ctx=1024, decode="layered")
-    shapes = gpu.config.tensor_shapes()
-    assert gpu.weight_bytes == weight_bytes(shapes, "fp8") < weight_bytes(shapes, "bf16")
+    gpu = make()
     gpu.prefill(list(range(1, 300)))
     list(gpu.generate(GenerateRequest(
         LiveParams(SamplingParams(temperature=0.0, max_tokens=20)), frozenset(), seed=0)))
     used = rt.peak_allocated_bytes() - before
     assert used <= gpu.weight_bytes + gpu.kv_bytes + 256 * 2**20
     gpu.close()
+
+
+def test_fp8_weights_take_about_half_the_memory_and_peak_stays_within_256_mib(fp8_dir):
+    from qwenchat.model.fp8 import weight_bytes
+
+    def make():
+        gpu, _ = engines(fp8_dir, ctx=1024, decode="layered")
+        shapes = gpu.config.tensor_shapes()
+        assert gpu.weight_bytes == weight_bytes(shapes, "fp8") < weight_bytes(shapes, "bf16")
+        return gpu
+
+    peak_stays_within_256_mib(make)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-14b", "qwen3-32b"])
