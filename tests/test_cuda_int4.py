@@ -13,9 +13,10 @@ from hf_compare import relative_error
 from test_cuda_fp8 import (
     ODD_BLOCKS,
     follows_the_reference,
-    greedy_against_the_reference,
     one_step_a_launch,
     peak_stays_within_256_mib,
+    prefill_and_decode_as_the_reference,
+    prefills_as_the_reference,
     same_logits_and_replies,
 )
 from tiny_model import write_tiny_model
@@ -53,11 +54,7 @@ def test_awq_prefill_logits_match_the_reference(awq_dir, prefill_kernels, cuda_g
     if prefill_kernels == "hopper" and cuda_gpu.gpus[0].compute_capability != (9, 0):
         pytest.skip("the Hopper prefill needs sm_90")
     gpu, ref = engines(awq_dir, prefill_kernels=prefill_kernels)
-    ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
-    error = relative_error(gpu.prefill_logits(ids), ref.prefill_logits(ids))
-    print(f"{prefill_kernels} prefill: relative logit error {error:.2e}")
-    assert error <= 2e-2
-    gpu.close()
+    prefills_as_the_reference(gpu, ref, 256, seed=0, label=f"{prefill_kernels} prefill")
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -127,17 +124,8 @@ def test_real_widths_in_int4_prefill_and_decode_as_the_reference(int4_shape, dec
 
     config, weights, ref = int4_shape
     gpu = CudaEngine(config, weights, ctx=256, decode=decode)
-    try:
-        assert gpu.decode == decode and gpu.weight_format == "int4"
-        one_step_a_launch(gpu)
-        prompt = [int(i) for i in np.random.default_rng(4).integers(0, config.vocab_size, 24)]
-        ref.truncate(0)
-        assert relative_error(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
-        worst, ties = greedy_against_the_reference(gpu, ref, 32)
-        print(f"{config.hidden_size}: worst {worst:.2e}; near-ties: {ties or 'none'}")
-        assert worst <= 2e-2
-    finally:
-        gpu.close()
+    assert gpu.decode == decode and gpu.weight_format == "int4"
+    prefill_and_decode_as_the_reference(gpu, ref)
 
 
 def test_real_widths_prefill_int4_slices_on_the_portable_gemm_as_the_reference(int4_shape):
