@@ -114,29 +114,46 @@ def test_quantize_fp8_on_the_gpu_equals_the_fp8_checkpoint_of_the_same_weights(
     ids = [int(i) for i in np.random.default_rng(2).integers(0, 400, 100)]
     at_load, _ = engines(plain, quantize="fp8", decode=decode)
     from_file, _ = engines(offline, decode=decode)
-    assert np.array_equal(at_load.prefill_logits(ids), from_file.prefill_logits(ids))
+    same_logits_and_replies(at_load, from_file, ids)
+
+
+def same_logits_and_replies(one, other, ids: list[int]) -> None:
+    """Two engines on the same weights: equal prefill logits and equal greedy replies of 64
+    tokens (both are closed)."""
+    assert np.array_equal(one.prefill_logits(ids), other.prefill_logits(ids))
     request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=64)),
                               frozenset(), seed=0)
-    assert list(at_load.generate(request)) == list(from_file.generate(request))
-    at_load.close()
-    from_file.close()
+    assert list(one.generate(request)) == list(other.generate(request))
+    one.close()
+    other.close()
 
 
-def test_fp8_weights_take_about_half_the_memory_and_peak_stays_within_256_mib(fp8_dir):
+def peak_stays_within_256_mib(make) -> None:
+    """The engine `make()` builds (prefill 299 tokens, then 20 greedy steps) never holds
+    more GPU memory than its weights, its KV cache and 256 MiB (it is closed)."""
     from qwenchat.engine.cuda import runtime as rt
-    from qwenchat.model.fp8 import weight_bytes
 
     before = rt.allocated_bytes()
     rt.reset_peak()
-    gpu, _ = engines(fp8_dir, ctx=1024, decode="layered")
-    shapes = gpu.config.tensor_shapes()
-    assert gpu.weight_bytes == weight_bytes(shapes, "fp8") < weight_bytes(shapes, "bf16")
+    gpu = make()
     gpu.prefill(list(range(1, 300)))
     list(gpu.generate(GenerateRequest(
         LiveParams(SamplingParams(temperature=0.0, max_tokens=20)), frozenset(), seed=0)))
     used = rt.peak_allocated_bytes() - before
     assert used <= gpu.weight_bytes + gpu.kv_bytes + 256 * 2**20
     gpu.close()
+
+
+def test_fp8_weights_take_about_half_the_memory_and_peak_stays_within_256_mib(fp8_dir):
+    from qwenchat.model.fp8 import weight_bytes
+
+    def make():
+        gpu, _ = engines(fp8_dir, ctx=1024, decode="layered")
+        shapes = gpu.config.tensor_shapes()
+        assert gpu.weight_bytes == weight_bytes(shapes, "fp8") < weight_bytes(shapes, "bf16")
+        return gpu
+
+    peak_stays_within_256_mib(make)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-14b", "qwen3-32b"])
@@ -157,10 +174,17 @@ def test_real_widths_in_fp8_prefill_and_decode_as_the_reference(quantized_shape,
 
     config, weights, ref = quantized_shape
     gpu = CudaEngine(config, weights, ctx=256, decode=decode)
+    # 32B is too wide for the megakernel on an H100: it says so and uses the graph.
+    assert gpu.decode in (decode, "layered")
+    prefill_and_decode_as_the_reference(gpu, ref)
+
+
+def prefill_and_decode_as_the_reference(gpu, ref) -> None:
+    """A random 24-token prompt's logits, then 32 greedy steps (the reference following),
+    within 2e-2 of the reference's (the GPU engine is closed)."""
     try:
-        # 32B is too wide for the megakernel on an H100: it says so and uses the graph.
-        assert gpu.decode in (decode, "layered")
         one_step_a_launch(gpu)
+        config = gpu.config
         prompt = [int(i) for i in np.random.default_rng(4).integers(0, config.vocab_size, 24)]
         ref.truncate(0)
         assert relative_error(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
@@ -195,9 +219,15 @@ def test_an_odd_count_of_fp8_blocks_prefills_as_the_reference(odd_blocks_fp8_dir
     gpu = CudaEngine(model.config, model.checkpoint, 512, decode="layered",
                      prefill_kernels=prefill_kernels)
     ref = ReferenceEngine(model.config, Fp8Weights(model.checkpoint), 512)
-    ids = [int(i) for i in np.random.default_rng(5).integers(0, 400, 200)]
+    prefills_as_the_reference(gpu, ref, 200, seed=5, label=f"{prefill_kernels} prefill")
+
+
+def prefills_as_the_reference(gpu, ref, tokens: int, seed: int, label: str) -> None:
+    """A random prompt's prefill logits within 2e-2 of the reference's (the GPU engine is
+    closed)."""
+    ids = [int(i) for i in np.random.default_rng(seed).integers(0, 400, tokens)]
     error = relative_error(gpu.prefill_logits(ids), ref.prefill_logits(ids))
-    print(f"{prefill_kernels} prefill: relative logit error {error:.2e}")
+    print(f"{label}: relative logit error {error:.2e}")
     assert error <= 2e-2
     gpu.close()
 

@@ -13,16 +13,17 @@ from hf_compare import relative_error
 from test_cuda_fp8 import (
     ODD_BLOCKS,
     follows_the_reference,
-    greedy_against_the_reference,
     one_step_a_launch,
+    peak_stays_within_256_mib,
+    prefill_and_decode_as_the_reference,
+    prefills_as_the_reference,
+    same_logits_and_replies,
 )
 from tiny_model import write_tiny_model
 
-from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.model.awq import Int4Weights
 from qwenchat.model.loader import open_model_dir
-from qwenchat.sampling.params import LiveParams, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
@@ -53,11 +54,7 @@ def test_awq_prefill_logits_match_the_reference(awq_dir, prefill_kernels, cuda_g
     if prefill_kernels == "hopper" and cuda_gpu.gpus[0].compute_capability != (9, 0):
         pytest.skip("the Hopper prefill needs sm_90")
     gpu, ref = engines(awq_dir, prefill_kernels=prefill_kernels)
-    ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
-    error = relative_error(gpu.prefill_logits(ids), ref.prefill_logits(ids))
-    print(f"{prefill_kernels} prefill: relative logit error {error:.2e}")
-    assert error <= 2e-2
-    gpu.close()
+    prefills_as_the_reference(gpu, ref, 256, seed=0, label=f"{prefill_kernels} prefill")
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -87,29 +84,19 @@ def test_quantize_int4_on_the_gpu_equals_the_awq_checkpoint_of_the_same_codes(
     plain = Int4Weights(model.checkpoint)
     at_load = create_engine("cuda", model.config, plain, 512, decode=decode)
     assert from_file.weight_format == at_load.weight_format == "int4"
-    assert np.array_equal(at_load.prefill_logits(ids), from_file.prefill_logits(ids))
-    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=64)),
-                              frozenset(), seed=0)
-    assert list(at_load.generate(request)) == list(from_file.generate(request))
-    at_load.close()
-    from_file.close()
+    same_logits_and_replies(at_load, from_file, ids)
 
 
 def test_int4_weights_take_about_a_quarter_of_bf16_and_peak_stays_within_256_mib(awq_dir):
-    from qwenchat.engine.cuda import runtime as rt
     from qwenchat.model.fp8 import weight_bytes
 
-    before = rt.allocated_bytes()
-    rt.reset_peak()
-    gpu, _ = engines(awq_dir, ctx=1024, decode="layered")
-    shapes = gpu.config.tensor_shapes()
-    assert gpu.weight_bytes == weight_bytes(shapes, "int4") < weight_bytes(shapes, "fp8")
-    gpu.prefill(list(range(1, 300)))
-    list(gpu.generate(GenerateRequest(
-        LiveParams(SamplingParams(temperature=0.0, max_tokens=20)), frozenset(), seed=0)))
-    used = rt.peak_allocated_bytes() - before
-    assert used <= gpu.weight_bytes + gpu.kv_bytes + 256 * 2**20
-    gpu.close()
+    def make():
+        gpu, _ = engines(awq_dir, ctx=1024, decode="layered")
+        shapes = gpu.config.tensor_shapes()
+        assert gpu.weight_bytes == weight_bytes(shapes, "int4") < weight_bytes(shapes, "fp8")
+        return gpu
+
+    peak_stays_within_256_mib(make)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "qwen3-14b", "odd-groups"])
@@ -137,17 +124,8 @@ def test_real_widths_in_int4_prefill_and_decode_as_the_reference(int4_shape, dec
 
     config, weights, ref = int4_shape
     gpu = CudaEngine(config, weights, ctx=256, decode=decode)
-    try:
-        assert gpu.decode == decode and gpu.weight_format == "int4"
-        one_step_a_launch(gpu)
-        prompt = [int(i) for i in np.random.default_rng(4).integers(0, config.vocab_size, 24)]
-        ref.truncate(0)
-        assert relative_error(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
-        worst, ties = greedy_against_the_reference(gpu, ref, 32)
-        print(f"{config.hidden_size}: worst {worst:.2e}; near-ties: {ties or 'none'}")
-        assert worst <= 2e-2
-    finally:
-        gpu.close()
+    assert gpu.decode == decode and gpu.weight_format == "int4"
+    prefill_and_decode_as_the_reference(gpu, ref)
 
 
 def test_real_widths_prefill_int4_slices_on_the_portable_gemm_as_the_reference(int4_shape):
