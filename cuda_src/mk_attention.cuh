@@ -14,8 +14,16 @@ struct AttnShared {
     float gm[qw::group], gl[qw::group];                // the chunk's max and sum
     float merge_w[qw::group][MAX_SPLITS];  // a chunk's weight in the merge
     float merge_l[qw::group];
+    float kv_scale[2];  // (int8 cache) the new key's and value's row scales
     int last;
 };
+
+// A float that another block may have written during this launch, from the coherent L2 copy.
+__device__ __forceinline__ float ld_strong_f32(const float* p) {
+    float v;
+    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
 
 // RMSNorm over head_dim with weight w, then rotate-half RoPE at pos; one warp.
 __device__ __forceinline__ void norm_rope_warp(const tagged_t* src, unsigned tag, const bf16_t* w,
@@ -146,10 +154,32 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         }
         __syncthreads();
         QW_TL_MARK_IF(item == static_cast<int>(blockIdx.x), INPUT);
+        if constexpr (qw::kv8) {  // the new rows' scales (warp 0: the key's, warp 1: the value's)
+            if (has_new && warp < 2) {
+                const float* r = warp == 0 ? sh.k_new : sh.v_new;
+                float mx = 0.f;
+                for (int d = lane; d < HD; d += 32) mx = fmaxf(mx, fabsf(r[d]));
+                mx = warp_max(mx);
+                if (lane == 0) sh.kv_scale[warp] = __fdiv_rn(mx, 127.f);
+            }
+            __syncthreads();
+        }
         if (has_new && threadIdx.x < HD) {  // the new key and value join the cache
-            const long long at = (static_cast<long long>(kvh) * a.capacity + pos) * HD + threadIdx.x;
-            L.k_cache[at] = f32_to_bf16(sh.k_new[threadIdx.x]);
-            L.v_cache[at] = f32_to_bf16(sh.v_new[threadIdx.x]);
+            const long long row = static_cast<long long>(kvh) * a.capacity + pos;
+            const long long at = row * HD + threadIdx.x;
+            if constexpr (qw::kv8) {
+                static_cast<signed char*>(L.k_cache)[at] =
+                    static_cast<signed char>(kv8_code(sh.k_new[threadIdx.x], sh.kv_scale[0]));
+                static_cast<signed char*>(L.v_cache)[at] =
+                    static_cast<signed char>(kv8_code(sh.v_new[threadIdx.x], sh.kv_scale[1]));
+                if (threadIdx.x == 0) {
+                    const_cast<float*>(kv8_scales(L.k_cache, a.capacity))[row] = sh.kv_scale[0];
+                    const_cast<float*>(kv8_scales(L.v_cache, a.capacity))[row] = sh.kv_scale[1];
+                }
+            } else {
+                static_cast<bf16_t*>(L.k_cache)[at] = f32_to_bf16(sh.k_new[threadIdx.x]);
+                static_cast<bf16_t*>(L.v_cache)[at] = f32_to_bf16(sh.v_new[threadIdx.x]);
+            }
         }
         float m[G], l[G], acc[G][DPL];
 #pragma unroll
@@ -163,22 +193,49 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             const int n = min(KEYS, keys - k0);
             const int new_row = pos - (k_begin + k0);
             const bool patch = has_new && new_row >= 0 && new_row < n;
-            const bf16_t* kt = nullptr;
+            const unsigned char* stage = nullptr;
             if (warp != PRODUCER) {
-                kt = reinterpret_cast<const bf16_t*>(pipe_wait(consumed));
+                stage = pipe_wait(consumed);
                 QW_TL_MARK_IF(item == static_cast<int>(blockIdx.x) && k0 == 0, WEIGHTS);
                 if (patch && threadIdx.x < HD) {  // the copy predates the new key
-                    const_cast<bf16_t*>(kt)[new_row * HD + threadIdx.x] = f32_to_bf16(sh.k_new[threadIdx.x]);
-                    const_cast<bf16_t*>(kt + KEYS * HD)[new_row * HD + threadIdx.x] =
-                        f32_to_bf16(sh.v_new[threadIdx.x]);
+                    unsigned char* st = const_cast<unsigned char*>(stage);
+                    if constexpr (qw::kv8) {
+                        reinterpret_cast<signed char*>(st)[new_row * HD + threadIdx.x] =
+                            static_cast<signed char>(kv8_code(sh.k_new[threadIdx.x], sh.kv_scale[0]));
+                        reinterpret_cast<signed char*>(st + KEYS * HD)[new_row * HD + threadIdx.x] =
+                            static_cast<signed char>(kv8_code(sh.v_new[threadIdx.x], sh.kv_scale[1]));
+                    } else {
+                        reinterpret_cast<bf16_t*>(st)[new_row * HD + threadIdx.x] =
+                            f32_to_bf16(sh.k_new[threadIdx.x]);
+                        reinterpret_cast<bf16_t*>(st + KEYS * KV_ROW)[new_row * HD + threadIdx.x] =
+                            f32_to_bf16(sh.v_new[threadIdx.x]);
+                    }
                 }
             }
+            const bf16_t* kt = reinterpret_cast<const bf16_t*>(stage);
             if (patch) __syncthreads();  // (every warp, the producer too, at this one barrier)
             if (warp == PRODUCER) {  // refills the stage once the consumers release it
                 pipe_produce(a, consumed);
                 continue;
             }
             const bf16_t* vt = kt + KEYS * HD;
+            // (int8 cache) the codes, and the scales of this warp's keys: lane i < KPW holds
+            // its key i's key scale, lane KPW + i its value scale, by strong loads (a scale's
+            // line is written a row a step, so a bulk copy of it could be stale: kv_cache.md).
+            const signed char* kt8 = reinterpret_cast<const signed char*>(stage);
+            const signed char* vt8 = kt8 + KEYS * HD;
+            float scale_reg = 0.f;
+            if constexpr (qw::kv8) {
+                static_assert(2 * KPW <= 32, "a warp's keys' scales in its lanes");
+                const int key = warp * KPW + lane % KPW;  // the lane's key in the stage
+                if (lane < 2 * KPW && key < n) {
+                    const long long row = static_cast<long long>(kvh) * a.capacity + k_begin + k0 + key;
+                    const bool value = lane >= KPW;
+                    scale_reg = patch && key == new_row
+                        ? sh.kv_scale[value]
+                        : ld_strong_f32(kv8_scales(value ? L.v_cache : L.k_cache, a.capacity) + row);
+                }
+            }
 #pragma unroll
             for (int p0 = 0; p0 < KPW; p0 += KPASS) {
                 const int first = warp * KPW + p0;  // the pass's first key in the stage
@@ -193,23 +250,40 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
 #pragma unroll
                     for (int c = 0; c < DPK / 8; ++c) {
                         const int piece = c * LPK + part;
-                        const uint4 kv = reinterpret_cast<const uint4*>(kt + kk * HD)[piece];
+                        if constexpr (qw::kv8) {
+                            float kf[8];
+                            kv8_floats(reinterpret_cast<const uint2*>(kt8 + kk * HD)[piece], kf);
 #pragma unroll
-                        for (int h = 0; h < G; ++h) s[h] += dot8(kv, &sh.q[h][piece * 8]);
+                            for (int h = 0; h < G; ++h)
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) s[h] += kf[e] * sh.q[h][piece * 8 + e];
+                        } else {
+                            const uint4 kv = reinterpret_cast<const uint4*>(kt + kk * HD)[piece];
+#pragma unroll
+                            for (int h = 0; h < G; ++h) s[h] += dot8(kv, &sh.q[h][piece * 8]);
+                        }
                     }
                 }
+                // (int8 cache) the key's scale, from the lane that holds it
+                const float k_scale = qw::kv8 ? __shfl_sync(0xffffffffu, scale_reg, (p0 + slot) % 32) : 1.f;
 #pragma unroll
                 for (int h = 0; h < G; ++h) {
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
-                    s[h] = scored ? s[h] * a.scale : QW_NEG_INF;
+                    s[h] = scored ? s[h] * k_scale * a.scale : QW_NEG_INF;
                 }
                 // The pass's values: this lane's DPL dimensions of each of its KPASS keys.
                 float v[KPASS][DPL];
 #pragma unroll
                 for (int j = 0; j < KPASS; ++j) {
                     const bf16_t* row = vt + (first + j) * HD + lane * DPL;
-                    if (first + j < n && DPL % 2 == 0) {
+                    if constexpr (qw::kv8) {  // codes times the value row's scale
+                        const float v_scale = __shfl_sync(0xffffffffu, scale_reg, KPW + p0 + j);
+                        const signed char* codes = vt8 + (first + j) * HD + lane * DPL;
+#pragma unroll
+                        for (int d = 0; d < DPL; ++d)
+                            v[j][d] = first + j < n ? static_cast<float>(codes[d]) * v_scale : 0.f;
+                    } else if (first + j < n && DPL % 2 == 0) {
 #pragma unroll
                         for (int d = 0; d + 1 < DPL; d += 2) {
                             const unsigned pair = *reinterpret_cast<const unsigned*>(row + d);

@@ -2,6 +2,7 @@
 // arguments and per-layer pointers it gets from the host (MegaArgs and MegaLayer mirror the
 // ctypes structures in qwenchat/engine/cuda/engine.py).
 #pragma once
+#include "kv8.cuh"
 #include "sampling.cuh"
 #include "weights.cuh"
 
@@ -161,8 +162,11 @@ __host__ __device__ constexpr int ring_floats(int k) { return ring_rows<WF>(k) *
 // Attention: each consumer warp takes KPW keys of each stage, KPASS at a time with LPK lanes a
 // key (DPK dimensions a lane) for the scores; for P . V each lane holds DPL of the head's
 // dimensions. KEYS (K and V rows) a stage: as many as fit, in whole passes of every warp.
+// (An int8 cache's rows are HD codes a key and a value; their scales are not in the stage:
+// mk_attention.cuh loads them itself.)
+constexpr int KV_ROW = qw::kv8 ? HD : 2 * HD;  // bytes of a key's (or value's) row
 constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
-constexpr int KPW_FIT = STAGE / (4 * HD) / CWARPS;
+constexpr int KPW_FIT = STAGE / (2 * KV_ROW) / CWARPS;
 constexpr int KPASS = 32 / LPK < KPW_FIT ? 32 / LPK : KPW_FIT;
 constexpr int KPW = KPASS > 0 ? KPW_FIT / KPASS * KPASS : 0;
 constexpr int KEYS = KPW * CWARPS;
@@ -230,8 +234,8 @@ struct MegaLayer {
     const bf16_t* post_norm;
     const unsigned char* gate_up;
     const unsigned char* down;
-    bf16_t* k_cache;
-    bf16_t* v_cache;
+    void* k_cache;  // bf16 rows, or int8 rows then their scales (kv8.cuh)
+    void* v_cache;
 };
 
 // Values other blocks wait for are "tagged": 8 bytes, the float (or int) bits and the number

@@ -246,9 +246,11 @@ __device__ TileSource tile_source(const MegaArgs& a) {
                     const int kvh = item / g.splits;
                     const int k0 = (item % g.splits) * g.chunk + t * KEYS;
                     const int n = min(KEYS, keys - t * KEYS);
-                    const long long off = (static_cast<long long>(kvh) * a.capacity + k0) * HD;
-                    set_copy(s, 0, L.k_cache + off, static_cast<unsigned>(n * HD * 2), 0);
-                    set_copy(s, 2, L.v_cache + off, static_cast<unsigned>(n * HD * 2), KEYS * HD * 2);
+                    const long long off = (static_cast<long long>(kvh) * a.capacity + k0) * KV_ROW;
+                    set_copy(s, 0, static_cast<const unsigned char*>(L.k_cache) + off,
+                             static_cast<unsigned>(n * KV_ROW), 0);
+                    set_copy(s, 2, static_cast<const unsigned char*>(L.v_cache) + off,
+                             static_cast<unsigned>(n * KV_ROW), KEYS * KV_ROW);
                     s.weights = false;
                     break;
                 }

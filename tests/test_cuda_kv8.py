@@ -23,15 +23,20 @@ def shape(request):
     return config, RandomWeights(config, seed=3)
 
 
-@pytest.mark.parametrize("prefill_kernels", ["auto", "portable"])
-def test_int8_cache_prefill_and_greedy_follow_the_reference(shape, prefill_kernels):
+@pytest.mark.parametrize(("decode", "prefill_kernels"), [("megakernel", "auto"),
+                                                       ("layered", "portable")])
+def test_int8_cache_prefill_and_greedy_follow_the_reference(shape, decode, prefill_kernels):
+    from test_cuda_fp8 import one_step_a_launch
+
     from qwenchat.engine.cuda.engine import CudaEngine
 
     config, weights = shape
-    gpu = CudaEngine(config, weights, ctx=1024, kv_cache="int8", prefill_kernels=prefill_kernels)
+    gpu = CudaEngine(config, weights, ctx=1024, kv_cache="int8", decode=decode,
+                     prefill_kernels=prefill_kernels)
+    one_step_a_launch(gpu)
     ref = ReferenceEngine(config, weights, 1024, kv_cache="int8")
     try:
-        assert gpu.kv_format == "int8" and gpu.decode == "layered"
+        assert gpu.kv_format == "int8" and gpu.decode == decode
         prompt = [int(i) for i in np.random.default_rng(4).integers(0, config.vocab_size, 300)]
         # in two parts: the second attends to the first through the cache's int8 rows
         assert relative_error(gpu.prefill_logits(prompt[:200]),

@@ -137,8 +137,8 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     for that much shared memory a block instead of the GPU's (at most the GPU's): 101,376
     runs an H100 as an RTX 4090 would lay it out. `megakernel_rows` "whole" or "parts" forces
     how its stages hold the weight rows (megakernel_layout; tests and comparisons). An int8
-    KV cache (`kv_format`) decodes with the per-op graph and prefills with the portable
-    attention kernel: the megakernel's and attention_sm90.cu's 8-bit readers are to come."""
+    KV cache (`kv_format`) prefills with the portable attention kernel (attention_sm90.cu's
+    8-bit reader is to come)."""
     shared = device.max_shared_per_block_optin
     if megakernel_shared is not None:
         if not MEGAKERNEL_MIN_SHARED <= megakernel_shared <= shared:
@@ -154,13 +154,15 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                                fp8_on_tensor_cores(device.arch, megakernel_consumer),
                                megakernel_rows, device.memory_bandwidth)
     why = megakernel_unusable(config, device, layout)
-    if why is None and kv_format != "bf16":
-        why = f"the megakernel has no {kv_format} KV cache yet"
+    if why is None and kv_format != "bf16" and config.head_dim < 128:
+        # (an int8 row must fill whole 128-byte lines, as a bf16 one must: megakernel_unusable)
+        why = f"head_dim {config.head_dim} is below the megakernel's 128 for an int8 KV cache"
     chosen = "layered" if why or decode == "layered" else "megakernel"
     build = None
     if chosen == "megakernel":
         layout, build = megakernel_build(config, device.arch, weight_format, layout,
-                                         megakernel_skip, megakernel_stages, megakernel_timeline)
+                                         megakernel_skip, megakernel_stages, megakernel_timeline,
+                                         kv_format)
     else:
         layout = None
     return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,
@@ -250,8 +252,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
                             megakernel_consumer, megakernel_shared, megakernel_rows,
                             kv_cache)
         self.mk_timeline_phases = megakernel_timeline
-        if plan.why_layered and (decode == "megakernel" or (
-                decode == "auto" and kv_cache != "bf16")):
+        if plan.why_layered and decode == "megakernel":
             notice(f"{plan.why_layered}: decoding layer by layer")
         self.decode, self.mk_layout = plan.decode, plan.megakernel_layout
         self.gemm90, self.attention90 = plan.hopper_gemm, plan.hopper_attention

@@ -85,12 +85,12 @@ class MegakernelLayout:
     split: bool = False  # stages hold parts of rows (runs of 256-column items)
     mma_seg: int = 1024  # (mma, whole rows) columns of a row that one consumer warp dots
 
-    def defines(self, config: Qwen3Config,
-                weight_format: str = "bf16") -> dict[str, int | float]:
+    def defines(self, config: Qwen3Config, weight_format: str = "bf16",
+                kv_format: str = "bf16") -> dict[str, int | float]:
         # (QW_MK_HOST_UNION: the kernel checks at compile time that it sizes its union region
         # as this layout did, so the layer table after it lies inside the shared memory given.)
         union = self.fixed - config.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
-        defines = dict(kernel_defines(config, weight_format), QW_MK_STAGES=self.stages,
+        defines = dict(kernel_defines(config, weight_format, kv_format), QW_MK_STAGES=self.stages,
                        QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows,
                        QW_MK_HOST_UNION=union)
         if weight_format == "fp8":
@@ -304,8 +304,8 @@ def megakernel_unusable(config: Qwen3Config, device: GpuShape,
 
 def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
                      layout: MegakernelLayout, skip: Sequence[str] = (),
-                     stages: int | tuple[int, int] | None = None, timeline: int = 0
-                     ) -> tuple[MegakernelLayout, KernelBuild]:
+                     stages: int | tuple[int, int] | None = None, timeline: int = 0,
+                     kv_format: str = "bf16") -> tuple[MegakernelLayout, KernelBuild]:
     """The megakernel's build for its layout on this GPU (and the layout it is built for).
 
     The stage ring takes what shared memory the device allows per block, less the static
@@ -320,7 +320,7 @@ def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
     if stages:
         count, size = stages if isinstance(stages, tuple) else (stages, layout.stage_bytes)
         layout = dataclasses.replace(layout, stages=count, stage_bytes=size)
-    defines = dict(layout.defines(config, weight_format),
+    defines = dict(layout.defines(config, weight_format, kv_format),
                    QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
     if timeline:
         defines["QW_MK_TIMELINE"] = timeline
