@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"))
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--speculate", action="store_true")
+    parser.add_argument("--kv-cache", default="bf16", choices=("bf16", "int8"))
     args = parser.parse_args()
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
                                  intermediate_size=args.intermediate, vocab_size=4096,
@@ -50,7 +51,7 @@ def main() -> None:
     weights = RandomWeights(config, seed=0, weight_format=args.weights)
     engine = CudaEngine(config, weights, ctx=512, decode="megakernel",
                         megakernel_consumer=args.consumer, megakernel_shared=args.shared,
-                        megakernel_rows=args.rows)
+                        megakernel_rows=args.rows, kv_cache=args.kv_cache)
     try:
         if engine.decode != "megakernel":
             raise SystemExit("the megakernel cannot run on this GPU: nothing to check")
