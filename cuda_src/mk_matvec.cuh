@@ -387,24 +387,23 @@ __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>&
     return warp_sum(acc);
 }
 
-// Narrow rows on the tensor cores: mma m16n8k16 (f16 in, f32 out) dots two rows with the
-// vector at once, each in eight windows of 32 columns. A's rows 0-7 are row0's windows g = 0..7
-// of a 256-column step, rows 8-15 row1's; B's column g is the vector's window g; the result's
-// diagonal (D[g][g] and D[g + 8][g]) holds the eight windows' dot products of each row, the
-// rest is unused. Lane (g, t) takes the 8 columns at 32g + 8t of both rows (FP8: 8 codes, a
-// 256-column step being one contiguous 256-byte line of each row, so no two lanes of a load
-// meet in a bank; int4: one word) and the 8 f16 values of the vector there, makes f16 pairs of
-// them (FP8: cvt e4m3x2 -> f16x2; int4: code - zero, narrow_pairs), and the two mma take
-// columns 0-3 and 4-7 (the order of the columns inside a window is the same in A and B, so any
-// order adds up the same products). All of a window's weights are exact in f16 and it lies in
-// one 128-column block or group, so its sum is multiplied by that scale once. Returns the
-// lane's share of each row's dot product over steps [j0, j1) (diagonal lanes only; the others
-// return 0): a warp_sum completes it.
+// FP8 rows on the tensor cores (int4 rows: int4_pair_dot, below): mma m16n8k16 (f16 in, f32
+// out) dots two rows with the vector at once, each in eight windows of 32 columns. A's rows
+// 0-7 are row0's windows g = 0..7 of a 256-column step, rows 8-15 row1's; B's column g is the
+// vector's window g; the result's diagonal (D[g][g] and D[g + 8][g]) holds the eight windows'
+// dot products of each row, the rest is unused. Lane (g, t) takes the 8 codes at column
+// 32g + 8t of both rows (a 256-column step is one contiguous 256-byte line of each row, so no
+// two lanes of a load meet in a bank) and the 8 f16 values of the vector there, makes f16 pairs
+// of them (narrow_pairs: cvt e4m3x2 -> f16x2, exact), and the two mma take columns 0-3 and 4-7
+// (the order of the columns inside a window is the same in A and B, so any order adds up the
+// same products). A window lies in one 128-column block, so its sum is multiplied by that
+// block's scale once. Returns the lane's share of each row's dot product over steps [j0, j1)
+// (diagonal lanes only; the others return 0): a warp_sum completes it.
 
 // Lane (g, t)'s 8 weights of a row at column `col` as four f16 pairs (columns 0-1, 2-3, 4-5,
 // 6-7 of the 8) without their scale, and the scale of its window: FP8 codes, or int4 codes
-// less their group's zero; `row` is the row's column 0, `sc` its scales. Zeros where `in` is
-// false.
+// less their group's zero (item_dot's runs of items); `row` is the row's column 0, `sc` its
+// scales. Zeros where `in` is false.
 template <int WF>
 __device__ __forceinline__ float narrow_pairs(const unsigned char* row, const unsigned char* sc,
                                               int col, bool in, unsigned (&p)[4]) {
@@ -431,6 +430,7 @@ __device__ __forceinline__ float narrow_pairs(const unsigned char* row, const un
 template <int K, int WF>
 __device__ __forceinline__ float2 narrow_pair_dot(const unsigned char* row0, const unsigned char* row1,
                                                   bool has1, int j0, int j1) {
+    static_assert(WF == qw::FP8, "int4 rows take int4_pair_dot");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned char* xh = reinterpret_cast<const unsigned char*>(vec_buf());
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
@@ -680,10 +680,11 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
                     const bool use0 = !PAIRS || r % PER < n;
                     const bool use1 = r + 1 < span && (!PAIRS || (r + 1) % PER < n);
                     if (!use0 && !use1) continue;
-                    const float2 d =
-                        WF == qw::INT4
-                            ? int4_pair_dot<K>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1)
-                            : narrow_pair_dot<K, WF>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
+                    float2 d;
+                    if constexpr (WF == qw::INT4)
+                        d = int4_pair_dot<K>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
+                    else
+                        d = narrow_pair_dot<K, WF>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
                     const float d0 = warp_sum(d.x), d1 = warp_sum(d.y);
                     if (lane != 0) continue;
                     if (use0) finish(r, d0, pre(r0 + (PAIRS ? r % PER : r)));

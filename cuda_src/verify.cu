@@ -77,13 +77,12 @@ __device__ __forceinline__ float codes_unit() {
 // the bf16 value 128 + code; one FMA a pair takes 128 + zero off (`neg_zero2`: the bf16 pair
 // -(128 + zero)), on every architecture from sm_80 (bf16 subtraction itself is sm_90's).
 __device__ __forceinline__ uint4 int4_bf16(unsigned w, unsigned neg_zero2) {
-    const unsigned bias = 0x43004300u, one = 0x3f803f80u;
+    const unsigned one = 0x3f803f80u;
     unsigned p[4];
+    int4x8_biased(w, p, 0x43004300u);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(p[k]) : "r"(w >> (4 * k)), "n"(0x000f000f), "r"(bias));
+    for (int k = 0; k < 4; ++k)
         asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p[k]) : "r"(p[k]), "r"(one), "r"(neg_zero2));
-    }
     return make_uint4(p[0], p[1], p[2], p[3]);
 }
 

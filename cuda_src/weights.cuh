@@ -124,13 +124,14 @@ __device__ __forceinline__ float dot16_e4m3(const uint4 w, const float* x) {
     return dot8_e4m3(make_uint2(w.x, w.y), x) + dot8_e4m3(make_uint2(w.z, w.w), x + 8);
 }
 
-// The eight 4-bit codes of a word (weights.cuh's order) as four f16 pairs (1024 + code):
-// pair k holds columns 2k (low half) and 2k + 1. One LOP3 (and a shift) a pair, on every
-// architecture: a code ORed into the mantissa of 1024.0 (0x6400) is 1024 + code exactly.
-__device__ __forceinline__ void int4x8_biased(unsigned w, unsigned (&p)[4]) {
+// The eight 4-bit codes of a word (weights.cuh's order) as four 16-bit float pairs biased by
+// `bias`: pair k holds columns 2k (low half) and 2k + 1. One LOP3 (and a shift) a pair, on every
+// architecture: a code ORed into the mantissa of 1024.0 (f16 0x6400, the default) is f16
+// 1024 + code exactly, into that of 128.0 (bf16 0x4300) bf16 128 + code.
+__device__ __forceinline__ void int4x8_biased(unsigned w, unsigned (&p)[4],
+                                              unsigned bias = 0x64006400u) {
     // (As one LOP3 with the mask as an immediate and the exponent bits in a register: written
     // in C the compiler makes an AND and an OR of two immediates.)
-    const unsigned bias = 0x64006400u;
 #pragma unroll
     for (int k = 0; k < 4; ++k)
         asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(p[k]) : "r"(w >> (4 * k)), "n"(0x000f000f), "r"(bias));

@@ -12,7 +12,7 @@ from importlib import metadata
 
 from qwenchat import __version__, paths
 from qwenchat.errors import BackendUnavailable, UsageError
-from qwenchat.model.fp8 import with_quantization
+from qwenchat.model.fp8 import gpu_weight_format, with_quantization
 from qwenchat.model.presets import named_config
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
@@ -98,7 +98,7 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
         raise UsageError("--model and --config both name the model to compile for: give one")
     if options.config is not None:
         name, config = options.config, named_config(options.config)
-        weight_format = options.quantize if options.quantize in ("fp8", "int4") else "bf16"
+        weight_format = gpu_weight_format(options.quantize)
     else:
         from qwenchat.model.loader import open_model
 
@@ -107,8 +107,7 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
         # The GPU runs FP8 checkpoints (or --quantize fp8) in FP8, AWQ ones (or --quantize
         # int4) in int4, any other dtype in bf16.
         quantized = with_quantization(model.checkpoint, options.quantize)
-        weight_format = (quantized.weight_format if quantized.weight_format in ("fp8", "int4")
-                         else "bf16")
+        weight_format = gpu_weight_format(quantized.weight_format)
         model.close()
     try:
         from qwenchat.engine.cuda.engine import compile_kernels

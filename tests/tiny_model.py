@@ -278,6 +278,31 @@ def write_edited_model(directory: Path, tokenizer, dtype: str, edit) -> Path:
     return directory
 
 
+def refusal_line(directory: Path) -> str:
+    """The ModelError opening the model at `directory` raises: one line, naming the
+    directory."""
+    import pytest
+
+    from qwenchat.errors import ModelError
+    from qwenchat.model.loader import open_model_dir
+
+    with pytest.raises(ModelError) as caught:
+        open_model_dir(directory)
+    message = str(caught.value)
+    assert "\n" not in message and str(directory) in message
+    return message
+
+
+def without_quantization_config(source: Path, directory: Path) -> Path:
+    """`source` copied to `directory` with config.json's quantization_config dropped (its
+    quantized tensors kept)."""
+    shutil.copytree(source, directory)
+    raw = json.loads((directory / "config.json").read_text())
+    del raw["quantization_config"]
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory
+
+
 def _rewritten_copy(source: Path, directory: Path,
                     quantization: dict | None) -> dict[str, np.ndarray]:
     """`source` copied to `directory` with its weight files removed and config.json's

@@ -145,6 +145,12 @@ def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:
     return weights
 
 
+def gpu_weight_format(weight_format: str) -> str:
+    """The format the GPU's kernels run linear layers stored (or quantized) as `weight_format`
+    in: FP8 and int4 as they are, anything else (bf16, f16, f32, "none") as bf16."""
+    return weight_format if weight_format in ("fp8", "int4") else "bf16"
+
+
 def packed_row_bytes(cols: int) -> int:
     """Bytes of one row in the packed layout the GPU engine streams: the row's codes, then a
     float32 scale per 128 columns (its block's), padded to 16 bytes."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qwenchat.model import fp8
+from qwenchat.model import awq, fp8
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import E4M3_MAX, bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3
 
@@ -92,9 +92,7 @@ class RandomWeights:
         if weight_format not in ("bf16", "fp8", "int4"):
             raise ValueError(f"random weights come in bf16, fp8 or int4, not {weight_format!r}")
         if weight_format == "int4":  # (the same check and line as Int4Weights)
-            from qwenchat.model.awq import check_int4_shape
-
-            check_int4_shape(config)
+            awq.check_int4_shape(config)
         self.config = config
         self.seed = seed
         self.weight_format = weight_format
@@ -111,8 +109,6 @@ class RandomWeights:
             return fp8.dequantize(*blocks)
         groups = self.awq_groups(name)
         if groups is not None:
-            from qwenchat.model import awq  # (awq imports fp8, which this module imports)
-
             return awq.dequantize(*groups)
         # Gathering from the table's float32 form writes the result once, with no bf16-sized
         # intermediate to widen afterwards.
@@ -136,8 +132,6 @@ class RandomWeights:
         would be; None for a tensor kept in bf16 (and for every tensor unless int4)."""
         if self.weight_format != "int4" or not fp8.is_linear(name):
             return None
-        from qwenchat.model import awq
-
         codes = self._gather(name, np.arange(16, dtype=np.uint8))  # (out, in): hash >> 28
         scales, zeros = self._int4_groups(name)  # (groups, out)
         return awq.pack(np.ascontiguousarray(codes.T)), awq.pack(zeros), scales
@@ -150,7 +144,7 @@ class RandomWeights:
         float32 arithmetic, then rounded to f16), zeros 7 or 8, from the hash of group g of
         row r at index g * rows + r (layers.cu: draw_int4_rows)."""
         rows, cols = self._shape(name)
-        groups = cols // 128
+        groups = cols // awq.GROUP
         h = draw_hash(self._key(name) ^ INT4_SALT, 0, groups * rows).reshape(groups, rows)
         unit = self._int4_unit(name)
         byte = (h >> np.uint32(24)).astype(np.float32)

@@ -233,8 +233,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # any layer the file left in bf16 quantized, so every linear layer has one format);
         # AWQ ones run their 4-bit codes (Int4Weights).
         weights = fp8.with_quantization(weights, "none")
-        self.weight_format = (weights.weight_format if weights.weight_format in ("fp8", "int4")
-                              else "bf16")
+        self.weight_format = fp8.gpu_weight_format(weights.weight_format)
         self.kv_format = kv_cache
         reason = unsupported_reason(config, self.weight_format)
         if reason:

@@ -133,16 +133,16 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
         raise QwenchatError(f"unknown megakernel rows {rows!r}; "
                             f"known: {', '.join(MEGAKERNEL_ROWS)}")
     # int4 rows always take the tensor cores (their conversion is integer work on any GPU).
-    f8_mma = weight_format == "int4" or (f8_mma and weight_format == "fp8")
-    wide = f8_mma and bandwidth / sm_count >= MMA_RING_BANDWIDTH
+    mma = weight_format == "int4" or (f8_mma and weight_format == "fp8")
+    wide = mma and bandwidth / sm_count >= MMA_RING_BANDWIDTH
     if rows != "auto":
-        return _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, rows == "parts",
+        return _layout(cfg, shared_per_block, sm_count, weight_format, mma, rows == "parts",
                        wide)
-    whole = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=False,
+    whole = _layout(cfg, shared_per_block, sm_count, weight_format, mma, split=False,
                     wide=wide)
-    if isinstance(whole, str) or (not f8_mma and stage_fill(cfg, whole, weight_format)
+    if isinstance(whole, str) or (not mma and stage_fill(cfg, whole, weight_format)
                                   < SPLIT_BELOW_FILL):
-        split = _layout(cfg, shared_per_block, sm_count, weight_format, f8_mma, split=True)
+        split = _layout(cfg, shared_per_block, sm_count, weight_format, mma, split=True)
         if not isinstance(split, str) or isinstance(whole, str):
             return split
     return whole
@@ -180,7 +180,7 @@ def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -
 
 
 def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_format: str,
-            f8_mma: bool, split: bool, wide: bool = False) -> MegakernelLayout | str:
+            mma: bool, split: bool, wide: bool = False) -> MegakernelLayout | str:
     """megakernel_layout for one way of streaming the weights."""
     static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
     stage = MEGAKERNEL_STAGE_BYTES
@@ -202,7 +202,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
                     MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
         return (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
 
-    fixed = fixed_bytes(f16_vector if f8_mma else 4 * max(widths))
+    fixed = fixed_bytes(f16_vector if mma else 4 * max(widths))
     # The ring is sized as for float vectors even where they are f16: the room they free
     # only counts where it makes the megakernel fit at all (a 99 KB card). Deeper rings were
     # measured slower on the H100 (docs/perf.md: 32B FP8 at 4 stages 6% below 3, 8B at 5
@@ -242,7 +242,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
     # hidden-wide row whole on every size), so a row's fixed cost (its sums, the segments'
     # meeting) comes once per 8,192 columns: a 1,024-column segment of int4 is only 512
     # bytes, and the consumer bound the step at that (docs/perf.md, 2026-11-26).
-    seg = MMA_SEG_INT4 if f8_mma and weight_format == "int4" and not split else 1024
+    seg = MMA_SEG_INT4 if weight_format == "int4" and not split else 1024
     if wide and not split and cfg.hidden_size >= 2048:
         ring = _mma_ring(cfg, shared_per_block - static - fixed, widest_row, weight_format)
         if ring:
@@ -255,7 +255,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         return "this model is too wide for the decode megakernel on this GPU"
     if split and math.ceil(cfg.intermediate_size / blocks) > 512:  # PAIR_ROWS in mk_layout.cuh
         return "this model's MLP is too wide for the decode megakernel on this GPU"
-    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, f8_mma, split, seg)
+    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, mma, split, seg)
 
 
 MMA_SEG_MOST = 2560  # columns of a row a warp dots on the tensor cores, at most (FP8)
