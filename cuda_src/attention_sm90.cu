@@ -14,7 +14,15 @@
 // prefill has not written must hold finite values (the engine zeroes the cache once): masked
 // keys get a weight of zero, and 0 times NaN would not be zero. head_dim 64 or 128.
 // Dynamic shared memory: SHARED_BYTES (attention90_shared() mirrors it).
+//
+// An int8 cache (QW_KV8, kv8.cuh) takes the cache buffers themselves instead of K's and V's
+// tensor maps, and a producer warpgroup of four warps instead of one: they load each tile's
+// codes and row scales with ordinary loads (the tile after next while the ring is full) and
+// write code x scale as bf16, in the layout the TMA would have written, into the same stages
+// (as attention.cu's int8 tiles are made); the consumers are unchanged. Rows past the cache's
+// capacity read as zeros.
 #include "common.cuh"
+#include "kv8.cuh"
 #include "qwen3.cuh"
 #include "sm90.cuh"
 
@@ -28,12 +36,66 @@ constexpr int Q_BYTES = PANELS * PANEL_BYTES, KV_BYTES = PANELS * PANEL_BYTES;
 constexpr int STAGE_BYTES = 2 * KV_BYTES;  // a K tile, then a V tile
 constexpr int SHARED_BYTES = Q_BYTES + STAGES * STAGE_BYTES + 1024;  // + slack for alignment
 static_assert(SHARED_BYTES <= 227 * 1024, "one block's shared memory on an H100");
-constexpr int THREADS = 2 * 128 + 32;
+constexpr int PRODUCERS = qw::kv8 ? 128 : 32;  // the int8 tiles' converters, or the TMA warp
+constexpr int THREADS = 2 * 128 + PRODUCERS;
 constexpr float LOG2E = 1.4426950408889634f;
 
+#if QW_KV8
+using KvSource = const void*;  // the layer's int8 cache buffer: codes, then scales
+#else
+using KvSource = TensorMap;
+#endif
+
+// An int8 tile of 128 cache rows from key0 on, as bf16 code x scale in a stage's K or V half
+// (`dst`: 64-wide panels of 128 rows, 128 bytes a row, the 128-byte swizzle: a row's 16-byte
+// chunk c lies at chunk c ^ (row % 8)). Thread `c` (0..127) of the converters takes 16
+// codes of a row in each pass. load() brings this thread's codes and scales into registers
+// (zeros past the capacity); store() writes them.
 template <int D>
-__device__ __forceinline__ void attention_tile(const TensorMap& map_q, const TensorMap& map_k,
-                                               const TensorMap& map_v, int start, int n,
+struct Int8Tile {
+    static constexpr int PIECES = D / 16;                 // 16-code pieces a row
+    static constexpr int PASSES = BKV * PIECES / 128;     // rows each converter takes
+    static constexpr int ROWS_A_PASS = 128 / PIECES;
+    uint4 codes[2][PASSES];  // K's, V's
+    float scales[2][PASSES];
+
+    __device__ __forceinline__ void load(const signed char* k, const signed char* v,
+                                         const float* ks, const float* vs, int key0,
+                                         int capacity, int c) {
+        const int piece = c % PIECES, r0 = c / PIECES;
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) {
+            const int key = key0 + r0 + i * ROWS_A_PASS;
+            const bool in = key < capacity;
+            const long long at = static_cast<long long>(key) * D + piece * 16;
+            codes[0][i] = in ? __ldg(reinterpret_cast<const uint4*>(k + at)) : make_uint4(0, 0, 0, 0);
+            codes[1][i] = in ? __ldg(reinterpret_cast<const uint4*>(v + at)) : make_uint4(0, 0, 0, 0);
+            scales[0][i] = in ? __ldg(ks + key) : 0.f;
+            scales[1][i] = in ? __ldg(vs + key) : 0.f;
+        }
+    }
+
+    __device__ __forceinline__ void store(unsigned dst, int c) const {
+        const int piece = c % PIECES, r0 = c / PIECES;
+        const int panel = piece * 16 / 64, chunk = piece * 16 % 64 / 8;  // two chunks a piece
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+#pragma unroll
+            for (int i = 0; i < PASSES; ++i) {
+                const int r = r0 + i * ROWS_A_PASS;
+                const unsigned row = dst + kv * KV_BYTES + panel * PANEL_BYTES + r * 128;
+                unsigned packed[8];
+                codes_to_bf16(codes[kv][i], scales[kv][i], packed,
+                              [](unsigned w, float* f) { kv8x4_floats(w, f); });
+                st_swizzled_pair(row, chunk, r, packed);
+            }
+        }
+    }
+};
+
+template <int D>
+__device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvSource& src_k,
+                                               const KvSource& src_v, int start, int n,
                                                int capacity, float scale,
                                                bf16_t* __restrict__ out) {
     extern __shared__ unsigned char attn_shared[];
@@ -51,14 +113,39 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const Ten
     if (threadIdx.x == 0) {
         mbar_init(smem_addr(&q_full), 1);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_addr(&full[s]), 1);
+            mbar_init(smem_addr(&full[s]), PRODUCERS == 32 ? 1 : PRODUCERS);  // TMA, or each converter
             mbar_init(smem_addr(&empty[s]), 8);  // every consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
-    if (warp == 8) {  // the producer
+    if (warp >= 8) {  // the producers
+#if QW_KV8
+        const int c = threadIdx.x - 256;
+        if (c == 0) {
+            const unsigned qbar = smem_addr(&q_full);
+            mbar_expect_tx(qbar, Q_BYTES);
+            for (int p = 0; p < PANELS; ++p)
+                tma_load(q_smem + p * PANEL_BYTES, map_q, head * D + p * 64, q0, qbar);
+        }
+        const long long row0 = static_cast<long long>(kvh) * capacity;
+        const signed char* k = static_cast<const signed char*>(src_k) + row0 * D;
+        const signed char* v = static_cast<const signed char*>(src_v) + row0 * D;
+        const float* ks = kv8_scales(src_k, capacity) + row0;
+        const float* vs = kv8_scales(src_v, capacity) + row0;
+        Int8Tile<D> tile;
+        tile.load(k, v, ks, vs, 0, capacity, c);
+        for (int j = 0; j < tiles; ++j) {
+            const int s = j % STAGES;
+            if (j >= STAGES) mbar_wait(smem_addr(&empty[s]), (j / STAGES - 1) & 1);
+            tile.store(ring + s * STAGE_BYTES, c);
+            // The tensor cores read what ordinary stores wrote: order them first.
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_arrive(smem_addr(&full[s]));
+            if (j + 1 < tiles) tile.load(k, v, ks, vs, (j + 1) * BKV, capacity, c);
+        }
+#else
         if (lane == 0) {
             const unsigned qbar = smem_addr(&q_full);
             mbar_expect_tx(qbar, Q_BYTES);
@@ -71,11 +158,12 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const Ten
                 mbar_expect_tx(bar, STAGE_BYTES);
                 const int row = kvh * capacity + j * BKV;
                 for (int p = 0; p < PANELS; ++p) {
-                    tma_load(k_dst + p * PANEL_BYTES, map_k, p * 64, row, bar);
-                    tma_load(k_dst + KV_BYTES + p * PANEL_BYTES, map_v, p * 64, row, bar);
+                    tma_load(k_dst + p * PANEL_BYTES, src_k, p * 64, row, bar);
+                    tma_load(k_dst + KV_BYTES + p * PANEL_BYTES, src_v, p * 64, row, bar);
                 }
             }
         }
+#endif
         return;
     }
 
@@ -190,8 +278,8 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const Ten
 
 // Grid: (heads, ceil(n / 128)); THREADS threads; SHARED_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-    attn_prefill90(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
-                   const __grid_constant__ TensorMap map_v, int start, int n, int capacity,
+    attn_prefill90(const __grid_constant__ TensorMap map_q, const __grid_constant__ KvSource map_k,
+                   const __grid_constant__ KvSource map_v, int start, int n, int capacity,
                    float scale, bf16_t* out) {
     if constexpr (SUPPORTED) {
         attention_tile<HD>(map_q, map_k, map_v, start, n, capacity, scale, out);

@@ -27,6 +27,22 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ float bf16_lo(unsigned v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
 
+// A 16-byte piece of codes as 8 words of bf16 pairs, lowest code first: decode(word, v) puts a
+// word's four codes in v as floats, each is multiplied by s and rounded. The Hopper prefill
+// makes its bf16 tiles of FP8 weights (gemm_sm90.cu) and int8 KV rows (attention_sm90.cu) with it.
+template <typename Decode>
+__device__ __forceinline__ void codes_to_bf16(const uint4 codes, float s, unsigned (&packed)[8],
+                                              Decode decode) {
+    const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float v[4];
+        decode(words[k], v);
+        packed[2 * k] = pack_bf16x2(v[0] * s, v[1] * s);
+        packed[2 * k + 1] = pack_bf16x2(v[2] * s, v[3] * s);
+    }
+}
+
 // Dot product of 8 bf16 weights (one 16-byte load) with 8 floats.
 __device__ __forceinline__ float dot8(const uint4 w, const float* x) {
     return bf16_lo(w.x) * x[0] + bf16_hi(w.x) * x[1] + bf16_lo(w.y) * x[2] +

@@ -77,13 +77,7 @@ __device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char
         unsigned packed[8];
         codes_to_bf16(*reinterpret_cast<const uint4*>(codes + r * BK + quarter * 16), scale[i],
                       packed, [](unsigned w, float* v) { e4m3x4_values(w, v); });
-        // 16-byte chunks 2 * quarter and 2 * quarter + 1 of row r, swizzled by r % 8
-        const unsigned at = tile + r * 128;
-        const int c0 = (2 * quarter) ^ (r & 7), c1 = (2 * quarter + 1) ^ (r & 7);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + c0 * 16),
-                     "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]) : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + c1 * 16),
-                     "r"(packed[4]), "r"(packed[5]), "r"(packed[6]), "r"(packed[7]) : "memory");
+        st_swizzled_pair(tile + r * 128, 2 * quarter, r, packed);
     }
 }
 

@@ -29,12 +29,14 @@ __device__ __forceinline__ int kv8_code(float x, float scale) {
     return max(-127, min(127, __float2int_rn(__fdiv_rn(x, scale))));
 }
 
+// Four int8 codes (a word, lowest byte first) as floats.
+__device__ __forceinline__ void kv8x4_floats(unsigned w, float* out) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) out[b] = static_cast<float>(static_cast<signed char>(w >> (8 * b)));
+}
+
 // Eight int8 codes (8 bytes, lowest first) as floats.
 __device__ __forceinline__ void kv8_floats(uint2 w, float (&out)[8]) {
-    const unsigned words[2] = {w.x, w.y};
-#pragma unroll
-    for (int k = 0; k < 2; ++k)
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-            out[4 * k + b] = static_cast<float>(static_cast<signed char>(words[k] >> (8 * b)));
+    kv8x4_floats(w.x, out);
+    kv8x4_floats(w.y, out + 4);
 }

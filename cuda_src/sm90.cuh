@@ -12,6 +12,17 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// 16 bf16 values (8 words) as 16-byte chunks `chunk` and `chunk` + 1 of row r of a tile
+// written with the 128-byte swizzle (row_addr: the row's start; chunk c lies at c ^ (r % 8)),
+// as the TMA would have written them.
+__device__ __forceinline__ void st_swizzled_pair(unsigned row_addr, int chunk, int r,
+                                                 const unsigned (&packed)[8]) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + ((chunk ^ (r & 7)) << 4)),
+                 "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + (((chunk + 1) ^ (r & 7)) << 4)),
+                 "r"(packed[4]), "r"(packed[5]), "r"(packed[6]), "r"(packed[7]) : "memory");
+}
+
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }

@@ -94,22 +94,6 @@ __device__ __forceinline__ void e4m3x4_values(unsigned w, float* out) {
 }
 #endif
 
-// A 16-byte piece of codes as 8 words of bf16 pairs, lowest code first: decode(word, v) puts a
-// word's four codes in v as floats, each is multiplied by s and rounded. The prefill GEMMs
-// make their bf16 weight tiles with it (decode: e4m3x4, or the hardware's conversion on sm_90).
-template <typename Decode>
-__device__ __forceinline__ void codes_to_bf16(const uint4 codes, float s, unsigned (&packed)[8],
-                                              Decode decode) {
-    const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        float v[4];
-        decode(words[k], v);
-        packed[2 * k] = pack_bf16x2(v[0] * s, v[1] * s);
-        packed[2 * k + 1] = pack_bf16x2(v[2] * s, v[3] * s);
-    }
-}
-
 // Dot product of 8 FP8 codes (an 8-byte load) with 8 floats, x 2^-120.
 __device__ __forceinline__ float dot8_e4m3(const uint2 w, const float* x) {
     float lo[4], hi[4];

@@ -28,8 +28,8 @@ WEIGHT_FORMATS = ("bf16 (f16 and f32 checkpoints are converted to it); fp8: Qwen
                   "(groups of 128, zero points), decode dots them on the tensor cores, prefill "
                   "dequantizes a matrix at a time to bf16")
 
-KV_FORMATS = ("bf16; int8 (--kv-cache int8: 8-bit codes and a scale a head and token), on the "
-              "CPU engine only for now")
+KV_FORMATS = ("bf16; int8 (--kv-cache int8: 8-bit codes and a scale a head and token, about "
+              "half the bytes a cached token takes)")
 
 
 def gather() -> list[Section]:

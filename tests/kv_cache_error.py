@@ -1,9 +1,12 @@
 """8-bit KV caches against float32 keys and values on the CPU reference engine: the relative
 logit error and top-1 agreement of teacher-forced greedy steps after a random prompt, for the
 formats an 8-bit cache could take (the figure that chose int8 rows: docs/perf.md; run by hand,
-not by pytest).
+not by pytest). With --backend cuda: the GPU's int8 cache against its bf16 cache, every layer
+of the shape unless --layers says otherwise, the int8 engine decoding greedily (the
+megakernel where it runs) and the bf16 one following its tokens.
 
     python tests/kv_cache_error.py --config qwen3-0.6b --layers 4 --prompt 1024 --steps 64
+    python tests/kv_cache_error.py --backend cuda --config qwen3-8b --prompt 8192 --steps 256
 """
 
 from __future__ import annotations
@@ -53,15 +56,21 @@ VARIANTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="qwen3-0.6b")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, help="(default: 4 on the CPU, all on the GPU)")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    config = dataclasses.replace(preset(args.config), num_hidden_layers=args.layers)
+    config = preset(args.config)
+    layers = args.layers or (4 if args.backend == "cpu" else config.num_hidden_layers)
+    config = dataclasses.replace(config, num_hidden_layers=layers)
     weights = RandomWeights(config, seed=2)
     ctx = args.prompt + args.steps + 1
     prompt = [int(i) for i in np.random.default_rng(0).integers(0, config.vocab_size,
                                                                  args.prompt)]
+    if args.backend == "cuda":
+        gpu_figure(args, config, weights, ctx, prompt)
+        return
     base = ReferenceEngine(config, weights, ctx)
     base.prefill(prompt)
     tokens, logits = [], []
@@ -84,6 +93,33 @@ def main() -> None:
               f"relative logit error median {np.median(errors):.2e}, max {max(errors):.2e}; "
               f"top-1 agreement {agree}/{args.steps}")
     reference.cached = cached
+
+
+def gpu_figure(args, config, weights, ctx: int, prompt: list[int]) -> None:
+    from qwenchat.engine.base import GenerateRequest
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.sampling.params import LiveParams, SamplingParams
+
+    eight = CudaEngine(config, weights, ctx=ctx, kv_cache="int8")
+    plain = CudaEngine(config, weights, ctx=ctx)
+    if eight.decode == "megakernel":  # one step a launch: last_logits() is each step's
+        eight.steps_per_launch, eight.launches_ahead = 1, 0
+    eight.prefill(prompt)
+    plain.prefill(prompt)
+    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=args.steps)),
+                              frozenset(), seed=0)
+    errors, agree = [], 0
+    for token in eight.generate(request):
+        want, ours = plain.last_logits(), eight.last_logits()
+        errors.append(float(np.abs(ours - want).max() / np.abs(want).max()))
+        agree += int(token == int(np.argmax(want)))
+        plain.prefill([token])
+    print(f"{args.config} ({config.num_hidden_layers} layers, GPU, {eight.decode}), "
+          f"{args.prompt}-token prompt, int8 cache against the bf16 cache: relative logit error "
+          f"median {np.median(errors):.2e}, max {max(errors):.2e}; top-1 agreement "
+          f"{agree}/{len(errors)}")
+    eight.close()
+    plain.close()
 
 
 if __name__ == "__main__":

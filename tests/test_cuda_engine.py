@@ -496,8 +496,8 @@ def test_hopper_prefill_attention_matches_numpy(hopper_attention, start, n):
     so the last tile of one KV head runs into the next head's rows): masking must hide them."""
     from qwenchat.engine.cuda.prefill import (
         ATTENTION90_QUERIES,
-        ATTENTION90_THREADS,
         attention90_shared,
+        attention90_threads,
     )
 
     rt, cfg, function, stream = hopper_attention
@@ -514,7 +514,7 @@ def test_hopper_prefill_attention_matches_numpy(hopper_attention, start, n):
     args = [*maps, ctypes.c_int(start), ctypes.c_int(n), ctypes.c_int(cap),
             ctypes.c_float(d**-0.5), out]
     rt.launch(function, (heads, (n + ATTENTION90_QUERIES - 1) // ATTENTION90_QUERIES),
-              ATTENTION90_THREADS, args, shared=attention90_shared(d), stream=stream)
+              attention90_threads(), args, shared=attention90_shared(d), stream=stream)
     stream.synchronize()
     length = start + n
     expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],

@@ -174,8 +174,9 @@ def test_int4_kernels_compile(kernel, arch, shape):
 
 @needs_nvrtc
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b", "odd-tiny"])
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("kernel", ["layers.cu", "attention.cu", "verify.cu"])
+@pytest.mark.parametrize(("kernel", "arch"), [
+    *[(k, a) for k in ("layers.cu", "attention.cu", "verify.cu") for a in ("sm_80", "sm_90")],
+    ("attention_sm90.cu", "sm_90a")])
 def test_int8_kv_cache_kernels_compile(kernel, arch, shape):
     defines = kernel_defines(SHAPES[shape], "bf16", "int8")
     assert defines["QW_KV8"] == 1

@@ -52,8 +52,15 @@ def cached(rows: np.ndarray, kv_format: str) -> np.ndarray:
     if kv_format != "int8":
         raise ValueError(f"unknown KV-cache format {kv_format!r}; known: "
                          f"{', '.join(KV_CACHE_CHOICES)}")
+    codes, scales = int8_rows(rows)
+    return (codes * scales[..., None]).astype(np.float32)
+
+
+def int8_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's (last axis) int8 codes and float32 scale, as an int8 cache stores them:
+    scale = max |x| / 127, code = rint(x / scale) (0 for an all-zero row)."""
     x = np.asarray(rows, np.float32)
     scale = np.abs(x).max(axis=-1, keepdims=True) / np.float32(INT8_MAX)
     safe = np.where(scale > 0, scale, np.float32(1))
-    codes = np.clip(np.rint(x / safe), -INT8_MAX, INT8_MAX)
-    return (codes * scale).astype(np.float32)
+    codes = np.clip(np.rint(x / safe), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return codes, scale[..., 0]

@@ -137,8 +137,8 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     for that much shared memory a block instead of the GPU's (at most the GPU's): 101,376
     runs an H100 as an RTX 4090 would lay it out. `megakernel_rows` "whole" or "parts" forces
     how its stages hold the weight rows (megakernel_layout; tests and comparisons). An int8
-    KV cache (`kv_format`) prefills with the portable attention kernel (attention_sm90.cu's
-    8-bit reader is to come)."""
+    KV cache (`kv_format`) is decoded by the megakernel only at head_dim 128 (its rows must
+    fill whole lines)."""
     shared = device.max_shared_per_block_optin
     if megakernel_shared is not None:
         if not MEGAKERNEL_MIN_SHARED <= megakernel_shared <= shared:
@@ -149,7 +149,7 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
     if prefill_kernels == "hopper" and not hopper:
         raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {device.arch}")
     hopper_gemm = hopper and prefill_kernels != "portable"
-    hopper_attention = hopper_gemm and config.head_dim in (64, 128) and kv_format == "bf16"
+    hopper_attention = hopper_gemm and config.head_dim in (64, 128)
     layout = megakernel_layout(config, shared, device.sm_count, weight_format,
                                fp8_on_tensor_cores(device.arch, megakernel_consumer),
                                megakernel_rows, device.memory_bandwidth)

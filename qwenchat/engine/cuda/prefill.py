@@ -25,8 +25,13 @@ GEMM90_NARROW_COST = 0.65
 # "hopper": gemm_sm90.cu and attention_sm90.cu (sm_90, bf16 weights); "portable": gemm.cu and
 # attention.cu, the kernels of every other GPU; "auto": hopper wherever it can run.
 PREFILL_KERNELS = ("auto", "hopper", "portable")
-ATTENTION90_THREADS = 288  # two consumer warpgroups and a producer warp
 ATTENTION90_QUERIES = 128  # queries per block
+
+
+def attention90_threads(kv_format: str = "bf16") -> int:
+    """attention_sm90.cu's THREADS: two consumer warpgroups, and a producer warp (the TMA's)
+    or, for an int8 cache, a producer warpgroup that turns its tiles into bf16."""
+    return 2 * 128 + (128 if kv_format == "int8" else 32)
 
 
 def attention90_shared(head_dim: int) -> int:
@@ -209,9 +214,11 @@ class Prefill:
 
         if self.attention90:
             cache_rows = cfg.num_key_value_heads * self.capacity
-            self.attention90_maps = [(tiles(k, cache_rows, cfg.head_dim),
-                                      tiles(v, cache_rows, cfg.head_dim))
-                                     for k, v in zip(self.k_cache, self.v_cache, strict=True)]
+            # an int8 cache is read by ordinary loads (attention_sm90.cu): its buffers instead
+            self.attention90_kv = [(k, v) if self.kv_format == "int8" else
+                                   (tiles(k, cache_rows, cfg.head_dim),
+                                    tiles(v, cache_rows, cfg.head_dim))
+                                   for k, v in zip(self.k_cache, self.v_cache, strict=True)]
             self.q_map = tiles(self.q, c, cfg.q_size)
         if not self.gemm90:
             return
@@ -259,9 +266,9 @@ class Prefill:
         c_int, heads = ctypes.c_int, self.config.num_attention_heads
         splits = self.prefill_key_splits(start, n)
         if self.attention90 and splits == 1:
-            map_k, map_v = self.attention90_maps[layer]
+            k, v = self.attention90_kv[layer]
             self._launch("attn_prefill90", (heads, math.ceil(n / ATTENTION90_QUERIES)),
-                         ATTENTION90_THREADS, self.q_map, map_k, map_v,
+                         attention90_threads(self.kv_format), self.q_map, k, v,
                          c_int(start), c_int(n), c_int(self.capacity), scale, self.attn,
                          shared=attention90_shared(self.config.head_dim))
             return
