@@ -181,6 +181,27 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 static_cast<bf16_t*>(L.v_cache)[at] = f32_to_bf16(sh.v_new[threadIdx.x]);
             }
         }
+        // (int8 cache) the scales of this warp's keys of a stage: lane i < KPW holds its key
+        // i's key scale, lane KPW + i its value scale, by strong loads (a scale's line is
+        // written a row a step, so a bulk copy of it could be stale: kv_cache.md), issued a
+        // stage ahead so that their latency hides behind the stage before. The new row's
+        // scales come from shared memory.
+        const auto stage_scale = [&](int k0) {
+            float scale = 0.f;
+            if constexpr (qw::kv8) {
+                static_assert(2 * KPW <= 32, "a warp's keys' scales in its lanes");
+                const int key = k0 + warp * KPW + lane % KPW;  // in the item
+                const bool value = lane >= KPW;
+                if (warp != PRODUCER && lane < 2 * KPW && key < keys) {
+                    const long long row = static_cast<long long>(kvh) * a.capacity + k_begin + key;
+                    scale = k_begin + key == pos
+                        ? sh.kv_scale[value]
+                        : ld_strong_f32(kv8_scales(value ? L.v_cache : L.k_cache, a.capacity) + row);
+                }
+            }
+            return scale;
+        };
+        float next_scale = stage_scale(0);
         float m[G], l[G], acc[G][DPL];
 #pragma unroll
         for (int h = 0; h < G; ++h) {
@@ -219,23 +240,11 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 continue;
             }
             const bf16_t* vt = kt + KEYS * HD;
-            // (int8 cache) the codes, and the scales of this warp's keys: lane i < KPW holds
-            // its key i's key scale, lane KPW + i its value scale, by strong loads (a scale's
-            // line is written a row a step, so a bulk copy of it could be stale: kv_cache.md).
+            // (int8 cache) the codes; this stage's scales, and the next stage's on their way
             const signed char* kt8 = reinterpret_cast<const signed char*>(stage);
             const signed char* vt8 = kt8 + KEYS * HD;
-            float scale_reg = 0.f;
-            if constexpr (qw::kv8) {
-                static_assert(2 * KPW <= 32, "a warp's keys' scales in its lanes");
-                const int key = warp * KPW + lane % KPW;  // the lane's key in the stage
-                if (lane < 2 * KPW && key < n) {
-                    const long long row = static_cast<long long>(kvh) * a.capacity + k_begin + k0 + key;
-                    const bool value = lane >= KPW;
-                    scale_reg = patch && key == new_row
-                        ? sh.kv_scale[value]
-                        : ld_strong_f32(kv8_scales(value ? L.v_cache : L.k_cache, a.capacity) + row);
-                }
-            }
+            const float scale_reg = next_scale;
+            if (qw::kv8 && k0 + KEYS < keys) next_scale = stage_scale(k0 + KEYS);
 #pragma unroll
             for (int p0 = 0; p0 < KPW; p0 += KPASS) {
                 const int first = warp * KPW + p0;  // the pass's first key in the stage
@@ -280,9 +289,13 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                     if constexpr (qw::kv8) {  // codes times the value row's scale
                         const float v_scale = __shfl_sync(0xffffffffu, scale_reg, KPW + p0 + j);
                         const signed char* codes = vt8 + (first + j) * HD + lane * DPL;
+                        float f[4];
 #pragma unroll
-                        for (int d = 0; d < DPL; ++d)
-                            v[j][d] = first + j < n ? static_cast<float>(codes[d]) * v_scale : 0.f;
+                        for (int d = 0; d < DPL; ++d) {
+                            if (d % 4 == 0)  // (DPL is 4 at head_dim 128, the only int8 size)
+                                kv8x4_floats(*reinterpret_cast<const unsigned*>(codes + d), f);
+                            v[j][d] = first + j < n ? f[d % 4] * v_scale : 0.f;
+                        }
                     } else if (first + j < n && DPL % 2 == 0) {
 #pragma unroll
                         for (int d = 0; d + 1 < DPL; d += 2) {

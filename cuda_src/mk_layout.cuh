@@ -165,6 +165,7 @@ __host__ __device__ constexpr int ring_floats(int k) { return ring_rows<WF>(k) *
 // (An int8 cache's rows are HD codes a key and a value; their scales are not in the stage:
 // mk_attention.cuh loads them itself.)
 constexpr int KV_ROW = qw::kv8 ? HD : 2 * HD;  // bytes of a key's (or value's) row
+static_assert(!qw::kv8 || HD % 128 == 0, "int8 rows fill whole lines; four codes a lane in P . V");
 constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
 constexpr int KPW_FIT = STAGE / (2 * KV_ROW) / CWARPS;
 constexpr int KPASS = 32 / LPK < KPW_FIT ? 32 / LPK : KPW_FIT;
