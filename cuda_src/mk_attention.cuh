@@ -113,6 +113,116 @@ __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned m
     }
 }
 
+// An int8 cache's keys on the tensor cores (mma m16n8k16, bf16 in, fp32 out), 8 keys of a
+// warp at a time. Lane (g, t) = (lane / 4, lane % 4).
+//  - Scores, S (keys x heads) = K (codes) . q^T: the A rows are the 8 keys (rows 8-15 zero),
+//    the B columns the group's query heads (zero past G). The 16 "columns" of k-step s are the
+//    head dimensions 32t' + 4s + (0..3) of the lanes t': a permutation of the dot product's
+//    terms, so that a lane reads its key's codes 32 contiguous bytes at a time. int8 codes are
+//    exact in bf16; q goes in as two bf16 parts (hi + lo: the product keeps ~16 bits), and the
+//    key's scale multiplies the fp32 score. Lane (g, t) gets key g's scores of heads 2t, 2t + 1.
+//  - P . V: out^T (dims x heads) = V^T (codes) . P'^T, with P' = p x the value row's scale
+//    (hi + lo again). The A rows are 16 dimensions (another permutation: the lane's four
+//    dimensions 32c + 4g + (0..3) of keys 2t and 2t + 1, one 4-byte load each, make rows g and
+//    g + 8 of m-tiles 2c and 2c + 1), the K columns the keys (8-15 zero), the B columns heads.
+//    Lane (g, t) accumulates dimensions int8_dim(i, g) and int8_dim(i, g + 8) of m-tile i
+//    for heads 2t and 2t + 1.
+__device__ __forceinline__ int int8_dim(int tile, int row) {
+    return 32 * (tile >> 1) + 4 * (row & 7) + 2 * (tile & 1) + (row >> 3);
+}
+
+__device__ __forceinline__ void split_bf16x2(float a, float b, unsigned& hi, unsigned& lo) {
+    hi = pack_bf16x2(a, b);
+    lo = pack_bf16x2(a - bf16_lo(hi), b - bf16_hi(hi));
+}
+
+// The B fragments of the query heads for the scores (lane (g, t): head g): q[s] = {hi b0,
+// hi b1, lo b0, lo b1} of k-step s.
+__device__ __forceinline__ void int8_query(const float (*q)[HD], unsigned (&frag)[HD / 16][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < HD / 16; ++s) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = g < qw::group ? q[g][32 * t + 4 * s + e] : 0.f;
+        split_bf16x2(v[0], v[1], frag[s][0], frag[s][2]);
+        split_bf16x2(v[2], v[3], frag[s][1], frag[s][3]);
+    }
+}
+
+// Eight keys of a stage from row `first` (those past n weigh nothing): the online softmax of
+// heads 2t, 2t + 1 (m: equal across g; l: this lane's key's share) and their outputs.
+// k_scale / v_scale: key g's row scales.
+__device__ __forceinline__ void int8_keys(const signed char* kt8, const signed char* vt8,
+                                          int first, int n, float k_scale, float v_scale,
+                                          float scale, const unsigned (&q)[HD / 16][4],
+                                          float (&m)[2], float (&l)[2],
+                                          float (&acc)[HD / 16][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bool valid = first + g < n;
+    // S: key g's 32 codes from 32t on, k-step s takes the word s
+    const uint4* krow = reinterpret_cast<const uint4*>(kt8 + (first + g) * HD + 32 * t);
+    const uint4 k0 = krow[0], k1 = krow[1];
+    const unsigned kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < HD / 16; ++s) {
+        float f[4];
+        kv8x4_floats(kw[s], f);
+        const unsigned a[4] = {pack_bf16x2(f[0], f[1]), 0u, pack_bf16x2(f[2], f[3]), 0u};
+        mma_bf16_16816(c, a, q[s]);
+        mma_bf16_16816(c, a, q[s] + 2);
+    }
+    // The online softmax of heads 2t and 2t + 1 over the 8 keys (lanes g)
+    float p[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const float sc = valid ? c[e] * k_scale * scale : QW_NEG_INF;
+        float mx = sc;
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_new = fmaxf(m[e], mx);  // finite: key 0 of the group exists
+        const float alpha = __expf(m[e] - m_new);
+        p[e] = valid ? __expf(sc - m_new) : 0.f;
+        l[e] = l[e] * alpha + p[e];
+        m[e] = m_new;
+#pragma unroll
+        for (int i = 0; i < HD / 16; ++i) {
+            acc[i][e] *= alpha;
+            acc[i][e + 2] *= alpha;
+        }
+    }
+    // P'^T as B: lane (g, t) needs head g's weights of keys 2t and 2t + 1, which lanes
+    // (2t, g / 2) and (2t + 1, g / 2) hold as element g % 2.
+    const float w0 = p[0] * v_scale, w1 = p[1] * v_scale;
+    float pk[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int src = (2 * t + j) * 4 + g / 2;
+        const float a0 = __shfl_sync(0xffffffffu, w0, src), a1 = __shfl_sync(0xffffffffu, w1, src);
+        pk[j] = g & 1 ? a1 : a0;
+    }
+    unsigned b[4];  // {hi, 0, lo, 0}: keys 8-15 are zero
+    split_bf16x2(pk[0], pk[1], b[0], b[2]);
+    b[1] = b[3] = 0u;
+    // V: the lane's 4 dimensions 32c + 4g .. of keys 2t and 2t + 1 (rows past n: finite codes
+    // of weight zero)
+#pragma unroll
+    for (int cq = 0; cq < HD / 32; ++cq) {
+        const unsigned va = *reinterpret_cast<const unsigned*>(vt8 + (first + 2 * t) * HD + 32 * cq + 4 * g);
+        const unsigned vb = *reinterpret_cast<const unsigned*>(vt8 + (first + 2 * t + 1) * HD + 32 * cq + 4 * g);
+        float lo4[4], hi4[4];
+        kv8x4_floats(__byte_perm(va, vb, 0x5140), lo4);  // dims +0, +1: (key 2t, key 2t + 1)
+        kv8x4_floats(__byte_perm(va, vb, 0x7362), hi4);  // dims +2, +3
+        const unsigned a0[4] = {pack_bf16x2(lo4[0], lo4[1]), pack_bf16x2(lo4[2], lo4[3]), 0u, 0u};
+        const unsigned a1[4] = {pack_bf16x2(hi4[0], hi4[1]), pack_bf16x2(hi4[2], hi4[3]), 0u, 0u};
+        mma_bf16_16816(acc[2 * cq], a0, b);
+        mma_bf16_16816(acc[2 * cq], a0, b + 2);
+        mma_bf16_16816(acc[2 * cq + 1], a1, b);
+        mma_bf16_16816(acc[2 * cq + 1], a1, b + 2);
+    }
+}
+
 // This block's flash-decoding items at position pos (the cache then holds len = pos + 1 keys,
 // the last one computed here by the block whose chunk holds it).
 // Its inputs are tagged `tag`, its outputs `tag + 1`.
@@ -202,13 +312,23 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             return scale;
         };
         float next_scale = stage_scale(0);
-        float m[G], l[G], acc[G][DPL];
+        float m[G], l[G], acc[G][DPL];  // (bf16 cache) lane's dims of every head
 #pragma unroll
         for (int h = 0; h < G; ++h) {
             m[h] = QW_NEG_INF;
             l[h] = 0.f;
 #pragma unroll
             for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
+        }
+        // (int8 cache) heads 2t, 2t + 1 on the tensor cores: int8_keys
+        float m8[2] = {QW_NEG_INF, QW_NEG_INF}, l8[2] = {0.f, 0.f}, acc8[HD / 16][4];
+        unsigned q8[HD / 16][4];
+        if constexpr (qw::kv8) {
+#pragma unroll
+            for (int i = 0; i < HD / 16; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc8[i][e] = 0.f;
+            int8_query(sh.q, q8);
         }
         for (int k0 = 0; k0 < keys; k0 += KEYS) {
             const int n = min(KEYS, keys - k0);
@@ -245,6 +365,19 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             const signed char* vt8 = kt8 + KEYS * HD;
             const float scale_reg = next_scale;
             if (qw::kv8 && k0 + KEYS < keys) next_scale = stage_scale(k0 + KEYS);
+            if constexpr (qw::kv8) {
+#pragma unroll
+                for (int j = 0; j < KPW / 8; ++j) {
+                    const int first = warp * KPW + 8 * j;
+                    if (first >= n) break;  // (warp-uniform)
+                    const int g = lane >> 2;
+                    const float k_scale = __shfl_sync(0xffffffffu, scale_reg, 8 * j + g);
+                    const float v_scale = __shfl_sync(0xffffffffu, scale_reg, KPW + 8 * j + g);
+                    int8_keys(kt8, vt8, first, n, k_scale, v_scale, a.scale, q8, m8, l8, acc8);
+                }
+                pipe_release(consumed);
+                continue;
+            }
 #pragma unroll
             for (int p0 = 0; p0 < KPW; p0 += KPASS) {
                 const int first = warp * KPW + p0;  // the pass's first key in the stage
@@ -342,7 +475,18 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         // anything this item publishes (merge_if_last fences too).
         if (has_new && g.splits == 1 && threadIdx.x < HD) __threadfence();
         // Merge the warps: the chunk's max and sum, then each warp's outputs scaled to it.
-        if (lane == 0) {
+        if constexpr (qw::kv8) {  // lanes g hold a key's share of l each
+            const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) l8[e] += __shfl_xor_sync(0xffffffffu, l8[e], o);
+                if (g == 0 && 2 * t + e < G) {
+                    sh.wm[warp][2 * t + e] = m8[e];
+                    sh.wl[warp][2 * t + e] = l8[e];
+                }
+            }
+        } else if (lane == 0) {
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 sh.wm[warp][h] = m[h];
@@ -350,20 +494,41 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             }
         }
         __syncthreads();
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
+        const auto warps_max = [&](int h) {
             float mx = QW_NEG_INF;
             for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
-            const float e = m[h] == QW_NEG_INF ? 0.f : __expf(m[h] - mx);
+            return mx;
+        };
+        if constexpr (qw::kv8) {
+            const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-            for (int d = 0; d < DPL; ++d) comb[(warp * G + h) * HD + lane * DPL + d] = acc[h][d] * e;
-            if (warp == 0 && lane == 0) {
-                float total = 0.f;
-                for (int w = 0; w < WARPS; ++w)
-                    if (sh.wm[w][h] != QW_NEG_INF) total += __expf(sh.wm[w][h] - mx) * sh.wl[w][h];
-                sh.gm[h] = mx;
-                sh.gl[h] = total;
+            for (int e = 0; e < 2; ++e) {
+                const int h = 2 * t + e;
+                if (h >= G) continue;
+                const float f = m8[e] == QW_NEG_INF ? 0.f : __expf(m8[e] - warps_max(h));
+                float* out = comb + (warp * G + h) * HD;
+#pragma unroll
+                for (int i = 0; i < HD / 16; ++i) {
+                    out[int8_dim(i, g)] = acc8[i][e] * f;
+                    out[int8_dim(i, g + 8)] = acc8[i][e + 2] * f;
+                }
             }
+        } else {
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float e = m[h] == QW_NEG_INF ? 0.f : __expf(m[h] - warps_max(h));
+#pragma unroll
+                for (int d = 0; d < DPL; ++d) comb[(warp * G + h) * HD + lane * DPL + d] = acc[h][d] * e;
+            }
+        }
+        if (warp == 0 && lane < G) {
+            const int h = lane;
+            const float mx = warps_max(h);
+            float total = 0.f;
+            for (int w = 0; w < WARPS; ++w)
+                if (sh.wm[w][h] != QW_NEG_INF) total += __expf(sh.wm[w][h] - mx) * sh.wl[w][h];
+            sh.gm[h] = mx;
+            sh.gl[h] = total;
         }
         __syncthreads();
         for (int out = threadIdx.x; out < G * HD; out += THREADS) {

@@ -169,8 +169,13 @@ static_assert(!qw::kv8 || HD % 128 == 0, "int8 rows fill whole lines; four codes
 constexpr int DPK = 16, LPK = HD / DPK, DPL = HD / 32;
 constexpr int KPW_FIT = STAGE / (2 * KV_ROW) / CWARPS;
 constexpr int KPASS = 32 / LPK < KPW_FIT ? 32 / LPK : KPW_FIT;
-constexpr int KPW = KPASS > 0 ? KPW_FIT / KPASS * KPASS : 0;
+// (int8) a warp's keys go to the tensor cores in groups of 8, at most 16 a stage (their
+// scales sit in its lanes: mk_attention.cuh)
+constexpr int KPW = qw::kv8 ? (KPW_FIT / 8 * 8 < 16 ? KPW_FIT / 8 * 8 : 16)
+                            : KPASS > 0 ? KPW_FIT / KPASS * KPASS : 0;
 constexpr int KEYS = KPW * CWARPS;
+static_assert(!qw::kv8 || (KPW >= 8 && qw::group <= 8),
+              "int8 attention: a group of 8 keys a warp, at most 8 query heads a kv head");
 constexpr int RED = 1024;  // the sampler's scratch floats (two halves)
 
 // The row table's floats and slots (mk_matvec.cuh, rows_phase), for every matrix phase.
