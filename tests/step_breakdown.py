@@ -20,6 +20,7 @@ import json
 from qwenchat.bench import BenchSettings, measure_engine, parse_sizes
 from qwenchat.engine.cuda.engine import CudaEngine
 from qwenchat.engine.cuda.megakernel import MEGAKERNEL_PARTS
+from qwenchat.model.kv_cache import KV_CACHE_CHOICES
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
 
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quantize", default="none", choices=("none", "fp8", "int4"))
+    parser.add_argument("--kv-cache", default="bf16", choices=KV_CACHE_CHOICES)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args()
     positions = parse_sizes(args.positions, "--positions")
@@ -48,7 +50,7 @@ def main() -> None:
     ms: dict[str, dict[int, float]] = {}
     for name, skip in VARIANTS.items():
         engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
-                            decode="megakernel", megakernel_skip=skip)
+                            decode="megakernel", megakernel_skip=skip, kv_cache=args.kv_cache)
         try:
             result = measure_engine(engine, settings, args.config, "random")
         finally:

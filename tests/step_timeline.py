@@ -31,6 +31,7 @@ from consumer_compare import parse_ring
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda.engine import CudaEngine
 from qwenchat.engine.cuda.megakernel import TIMELINE_KINDS
+from qwenchat.model.kv_cache import KV_CACHE_CHOICES
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
 from qwenchat.sampling.params import LiveParams, SamplingParams
@@ -41,14 +42,15 @@ SAMPLE = TIMELINE_KINDS.index("sample")
 
 
 def record_step(config_name: str, quantize: str, position: int, steps: int,
-                rows: str = "auto", stages: int | tuple[int, int] | None = None) -> tuple:
+                rows: str = "auto", stages: int | tuple[int, int] | None = None,
+                kv_cache: str = "bf16") -> tuple:
     """(the records of the last whole step [phase][block], the engine's description)."""
     config = PRESETS[config_name]
     weights = RandomWeights(config, weight_format="bf16" if quantize == "none" else quantize)
     per_step = 5 * config.num_hidden_layers + 2
     engine = CudaEngine(config, weights, ctx=position + steps + 64, decode="megakernel",
                         megakernel_timeline=per_step * steps + 1, megakernel_rows=rows,
-                        megakernel_stages=stages)
+                        megakernel_stages=stages, kv_cache=kv_cache)
     try:
         rng = np.random.default_rng(0)
         engine.prefill([int(i) for i in rng.integers(0, config.vocab_size, max(1, position))])
@@ -238,6 +240,7 @@ def main() -> None:
     parser.add_argument("--config", default="qwen3-0.6b", choices=sorted(PRESETS))
     parser.add_argument("--quantize", default="none", choices=("none", "fp8", "int4"))
     parser.add_argument("--position", type=int, default=1)
+    parser.add_argument("--kv-cache", default="bf16", choices=KV_CACHE_CHOICES)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--zoom", type=int, default=None, metavar="LAYER",
                         help="also draw this layer's five phases alone (NAME-layerN.png/svg)")
@@ -253,7 +256,7 @@ def main() -> None:
     args = parser.parse_args()
     stages = parse_ring(args.stages) if args.stages else None
     step, described = record_step(args.config, args.quantize, args.position, args.steps,
-                                  args.rows, stages)
+                                  args.rows, stages, args.kv_cache)
     analysis = analyse(step)
     rows = summary(analysis)
     ring = pipeline(step, args.clock_ghz)
