@@ -136,17 +136,19 @@ __device__ __forceinline__ void split_bf16x2(float a, float b, unsigned& hi, uns
     lo = pack_bf16x2(a - bf16_lo(hi), b - bf16_hi(hi));
 }
 
-// The B fragments of the query heads for the scores (lane (g, t): head g): q[s] = {hi b0,
-// hi b1, lo b0, lo b1} of k-step s.
-__device__ __forceinline__ void int8_query(const float (*q)[HD], unsigned (&frag)[HD / 16][4]) {
+// The B fragments of the query heads for the scores, into frag[s * 32 + lane] (lane (g, t):
+// head g) for k-step s: {hi b0, hi b1, lo b0, lo b1}. One warp writes them for the block.
+__device__ __forceinline__ void int8_query(const float (*q)[HD], uint4* frag) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int s = 0; s < HD / 16; ++s) {
         float v[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) v[e] = g < qw::group ? q[g][32 * t + 4 * s + e] : 0.f;
-        split_bf16x2(v[0], v[1], frag[s][0], frag[s][2]);
-        split_bf16x2(v[2], v[3], frag[s][1], frag[s][3]);
+        uint4 f;
+        split_bf16x2(v[0], v[1], f.x, f.z);
+        split_bf16x2(v[2], v[3], f.y, f.w);
+        frag[s * 32 + lane] = f;
     }
 }
 
@@ -155,7 +157,7 @@ __device__ __forceinline__ void int8_query(const float (*q)[HD], unsigned (&frag
 // k_scale / v_scale: key g's row scales.
 __device__ __forceinline__ void int8_keys(const signed char* kt8, const signed char* vt8,
                                           int first, int n, float k_scale, float v_scale,
-                                          float scale, const unsigned (&q)[HD / 16][4],
+                                          float scale, const uint4* q,
                                           float (&m)[2], float (&l)[2],
                                           float (&acc)[HD / 16][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -170,8 +172,10 @@ __device__ __forceinline__ void int8_keys(const signed char* kt8, const signed c
         float f[4];
         kv8x4_floats(kw[s], f);
         const unsigned a[4] = {pack_bf16x2(f[0], f[1]), 0u, pack_bf16x2(f[2], f[3]), 0u};
-        mma_bf16_16816(c, a, q[s]);
-        mma_bf16_16816(c, a, q[s] + 2);
+        const uint4 qs = q[s * 32 + lane];
+        const unsigned hi[2] = {qs.x, qs.y}, lo[2] = {qs.z, qs.w};
+        mma_bf16_16816(c, a, hi);
+        mma_bf16_16816(c, a, lo);
     }
     // The online softmax of heads 2t and 2t + 1 over the 8 keys (lanes g)
     float p[2];
@@ -272,6 +276,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 mx = warp_max(mx);
                 if (lane == 0) sh.kv_scale[warp] = __fdiv_rn(mx, 127.f);
             }
+            if (warp == 2) int8_query(sh.q, reinterpret_cast<uint4*>(comb));
             __syncthreads();
         }
         if (has_new && threadIdx.x < HD) {  // the new key and value join the cache
@@ -321,14 +326,14 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
         }
         // (int8 cache) heads 2t, 2t + 1 on the tensor cores: int8_keys
+        // (the query's fragments: in vec_buf until the warps' outputs take it over)
         float m8[2] = {QW_NEG_INF, QW_NEG_INF}, l8[2] = {0.f, 0.f}, acc8[HD / 16][4];
-        unsigned q8[HD / 16][4];
+        const uint4* q8 = reinterpret_cast<const uint4*>(comb);
         if constexpr (qw::kv8) {
 #pragma unroll
             for (int i = 0; i < HD / 16; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc8[i][e] = 0.f;
-            int8_query(sh.q, q8);
         }
         for (int k0 = 0; k0 < keys; k0 += KEYS) {
             const int n = min(KEYS, keys - k0);
