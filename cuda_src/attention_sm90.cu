@@ -87,7 +87,7 @@ struct Int8Tile {
                 unsigned packed[8];
                 codes_to_bf16(codes[kv][i], scales[kv][i], packed,
                               [](unsigned w, float* f) { kv8x4_floats(w, f); });
-                st_swizzled_pair(row, chunk, r, packed);
+                st_swizzled_pair(row, chunk, r, packed, panel & 1);  // (panel 1: other banks)
             }
         }
     }

@@ -14,13 +14,22 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 
 // 16 bf16 values (8 words) as 16-byte chunks `chunk` and `chunk` + 1 of row r of a tile
 // written with the 128-byte swizzle (row_addr: the row's start; chunk c lies at c ^ (r % 8)),
-// as the TMA would have written them.
+// as the TMA would have written them. `odd_first` stores chunk + 1 first: threads that write
+// the same chunks of two tiles 16 KB apart (the same banks) then meet in different banks.
 __device__ __forceinline__ void st_swizzled_pair(unsigned row_addr, int chunk, int r,
-                                                 const unsigned (&packed)[8]) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + ((chunk ^ (r & 7)) << 4)),
-                 "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]) : "memory");
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + (((chunk + 1) ^ (r & 7)) << 4)),
-                 "r"(packed[4]), "r"(packed[5]), "r"(packed[6]), "r"(packed[7]) : "memory");
+                                                 const unsigned (&packed)[8],
+                                                 bool odd_first = false) {
+    const unsigned at[2] = {row_addr + ((chunk ^ (r & 7)) << 4),
+                            row_addr + (((chunk + 1) ^ (r & 7)) << 4)};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // (selects, not indices: the registers stay registers)
+        const unsigned addr = odd_first ? at[1 - i] : at[i];
+        unsigned v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] = odd_first ? packed[4 * (1 - i) + k] : packed[4 * i + k];
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v[0]), "r"(v[1]),
+                     "r"(v[2]), "r"(v[3]) : "memory");
+    }
 }
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
