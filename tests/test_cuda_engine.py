@@ -441,100 +441,58 @@ def reference_attention(q, k, v, start, group):
     (0, 64, 16),  # more splits than tiles of keys: the empty ones must weigh nothing
 ])
 def test_prefill_attention_matches_numpy(kernels, start, n, splits):
-    from qwenchat.engine.cuda.prefill import prefill_attention_shared
-
     rt, cfg, modules, stream = kernels
     rng = np.random.default_rng(start + n)
     cap, d, kvh, heads = 512, cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
     q = f32_to_bf16_bits(rng.standard_normal((n, heads, d)).astype(np.float32))
     kc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
     vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
-    out = poisoned(rt, n * heads * d * 2)
-    part_o = poisoned(rt, max(n, 1) * heads * splits * d * 4)
-    part_ml = poisoned(rt, max(n, 1) * heads * splits * 2 * 4)
-    args = [upload(rt, q), upload(rt, kc), upload(rt, vc), ctypes.c_int(start), ctypes.c_int(n),
-            ctypes.c_int(cap), ctypes.c_float(d**-0.5), out, part_o, part_ml]
-    attention = modules["attention.cu"]
-    prefill = attention.function("attn_prefill")
-    prefill.set_max_dynamic_shared(prefill_attention_shared(d))
-    rt.launch(prefill, ((n + 63) // 64, heads, splits), 128, args,
-              shared=prefill_attention_shared(d), stream=stream)
-    if splits > 1:
-        rt.launch(attention.function("attn_prefill_merge"), (n, heads), d,
-                  [part_o, part_ml, ctypes.c_int(splits), out], stream=stream)
-    stream.synchronize()
+    got = run_prefill_attention(rt, modules["attention.cu"], stream, q, upload(rt, kc),
+                                upload(rt, vc), start, cap, splits)
     length = start + n
     expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],
                                    bf16_bits_to_f32(vc)[:, :length], start, heads // kvh)
-    got = bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
     assert rel_err(got, expected) <= 2e-2
 
 
-@pytest.fixture(scope="module", params=[64, 128])
-def hopper_attention(request):
-    """attention_sm90.cu built for sm_90a at head_dim 64 or 128 (3 query heads per KV head)."""
-    from qwenchat.engine.cuda import runtime as rt
-    from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
-    from qwenchat.engine.cuda.prefill import attention90_shared
+def run_prefill_attention(rt, module, stream, q: np.ndarray, k_cache, v_cache, start: int,
+                          capacity: int, splits: int) -> np.ndarray:
+    """attention.cu's attn_prefill (and its merge of `splits` key blocks) for the queries q
+    (bf16 bits, (n, heads, head_dim)) over the uploaded caches: the output as floats."""
+    from qwenchat.engine.cuda.prefill import prefill_attention_shared
 
-    device = rt.Device(0)
-    if device.arch != "sm_90":
-        pytest.skip(f"attention_sm90.cu needs an sm_90 GPU; this is {device.arch}")
-    d = request.param
-    config = Qwen3Config(vocab_size=1000, hidden_size=48, intermediate_size=80,
-                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
-                         head_dim=d)
-    module = rt.Module(KernelCache().load("attention_sm90.cu", "sm_90a", kernel_defines(config)))
-    function = module.function("attn_prefill90")
-    function.set_max_dynamic_shared(attention90_shared(d))
-    return rt, config, function, rt.Stream()
-
-
-@pytest.mark.parametrize(("start", "n"), [(0, 83), (37, 130), (200, 1), (0, 300), (90, 257)])
-def test_hopper_prefill_attention_matches_numpy(hopper_attention, start, n):
-    """Random values in the cache rows past the prompt too (and a capacity no tile divides,
-    so the last tile of one KV head runs into the next head's rows): masking must hide them."""
-    from qwenchat.engine.cuda.prefill import (
-        ATTENTION90_QUERIES,
-        attention90_shared,
-        attention90_threads,
-    )
-
-    rt, cfg, function, stream = hopper_attention
-    rng = np.random.default_rng(start + n + cfg.head_dim)
-    cap, d, kvh, heads = 400, cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
-    q = f32_to_bf16_bits(rng.standard_normal((n, heads, d)).astype(np.float32))
-    kc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
-    vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
-    q_buffer, k_buffer, v_buffer = upload(rt, q), upload(rt, kc), upload(rt, vc)
+    n, heads, d = q.shape
     out = poisoned(rt, n * heads * d * 2)
-    maps = [rt.tile_map(q_buffer.ptr, n, heads * d, 128, 64),
-            rt.tile_map(k_buffer.ptr, kvh * cap, d, 128, 64),
-            rt.tile_map(v_buffer.ptr, kvh * cap, d, 128, 64)]
-    args = [*maps, ctypes.c_int(start), ctypes.c_int(n), ctypes.c_int(cap),
-            ctypes.c_float(d**-0.5), out]
-    rt.launch(function, (heads, (n + ATTENTION90_QUERIES - 1) // ATTENTION90_QUERIES),
-              attention90_threads(), args, shared=attention90_shared(d), stream=stream)
+    part_o = poisoned(rt, n * heads * splits * d * 4)
+    part_ml = poisoned(rt, n * heads * splits * 2 * 4)
+    prefill = module.function("attn_prefill")
+    prefill.set_max_dynamic_shared(prefill_attention_shared(d))
+    rt.launch(prefill, ((n + 63) // 64, heads, splits), 128,
+              [upload(rt, q), k_cache, v_cache, ctypes.c_int(start), ctypes.c_int(n),
+               ctypes.c_int(capacity), ctypes.c_float(d**-0.5), out, part_o, part_ml],
+              shared=prefill_attention_shared(d), stream=stream)
+    if splits > 1:
+        rt.launch(module.function("attn_prefill_merge"), (n, heads), d,
+                  [part_o, part_ml, ctypes.c_int(splits), out], stream=stream)
     stream.synchronize()
-    length = start + n
-    expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],
-                                   bf16_bits_to_f32(vc)[:, :length], start, heads // kvh)
-    got = bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
-    assert np.isfinite(got).all() and rel_err(got, expected) <= 2e-2
+    return bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
 
 
-def test_a_few_tokens_after_a_long_prefix_split_their_keys_and_match_one_block_per_head(
-        real_shape):
-    config, _, gpu_engine, ref = real_shape
-    assert gpu_engine.prefill_key_splits(0, 400) == 1  # many queries: blocks enough already
-    assert gpu_engine.prefill_key_splits(900, 30) > 1
-    prompt = [int(t) for t in np.random.default_rng(9).integers(0, config.vocab_size, 930)]
-    gpu_engine.truncate(0)
-    ref.truncate(0)
-    gpu_engine.prefill(prompt[:900])
-    ours = gpu_engine.prefill_logits(prompt[900:])  # 30 tokens: keys split across blocks
-    ref.prefill(prompt[:900])
-    assert rel_err(ours, ref.prefill_logits(prompt[900:])) <= 2e-2
+def run_decode_attention(rt, module, stream, q: np.ndarray, k_cache, v_cache, position: int,
+                         capacity: int, kv_heads: int, splits: int) -> np.ndarray:
+    """attention.cu's attn_decode_partial and attn_decode_merge for one query row q (bf16
+    bits, (1, heads, head_dim)) at `position`: the output as floats."""
+    _, heads, d = q.shape
+    part_o, part_ml = poisoned(rt, heads * splits * d * 4), poisoned(rt, heads * splits * 8)
+    out = poisoned(rt, heads * d * 4)
+    rt.launch(module.function("attn_decode_partial"), (kv_heads, splits), 128,
+              [upload(rt, q), k_cache, v_cache, upload(rt, np.array([position], np.int32)),
+               ctypes.c_int(capacity), ctypes.c_float(d**-0.5), part_o, part_ml], stream=stream)
+    rt.launch(module.function("attn_decode_merge"), heads, min(d, 128),
+              [part_o, part_ml, ctypes.c_int(splits), out], shared=(splits + 3) // 4 * 16,
+              stream=stream)
+    stream.synchronize()
+    return download(out, np.float32, (1, heads, d))
 
 
 @pytest.mark.parametrize(("position", "splits"), [(0, 8), (300, 8), (4000, 24)])
@@ -545,21 +503,12 @@ def test_decode_attention_matches_numpy(kernels, position, splits):
     q = f32_to_bf16_bits(rng.standard_normal((1, heads, d)).astype(np.float32))
     kc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
     vc = f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
-    pos = upload(rt, np.array([position], np.int32))
-    part_o, part_ml = poisoned(rt, heads * splits * d * 4), poisoned(rt, heads * splits * 8)
-    out = poisoned(rt, heads * d * 4)
-    attention = modules["attention.cu"]
-    rt.launch(attention.function("attn_decode_partial"), (kvh, splits), 128,
-              [upload(rt, q), upload(rt, kc), upload(rt, vc), pos, ctypes.c_int(cap),
-               ctypes.c_float(d**-0.5), part_o, part_ml], stream=stream)
-    rt.launch(attention.function("attn_decode_merge"), heads, min(d, 128),
-              [part_o, part_ml, ctypes.c_int(splits), out], shared=(splits + 3) // 4 * 16,
-              stream=stream)
-    stream.synchronize()
+    got = run_decode_attention(rt, modules["attention.cu"], stream, q, upload(rt, kc),
+                               upload(rt, vc), position, cap, kvh, splits)
     length = position + 1
     expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(kc)[:, :length],
                                    bf16_bits_to_f32(vc)[:, :length], position, heads // kvh)
-    assert rel_err(download(out, np.float32, (1, heads, d)), expected) <= 1e-3
+    assert rel_err(got, expected) <= 1e-3
 
 
 def run_sampler(kernels, logits, params: dict, seen=None, counts=None, step=0, seed=0):

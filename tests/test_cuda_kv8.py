@@ -9,7 +9,15 @@ import dataclasses
 import numpy as np
 import pytest
 from hf_compare import relative_error
-from test_cuda_engine import download, poisoned, reference_attention, rel_err, upload
+from test_cuda_engine import (
+    download,
+    poisoned,
+    reference_attention,
+    rel_err,
+    run_decode_attention,
+    run_prefill_attention,
+    upload,
+)
 from test_cuda_fp8 import greedy_against_the_reference
 
 from qwenchat.engine.reference import ReferenceEngine
@@ -129,30 +137,17 @@ def query_rows(rng, n: int, config):
 @pytest.mark.parametrize(("start", "n", "splits"), [(0, 83, 1), (37, 130, 1), (200, 1, 3),
                                                     (450, 30, 5), (0, 64, 16)])
 def test_int8_prefill_attention_matches_numpy(int8_kernels, start, n, splits):
-    from qwenchat.engine.cuda.prefill import prefill_attention_shared
-
     rt, module, stream = int8_kernels
     rng = np.random.default_rng(start + n)
     cap, d, kvh, heads = 509, ODD.head_dim, ODD.num_key_value_heads, ODD.num_attention_heads
     q = query_rows(rng, n, ODD)
     (k_raw, k), (v_raw, v) = int8_cache(rng, kvh, cap, d), int8_cache(rng, kvh, cap, d)
-    out = poisoned(rt, n * heads * d * 2)
-    part_o = poisoned(rt, n * heads * splits * d * 4)
-    part_ml = poisoned(rt, n * heads * splits * 2 * 4)
-    prefill = module.function("attn_prefill")
-    prefill.set_max_dynamic_shared(prefill_attention_shared(d))
-    rt.launch(prefill, ((n + 63) // 64, heads, splits), 128,
-              [upload(rt, q), upload(rt, k_raw), upload(rt, v_raw), ctypes.c_int(start),
-               ctypes.c_int(n), ctypes.c_int(cap), ctypes.c_float(d**-0.5), out, part_o, part_ml],
-              shared=prefill_attention_shared(d), stream=stream)
-    if splits > 1:
-        rt.launch(module.function("attn_prefill_merge"), (n, heads), d,
-                  [part_o, part_ml, ctypes.c_int(splits), out], stream=stream)
-    stream.synchronize()
+    got = run_prefill_attention(rt, module, stream, q, upload(rt, k_raw), upload(rt, v_raw),
+                                start, cap, splits)
     length = start + n
     expected = reference_attention(bf16_bits_to_f32(q), k[:, :length], v[:, :length], start,
                                    heads // kvh)
-    assert rel_err(bf16_bits_to_f32(download(out, np.uint16, (n, heads, d))), expected) <= 2e-2
+    assert rel_err(got, expected) <= 2e-2
 
 
 @pytest.mark.parametrize(("position", "splits"), [(0, 8), (300, 8), (4000, 24)])
@@ -163,21 +158,13 @@ def test_int8_decode_attention_matches_numpy(int8_kernels, position, splits):
     cap, d, kvh, heads = 4099, ODD.head_dim, ODD.num_key_value_heads, ODD.num_attention_heads
     q = query_rows(rng, 1, ODD)
     (k_raw, k), (v_raw, v) = int8_cache(rng, kvh, cap, d), int8_cache(rng, kvh, cap, d)
-    part_o, part_ml = poisoned(rt, heads * splits * d * 4), poisoned(rt, heads * splits * 8)
-    out = poisoned(rt, heads * d * 4)
-    rt.launch(module.function("attn_decode_partial"), (kvh, splits), 128,
-              [upload(rt, q), upload(rt, k_raw), upload(rt, v_raw),
-               upload(rt, np.array([position], np.int32)), ctypes.c_int(cap),
-               ctypes.c_float(d**-0.5), part_o, part_ml], stream=stream)
-    rt.launch(module.function("attn_decode_merge"), heads, min(d, 128),
-              [part_o, part_ml, ctypes.c_int(splits), out], shared=(splits + 3) // 4 * 16,
-              stream=stream)
-    stream.synchronize()
+    got = run_decode_attention(rt, module, stream, q, upload(rt, k_raw), upload(rt, v_raw),
+                               position, cap, kvh, splits)
     length = position + 1
     expected = reference_attention(bf16_bits_to_f32(q), k[:, :length], v[:, :length], position,
                                    heads // kvh)
     # (code x scale is formed in floats here: only the query's bf16 and the sums' order differ)
-    assert rel_err(download(out, np.float32, (1, heads, d)), expected) <= 1e-3
+    assert rel_err(got, expected) <= 1e-3
 
 
 @pytest.fixture(scope="module", params=[64, 128])
