@@ -1,8 +1,9 @@
-"""FP8 against bf16 on the same random weights: relative logit error and top-1 agreement over a
-greedy continuation (a sanity figure for the note and docs/perf.md, not a quality claim; run by
-hand on a GPU, not by pytest).
+"""FP8 or int4 against bf16 on the same random weights: relative logit error and top-1
+agreement over a greedy continuation (a sanity figure for the note and docs/perf.md, not a
+quality claim; run by hand on a GPU, not by pytest).
 
     python tests/fp8_agreement.py --config qwen3-8b --steps 256
+    python tests/fp8_agreement.py --config qwen3-8b --steps 256 --quantize int4
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=32, help="random prompt tokens")
     parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--quantize", default="fp8", choices=("fp8", "int4"))
     args = parser.parse_args()
     config = preset(args.config)
     weights = RandomWeights(config)
@@ -39,12 +41,12 @@ def main() -> None:
     bf16.truncate(0)
     reference = bf16.prefill_logits(sequence)[args.prompt - 1 :]
     bf16.close()
-    fp8 = create_engine(args.backend, config, weights, ctx, quantize="fp8")
-    ours = fp8.prefill_logits(sequence)[args.prompt - 1 :]
-    fp8.close()
+    narrow = create_engine(args.backend, config, weights, ctx, quantize=args.quantize)
+    ours = narrow.prefill_logits(sequence)[args.prompt - 1 :]
+    narrow.close()
     errors = np.abs(ours - reference).max(axis=1) / np.abs(reference).max(axis=1)
     agree = float(np.mean(ours.argmax(axis=1) == reference.argmax(axis=1)))
-    print(f"{args.config}: {len(tokens)} steps, relative logit error median "
+    print(f"{args.config} {args.quantize}: {len(tokens)} steps, relative logit error median "
           f"{np.median(errors):.2e}, worst {errors.max():.2e}; top-1 agreement {agree:.1%}")
 
 
