@@ -27,6 +27,7 @@ GROUP = 128  # input columns a scale and a zero point cover
 PACK = 32 // BITS  # codes a 32-bit word holds
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within a word's 8) held by nibble i
 SUFFIXES = ("qweight", "qzeros", "scales")
+BAND = 256  # output rows a worker thread quantizes (or lays out for the GPU) at a time
 
 
 def packed_shapes(out_features: int, in_features: int) -> dict[str, tuple[int, int]]:
@@ -68,35 +69,54 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Round-to-nearest asymmetric 4-bit codes of an (out x in) float32 weight, in groups of
     128 input columns: (qweight, qzeros, scales as fp16), AWQ's layout. Each group's range
     [min, max] (widened to hold 0) maps onto 0..15; the zero point is rounded, so 0 stays
-    exact."""
+    exact. Bands of BAND output rows run on every core (`--quantize int4` at load time)."""
     out_features, in_features = weight.shape
-    w = weight.T.reshape(in_features // GROUP, GROUP, out_features).astype(np.float32)
-    low = np.minimum(w.min(axis=1), 0.0)
-    high = np.maximum(w.max(axis=1), 0.0)
-    scales = ((high - low) / (2**BITS - 1)).astype(np.float16)
-    step = scales.astype(np.float32)
-    safe = np.where(step > 0, step, 1.0)
-    zeros = np.clip(np.rint(-low / safe), 0, 2**BITS - 1)
-    codes = np.clip(np.rint(w / safe[:, None, :]) + zeros[:, None, :], 0, 2**BITS - 1)
-    codes = codes.reshape(in_features, out_features).astype(np.uint8)
-    return pack(codes), pack(zeros.astype(np.uint8)), scales
+    groups = in_features // GROUP
+    qweight = np.empty((in_features, out_features // PACK), np.int32)
+    qzeros = np.empty((groups, out_features // PACK), np.int32)
+    scales = np.empty((groups, out_features), np.float16)
+
+    def band(o0: int) -> None:
+        o1 = min(out_features, o0 + BAND)
+        w = weight[o0:o1].T.reshape(groups, GROUP, o1 - o0).astype(np.float32)
+        low = np.minimum(w.min(axis=1), 0.0)
+        high = np.maximum(w.max(axis=1), 0.0)
+        s16 = ((high - low) / (2**BITS - 1)).astype(np.float16)
+        step = s16.astype(np.float32)
+        safe = np.where(step > 0, step, 1.0)
+        zeros = np.clip(np.rint(-low / safe), 0, 2**BITS - 1)
+        codes = np.clip(np.rint(w / safe[:, None, :]) + zeros[:, None, :], 0, 2**BITS - 1)
+        qweight[:, o0 // PACK : o1 // PACK] = pack(codes.reshape(in_features, o1 - o0)
+                                                   .astype(np.uint8))
+        qzeros[:, o0 // PACK : o1 // PACK] = pack(zeros.astype(np.uint8))
+        scales[:, o0:o1] = s16
+
+    fp8.on_every_core(band, range(0, out_features, BAND))
+    return qweight, qzeros, scales
 
 
 def gpu_rows(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """An AWQ layer as the GPU engine's rows (uint8, out x fp8.row_bytes(in, "int4"),
     cuda_src/weights.cuh): each output row's codes along its inputs, eight a word in ORDER
     (as AWQ packs its output columns), then a record per group, the f16 scale in the low half
-    and the f16 value 1024 + zero in the high half, then zeros to 16 bytes."""
-    codes = unpack(qweight)  # (in, out)
-    in_features, out_features = codes.shape
+    and the f16 value 1024 + zero in the high half, then zeros to 16 bytes. Bands of BAND
+    rows run on every core."""
+    in_features, out_features = qweight.shape[0], qweight.shape[1] * PACK
     groups = in_features // GROUP
     out = np.zeros((out_features, fp8.row_bytes(in_features, "int4")), np.uint8)
-    out[:, : in_features // 2] = pack(np.ascontiguousarray(codes.T)).view(np.uint8)
-    zero_bits = np.uint32(0x6400) + unpack(qzeros).astype(np.uint32)  # f16 of 1024 + zero
-    records = (scales.astype(np.float16).view(np.uint16).astype(np.uint32)
-               | (zero_bits << np.uint32(16)))  # (groups, out)
-    out[:, in_features // 2 : in_features // 2 + 4 * groups] = (
-        np.ascontiguousarray(records.T).view(np.uint8))
+
+    def band(o0: int) -> None:
+        o1 = min(out_features, o0 + BAND)
+        words = slice(o0 // PACK, o1 // PACK)
+        codes = unpack(qweight[:, words])  # (in, o1 - o0)
+        out[o0:o1, : in_features // 2] = pack(np.ascontiguousarray(codes.T)).view(np.uint8)
+        zero_bits = np.uint32(0x6400) + unpack(qzeros[:, words]).astype(np.uint32)  # 1024 + z
+        records = (scales[:, o0:o1].astype(np.float16).view(np.uint16).astype(np.uint32)
+                   | (zero_bits << np.uint32(16)))  # (groups, o1 - o0)
+        out[o0:o1, in_features // 2 : in_features // 2 + 4 * groups] = (
+            np.ascontiguousarray(records.T).view(np.uint8))
+
+    fp8.on_every_core(band, range(0, out_features, BAND))
     return out
 
 

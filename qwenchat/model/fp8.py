@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -73,9 +74,15 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         blocks /= divisor[None, :, None]
         codes[r : r + BLOCK] = f32_to_e4m3(part)[:, :cols]
 
-    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:
-        list(pool.map(band, range(scales.shape[0])))
+    on_every_core(band, range(scales.shape[0]))
     return codes, scales
+
+
+def on_every_core(work: Callable[[int], None], items: Iterable[int]) -> None:
+    """work(item) for every item on a pool of threads, one a core (at most 16): for NumPy work
+    on independent bands of a matrix, which lets go of the GIL."""
+    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:
+        list(pool.map(work, items))
 
 
 class QuantizedLinears:
