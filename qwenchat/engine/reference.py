@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
+from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.kv_cache import cached
@@ -52,6 +53,10 @@ class LayerWeights:
         )
 
 
+def _unchanged(x: np.ndarray) -> np.ndarray:
+    return x
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     variance = np.mean(x * x, axis=-1, keepdims=True)
     return weight * (x / np.sqrt(variance + np.float32(eps)))
@@ -88,11 +93,14 @@ class ReferenceEngine(CacheBookkeeping):
     prefill_chunk = 256
 
     def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None,
-                 kv_cache: str = "bf16"):
+                 kv_cache: str = "bf16", fp8_activations: bool = False):
         super().__init__(ctx or config.max_position_embeddings)
         self.config = config
         self.weight_format = checkpoint.weight_format
         self.kv_format = kv_cache  # what the cache holds (qwenchat/model/kv_cache.py)
+        # Every linear layer's input as e4m3 codes and a scale a token and 128 columns, as FP8
+        # tensor cores take it (fp8.quantize_activations); the LM head keeps its input.
+        self.linear_input = fp8.quantize_activations if fp8_activations else _unchanged
         self.embed = checkpoint.float32("model.embed_tokens.weight")
         self.layers = [LayerWeights.load(checkpoint, i) for i in range(config.num_hidden_layers)]
         self.final_norm = checkpoint.float32("model.norm.weight")
@@ -158,8 +166,9 @@ class ReferenceEngine(CacheBookkeeping):
         self._reserve(start + count)
         cos, sin = rope_tables(np.arange(start, start + count), cfg.head_dim, cfg.rope_theta)
         x = self.embed[np.asarray(ids)]
+        into = self.linear_input
         for index, w in enumerate(self.layers):
-            h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+            h = into(rms_norm(x, w.input_norm, cfg.rms_norm_eps))
             q = (h @ w.q.T).reshape(count, cfg.num_attention_heads, cfg.head_dim)
             k = (h @ w.k.T).reshape(count, cfg.num_key_value_heads, cfg.head_dim)
             v = (h @ w.v.T).reshape(count, cfg.num_key_value_heads, cfg.head_dim)
@@ -167,9 +176,9 @@ class ReferenceEngine(CacheBookkeeping):
             k = apply_rope(rms_norm(k, w.k_norm, cfg.rms_norm_eps), cos, sin)
             self._k[index, :, start : start + count] = cached(k, self.kv_format).transpose(1, 0, 2)
             self._v[index, :, start : start + count] = cached(v, self.kv_format).transpose(1, 0, 2)
-            x = x + self._attend(index, q, start) @ w.o.T
-            h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-            x = x + (silu(h @ w.gate.T) * (h @ w.up.T)) @ w.down.T
+            x = x + into(self._attend(index, q, start)) @ w.o.T
+            h = into(rms_norm(x, w.post_norm, cfg.rms_norm_eps))
+            x = x + into(silu(h @ w.gate.T) * (h @ w.up.T)) @ w.down.T
         self._tokens.extend(ids)
         rows = x if all_positions else x[-1:]
         return rms_norm(rows, self.final_norm, cfg.rms_norm_eps) @ self.lm_head.T

@@ -78,6 +78,23 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales
 
 
+def quantize_activations(x: np.ndarray) -> np.ndarray:
+    """x (tokens x columns, float32) as FP8 tensor cores would take it under Qwen's "dynamic"
+    activation scheme: each token's columns in groups of BLOCK, each group e4m3 codes times
+    its own scale (max |x| / 448); returns code x scale as float32. The reference engine's
+    `fp8_activations` applies it to every linear layer's input (docs/prefill_v2.md)."""
+    x = np.asarray(x, np.float32)
+    rows, cols = x.shape
+    groups = -(-cols // BLOCK)
+    padded = np.zeros((rows, groups * BLOCK), np.float32)
+    padded[:, :cols] = x
+    blocks = padded.reshape(rows, groups, BLOCK)
+    scale = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(E4M3_MAX)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    values = e4m3_to_f32(f32_to_e4m3(blocks / safe)) * scale
+    return values.reshape(rows, groups * BLOCK)[:, :cols].astype(np.float32)
+
+
 def on_every_core(work: Callable[[int], None], items: Iterable[int]) -> None:
     """work(item) for every item on a pool of threads, one a core (at most 16): for NumPy work
     on independent bands of a matrix, which lets go of the GIL."""
