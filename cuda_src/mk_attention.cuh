@@ -364,13 +364,12 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 pipe_produce(a, consumed);
                 continue;
             }
-            const bf16_t* vt = kt + KEYS * HD;
-            // (int8 cache) the codes; this stage's scales, and the next stage's on their way
-            const signed char* kt8 = reinterpret_cast<const signed char*>(stage);
-            const signed char* vt8 = kt8 + KEYS * HD;
-            const float scale_reg = next_scale;
-            if (qw::kv8 && k0 + KEYS < keys) next_scale = stage_scale(k0 + KEYS);
             if constexpr (qw::kv8) {
+                // the codes; this stage's scales, and the next stage's on their way
+                const signed char* kt8 = reinterpret_cast<const signed char*>(stage);
+                const signed char* vt8 = kt8 + KEYS * HD;
+                const float scale_reg = next_scale;
+                if (k0 + KEYS < keys) next_scale = stage_scale(k0 + KEYS);
 #pragma unroll
                 for (int j = 0; j < KPW / 8; ++j) {
                     const int first = warp * KPW + 8 * j;
@@ -383,6 +382,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 pipe_release(consumed);
                 continue;
             }
+            const bf16_t* vt = kt + KEYS * HD;
 #pragma unroll
             for (int p0 = 0; p0 < KPW; p0 += KPASS) {
                 const int first = warp * KPW + p0;  // the pass's first key in the stage
@@ -397,44 +397,23 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
 #pragma unroll
                     for (int c = 0; c < DPK / 8; ++c) {
                         const int piece = c * LPK + part;
-                        if constexpr (qw::kv8) {
-                            float kf[8];
-                            kv8_floats(reinterpret_cast<const uint2*>(kt8 + kk * HD)[piece], kf);
+                        const uint4 kv = reinterpret_cast<const uint4*>(kt + kk * HD)[piece];
 #pragma unroll
-                            for (int h = 0; h < G; ++h)
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) s[h] += kf[e] * sh.q[h][piece * 8 + e];
-                        } else {
-                            const uint4 kv = reinterpret_cast<const uint4*>(kt + kk * HD)[piece];
-#pragma unroll
-                            for (int h = 0; h < G; ++h) s[h] += dot8(kv, &sh.q[h][piece * 8]);
-                        }
+                        for (int h = 0; h < G; ++h) s[h] += dot8(kv, &sh.q[h][piece * 8]);
                     }
                 }
-                // (int8 cache) the key's scale, from the lane that holds it
-                const float k_scale = qw::kv8 ? __shfl_sync(0xffffffffu, scale_reg, (p0 + slot) % 32) : 1.f;
 #pragma unroll
                 for (int h = 0; h < G; ++h) {
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
-                    s[h] = scored ? s[h] * k_scale * a.scale : QW_NEG_INF;
+                    s[h] = scored ? s[h] * a.scale : QW_NEG_INF;
                 }
                 // The pass's values: this lane's DPL dimensions of each of its KPASS keys.
                 float v[KPASS][DPL];
 #pragma unroll
                 for (int j = 0; j < KPASS; ++j) {
                     const bf16_t* row = vt + (first + j) * HD + lane * DPL;
-                    if constexpr (qw::kv8) {  // codes times the value row's scale
-                        const float v_scale = __shfl_sync(0xffffffffu, scale_reg, KPW + p0 + j);
-                        const signed char* codes = vt8 + (first + j) * HD + lane * DPL;
-                        float f[4];
-#pragma unroll
-                        for (int d = 0; d < DPL; ++d) {
-                            if (d % 4 == 0)  // (DPL is 4 at head_dim 128, the only int8 size)
-                                kv8x4_floats(*reinterpret_cast<const unsigned*>(codes + d), f);
-                            v[j][d] = first + j < n ? f[d % 4] * v_scale : 0.f;
-                        }
-                    } else if (first + j < n && DPL % 2 == 0) {
+                    if (first + j < n && DPL % 2 == 0) {
 #pragma unroll
                         for (int d = 0; d + 1 < DPL; d += 2) {
                             const unsigned pair = *reinterpret_cast<const unsigned*>(row + d);

@@ -96,14 +96,15 @@ def main() -> None:
 
 
 def gpu_figure(args, config, weights, ctx: int, prompt: list[int]) -> None:
+    from test_cuda_fp8 import one_step_a_launch  # (last_logits() is each step's)
+
     from qwenchat.engine.base import GenerateRequest
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.sampling.params import LiveParams, SamplingParams
 
     eight = CudaEngine(config, weights, ctx=ctx, kv_cache="int8")
     plain = CudaEngine(config, weights, ctx=ctx)
-    if eight.decode == "megakernel":  # one step a launch: last_logits() is each step's
-        eight.steps_per_launch, eight.launches_ahead = 1, 0
+    one_step_a_launch(eight)
     eight.prefill(prompt)
     plain.prefill(prompt)
     request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=args.steps)),

@@ -39,8 +39,8 @@ def row_scale_bytes(kv_format: str) -> int:
 def bytes_per_position(config: Qwen3Config, kv_format: str = "bf16") -> int:
     """Bytes one cached token takes over every layer: a key and a value row of each kv head,
     each with its scale in an 8-bit cache."""
-    row = config.head_dim * bytes_per_value(kv_format) + row_scale_bytes(kv_format)
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * row
+    scales = config.num_hidden_layers * 2 * config.num_key_value_heads * row_scale_bytes(kv_format)
+    return config.kv_bytes_per_position(bytes_per_value(kv_format)) + scales
 
 
 def cached(rows: np.ndarray, kv_format: str) -> np.ndarray:
