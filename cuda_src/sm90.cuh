@@ -147,6 +147,24 @@ template <> struct Wgmma<256> {
         : "l"(a), "l"(b), "r"(accumulate));
     }
 };
+// D (64 x 128, fp32) += A (64 x 32 e4m3) . B (128 x 32 e4m3)^T, both K-major from shared
+// memory (8-bit wgmma takes no transposes); accumulate = 0 overwrites D. (Issue 25's FP8
+// GEMM, gemm_fp8_sm90.cu: a draft not yet run.)
+struct WgmmaE4m3 {
+    static __device__ __forceinline__ void mma(float (&d)[64], unsigned long long a,
+                                               unsigned long long b, int accumulate) {
+        asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        QW_REGS0 ",\n"
+        QW_REGS1 ",\n"
+        QW_REGS2 ",\n"
+        QW_REGS3 "}, "
+        "%64, %65, p, 1, 1;\n}\n"
+        : QW_ACC32(0), QW_ACC32(32)
+        : "l"(a), "l"(b), "r"(accumulate));
+    }
+};
 // D (64 x N) += A (64 x 16, bf16 fragments in registers, the layout of mma.sync's A) .
 // B (16 x N) from shared memory, MN-major (imm-trans-b = 1): attention's P . V;
 // accumulate = 0 overwrites D.

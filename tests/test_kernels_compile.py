@@ -124,11 +124,14 @@ def test_every_define_becomes_one_sorted_option():
 
 # The kernels that read the linear layers' weights are also built for FP8 ones (weights.cuh).
 FP8_KERNEL_FILES = ("gemm.cu", "layers.cu", "megakernel.cu")
-# Hopper-only sources (wgmma, TMA) are built for sm_90a alone, as the engine builds them.
-BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in SM90_KERNELS for arch in ARCHS]
+# Hopper-only sources (wgmma, TMA) are built for sm_90a alone, as the engine builds them;
+# gemm_fp8_sm90.cu (issue 25's FP8 GEMM, a draft the engine does not load yet) with them.
+DRAFTS = ("gemm_fp8_sm90.cu",)
+HOPPER_FILES = (*SM90_KERNELS, *DRAFTS)
+BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in HOPPER_FILES for arch in ARCHS]
           + [(k, "fp8", arch) for k in FP8_KERNEL_FILES for arch in ARCHS]
           + [(k, "bf16", "sm_90a") for k in SM90_KERNELS]
-          + [(k, "fp8", "sm_90a") for k in SM90_KERNELS])
+          + [(k, "fp8", "sm_90a") for k in HOPPER_FILES])
 
 
 def test_hopper_sources_are_among_the_kernel_files():
@@ -629,7 +632,7 @@ def test_the_fp8_megakernel_compiles_with_either_consumer(arch, name):
 
 
 def test_every_source_has_a_place_in_the_compile_order():
-    assert set(COMPILE_ORDER) == set(KERNEL_FILES)
+    assert set(COMPILE_ORDER) == set(KERNEL_FILES) - set(DRAFTS)
 
 
 @needs_nvrtc

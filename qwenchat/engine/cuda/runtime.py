@@ -436,18 +436,22 @@ class TensorMap(ctypes.Structure):
 
 
 def tile_map(address: int, rows: int, cols: int, box_rows: int, box_cols: int, *,
-             codes: bool = False, row_bytes: int | None = None) -> TensorMap:
+             codes: bool = False, row_bytes: int | None = None,
+             swizzled_codes: bool = False) -> TensorMap:
     """The tensor map of a row-major matrix (rows x cols) read in box_rows x box_cols tiles;
     elements past its bounds read as zero. bf16 values by default, each tile row written with
     the 128-byte swizzle (so box_cols must be 64); codes=True: bytes (FP8 codes), tile rows
-    plain. row_bytes: the distance between rows when the rows hold more than the matrix (FP8
-    rows end with their scales). The address must be 16-byte aligned and row_bytes a multiple
-    of 16. sm_90+ only."""
+    plain, or with swizzled_codes the 128-byte swizzle (box_cols 128: the e4m3 wgmma's
+    operands). row_bytes: the distance between rows when the rows hold more than the matrix
+    (FP8 rows end with their scales). The address must be 16-byte aligned and row_bytes a
+    multiple of 16. sm_90+ only."""
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    codes = codes or swizzled_codes
     element = 1 if codes else 2
     dtype = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8 if codes
              else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
-    swizzle = (driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if codes
+    swizzle = (driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+               if codes and not swizzled_codes
                else driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
     encoded = check(driver.cuTensorMapEncodeTiled(
         dtype, 2, address, [u64(cols), u64(rows)], [u64(row_bytes or cols * element)],
