@@ -17,6 +17,9 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float x) {
     return r;
 }
 
+// SwiGLU's gate activation, x . sigmoid(x).
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+
 // Two floats to one 32-bit register holding (lo, hi) as bf16, lo in the low half.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;

@@ -81,8 +81,6 @@ __device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char
     }
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-
 // C (row stride ldc) = or += A . B^T for the tile (blockIdx.x, blockIdx.y): 128 rows of A
 // from row blockIdx.x * 128 (the fast index, so the blocks running together share B's tile and
 // B streams from memory about once), BN columns from blockIdx.y * BN. SWIGLU_BF16: B is

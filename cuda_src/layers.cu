@@ -11,8 +11,6 @@
 constexpr int GEMV_THREADS = 256;
 constexpr int GEMV_WARPS = GEMV_THREADS / 32;
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-
 // x[i, :] = embed[ids[i], :] for n tokens (one block per token).
 extern "C" __global__ void embed_rows(const int* __restrict__ ids, int n,
                                       const bf16_t* __restrict__ embed, float* __restrict__ x) {

@@ -8,8 +8,6 @@
 namespace {
 using namespace mk;
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-
 template <int K>
 struct Vec {
     float v[cpl(K)][8];

@@ -138,6 +138,19 @@ class PrefillResult:
     seconds: float | None = None
     ttft_s: float | None = None  # prefill plus the first generated token
     skipped: str | None = None
+    # The attention's share: the same prefill timed again with the attention kernels left
+    # out (an engine with a prefill_attention switch: the CUDA one), the difference, and the
+    # attention's FLOP rate over it (attention_flops).
+    attention_s: float | None = None
+    attention_tflop_s: float | None = None
+
+
+def attention_flops(config: Qwen3Config, tokens: int) -> int:
+    """The causal prefill attention's floating-point operations for a prompt of `tokens`:
+    Q.K^T and P.V, 2 x head_dim multiply-adds each, for every query head, layer and
+    (query, key <= query) pair (FlashAttention's count)."""
+    pairs = tokens * (tokens + 1) // 2
+    return 4 * config.head_dim * config.num_attention_heads * config.num_hidden_layers * pairs
 
 
 @dataclass
@@ -288,7 +301,26 @@ def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
         durations.append(prefilled - start)
         _drain(generation)
     seconds = statistics.median(durations)
-    return PrefillResult(tokens, tokens / seconds, seconds, statistics.median(ttfts))
+    result = PrefillResult(tokens, tokens / seconds, seconds, statistics.median(ttfts))
+    if getattr(engine, "prefill_attention", None) is True:
+        # The same prompts without the attention kernels (the cache is refilled by the next
+        # measurement's prefill): what is left is the rest of the prefill's time.
+        engine.prefill_attention = False
+        try:
+            without = []
+            for _ in range(settings.repeats):
+                engine.truncate(0)
+                start = time.perf_counter()
+                engine.prefill(ids)
+                without.append(time.perf_counter() - start)
+        finally:
+            engine.prefill_attention = True
+            engine.truncate(0)
+        result.attention_s = seconds - statistics.median(without)
+        if result.attention_s > 0:
+            result.attention_tflop_s = (attention_flops(engine.config, tokens)
+                                        / result.attention_s / 1e12)
+    return result
 
 
 def _measure_decode(engine: Engine, position: int, settings: BenchSettings,
@@ -853,6 +885,9 @@ def render(result: BenchResult, out: TextIO) -> None:
     prefill = Table(title="prefill", title_justify="left")
     hf_prefill = {p.tokens: p for t in result.transformers for p in t.prefill if p.tok_s}
     columns = ["system", "tokens", "tok/s", "time", "TTFT"]
+    attention = any(p.attention_s is not None for p in result.prefill)
+    if attention:  # the attention's time (prefill with it less prefill without) and rate
+        columns += ["attention", "attn TFLOP/s"]
     if hf_prefill:
         columns.append("× hf")  # our rate over transformers' at the same prompt size
     for column in columns:
@@ -862,6 +897,8 @@ def render(result: BenchResult, out: TextIO) -> None:
             notes.append(f"prefill of {p.tokens} tokens skipped: {p.skipped}")
         cells = ["qwenchat", str(p.tokens), _num(p.tok_s, ",.0f", "skipped"), _ms(p.seconds),
                  _ms(p.ttft_s)]
+        if attention:
+            cells += [_ms(p.attention_s), _num(p.attention_tflop_s, ",.0f")]
         if hf_prefill:
             theirs = hf_prefill.get(p.tokens)
             ratio = p.tok_s / theirs.tok_s if p.tok_s and theirs else None
@@ -872,7 +909,7 @@ def render(result: BenchResult, out: TextIO) -> None:
             if p.skipped:
                 notes.append(f"hf {t.variant} prefill of {p.tokens} tokens skipped: {p.skipped}")
             cells = [f"hf {t.variant}", str(p.tokens), _num(p.tok_s, ",.0f", "skipped"),
-                     _ms(p.seconds), "–"]
+                     _ms(p.seconds), "–", *(["–", "–"] if attention else [])]
             prefill.add_row(*cells, *(["–"] if hf_prefill else []))
     console.print(prefill)
 

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -451,6 +452,16 @@ def test_bench_kv_cache_int8_counts_the_bytes_an_8bit_cache_reads(tmp_path):
     assert plain["kv_bytes_per_position"] == config.kv_bytes_per_position()
 
 
+def table_result(config: Qwen3Config, prefill, transformers=()) -> bench_module.BenchResult:
+    """A result holding these prefill rows (and transformers' results), for the tables."""
+    return bench_module.BenchResult(
+        model="m", weights="random", engine="e", device="d", config=config, parameters=1,
+        ctx=1024, steps=4, repeats=3, sampler="greedy", weight_format="bf16",
+        weight_bytes_per_step=1, kv_format="bf16", kv_bytes_per_position=1,
+        copy_bandwidth_bytes_s=None, peak_memory_bytes=None, prefill=list(prefill), decode=[],
+        transformers=list(transformers))
+
+
 def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():
     config = TIED
     ours = [bench_module.PrefillResult(512, 60_000.0, 512 / 60_000, 0.009),
@@ -458,12 +469,7 @@ def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():
     theirs = bench_module.TransformersResult("eager", "GPU", "bfloat16", prefill=[
         bench_module.PrefillResult(512, 15_000.0, 512 / 15_000),
         bench_module.PrefillResult(4096, None, skipped="does not fit the 1024-token context")])
-    result = bench_module.BenchResult(
-        model="m", weights="random", engine="e", device="d", config=config, parameters=1,
-        ctx=1024, steps=4, repeats=3, sampler="greedy", weight_format="bf16",
-        weight_bytes_per_step=1, kv_format="bf16", kv_bytes_per_position=1,
-        copy_bandwidth_bytes_s=None, peak_memory_bytes=None, prefill=ours, decode=[],
-        transformers=[theirs])
+    result = table_result(config, ours, [theirs])
     out = io.StringIO()
     bench_module.render(result, out)
     rows = {tuple(line.split("│")[1:3]): line for line in out.getvalue().splitlines()
@@ -475,6 +481,30 @@ def test_the_prefill_table_puts_transformers_beside_us_with_the_ratio():
     hf_512 = next(v for k, v in rows.items() if "hf eager" in k[0] and "512" in k[1])
     assert "15,000" in hf_512
     assert "hf eager prefill of 4096 tokens skipped: does not fit" in out.getvalue()
+
+
+def test_the_attentions_time_is_the_prefill_with_it_less_the_prefill_without_it():
+    from fake_engine import FakeEngine
+
+    class AttentionSwitch(FakeEngine):
+        prefill_attention = True
+
+        def prefill(self, token_ids):
+            time.sleep(0.06 if self.prefill_attention else 0.02)  # attention: 40 ms
+            super().prefill(token_ids)
+
+    engine = AttentionSwitch(TIED, [1, 2, 3], capacity=256)
+    settings = BenchSettings(prompts=(100,), positions=(1,), steps=2, repeats=3)
+    result = bench_module._measure_prefill(engine, 100, settings, np.random.default_rng(0))
+    assert engine.prefill_attention is True  # switched back on
+    assert 0.03 <= result.attention_s <= 0.05
+    flops = 4 * TIED.head_dim * TIED.num_attention_heads * TIED.num_hidden_layers * 100 * 101 // 2
+    assert bench_module.attention_flops(TIED, 100) == flops
+    assert result.attention_tflop_s == pytest.approx(flops / result.attention_s / 1e12)
+    out = io.StringIO()
+    bench_module.render(table_result(TIED, [result]), out)
+    row = next(line for line in out.getvalue().splitlines() if "qwenchat" in line)
+    assert "attn TFLOP/s" in out.getvalue() and bench_module._ms(result.attention_s) in row
 
 
 def test_speculation_measures_the_oracle_at_each_share_of_wrong_proposals_and_the_draft():

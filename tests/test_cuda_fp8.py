@@ -13,6 +13,7 @@ from tiny_model import write_quantized_copy, write_tiny_model
 
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.model import fp8
 from qwenchat.model.fp8 import Fp8Weights
 from qwenchat.model.loader import open_model_dir
 from qwenchat.sampling.params import LiveParams, SamplingParams
@@ -38,11 +39,25 @@ def one_step_a_launch(gpu) -> None:
         gpu.steps_per_launch, gpu.launches_ahead = 1, 0
 
 
-def engines(directory: Path, ctx: int | None = None, decode: str = "layered", **kwargs):
+# On Hopper the FP8 weights' prefill takes e4m3 activations (gemm_fp8_sm90.cu). On these
+# shallow random models that noise reaches ~10% of the largest logit (on the reference alone:
+# e4m3 against float32 inputs, docs/prefill_v2.md), past any useful tolerance, while on
+# full-depth models it averages to a few 1e-3. So the checks against the reference on them
+# run the bf16-activation prefill (every GPU but sm_90 prefills so anyway), and the e4m3
+# path has its own tests: its kernels against NumPy (test_cuda_fp8_gemm.py), full
+# depth against the reference and the bf16 activations, parts against one pass.
+WIDENED = {"fp8_activations": "bf16"}
+
+
+def engines(directory: Path, ctx: int | None = None, decode: str = "layered",
+            quantize: str = "none"):
     from qwenchat.engine import create_engine
+    from qwenchat.engine.cuda.engine import CudaEngine
 
     model = open_model_dir(directory)
-    gpu = create_engine("cuda", model.config, model.checkpoint, ctx, decode=decode, **kwargs)
+    gpu = CudaEngine(model.config, fp8.with_quantization(model.checkpoint, quantize), ctx,
+                     decode=decode, **WIDENED)
+    kwargs = {"quantize": quantize}
     assert gpu.decode == decode
     one_step_a_launch(gpu)
     ref = create_engine("cpu", model.config, model.checkpoint, ctx, **kwargs)
@@ -85,6 +100,66 @@ def test_fp8_prefill_logits_match_the_reference(fp8_dir):
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 400, 256)]
     assert relative_error(gpu.prefill_logits(ids), ref.prefill_logits(ids)) <= 2e-2
     gpu.close()
+
+
+def test_e4m3_prefill_in_parts_is_one_pass_and_near_the_bf16_activations(fp8_dir):
+    """gemm_fp8_sm90.cu's prefill: in parts of 100 tokens bit-equal to one pass of 300, and
+    (printed) how far its logits lie from the bf16-activation path's on the same weights."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    model = open_model_dir(fp8_dir)
+    parts, one, widened = (CudaEngine(model.config, model.checkpoint, 512, decode="layered",
+                                      fp8_activations=a) for a in ("auto", "auto", "bf16"))
+    if not parts.fp8_gemm:
+        pytest.skip("e4m3 activations need gemm_fp8_sm90.cu (sm_90)")
+    assert not widened.fp8_gemm
+    ids = [int(i) for i in np.random.default_rng(7).integers(0, 400, 300)]
+    for a in range(0, 300, 100):
+        parts.prefill(ids[a : a + 100])
+    one.prefill(ids)
+    assert np.array_equal(parts.last_logits(), one.last_logits())
+    widened.prefill(ids)
+    error = relative_error(one.last_logits(), widened.last_logits())
+    print(f"e4m3 against bf16 activations: {error:.2e}")
+    for engine in (parts, one, widened):
+        engine.close()
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "odd blocks"])
+def test_e4m3_prefill_at_full_depth_follows_the_reference(shape):
+    """28 layers of random FP8 weights (0.6B's widths, or ODD_BLOCKS'): the e4m3 prefill's
+    logits against the reference with the same activation scheme and against the GPU's
+    bf16-activation prefill over 128 positions: median error within 5e-3, 95% of positions
+    within 2e-2 and top-1 agreeing. (Not every position: on these random models a position
+    now and then is chaotic under e4m3 noise. On the reference alone, e4m3 against float32
+    inputs, position 68 of this prompt is 1.99 off while bf16 inputs stay within 1.6e-4 of
+    float32 everywhere: docs/prefill_v2.md.)"""
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=28)
+    if shape == "odd blocks":
+        config = dataclasses.replace(config, **{**ODD_BLOCKS, "num_hidden_layers": 28})
+    weights = RandomWeights(config, seed=3, weight_format="fp8")
+    prompt = [int(i) for i in np.random.default_rng(8).integers(0, config.vocab_size, 128)]
+    logits = {}
+    for activations in ("auto", "bf16"):
+        gpu = CudaEngine(config, weights, ctx=160, decode="layered", fp8_activations=activations)
+        if activations == "auto" and not gpu.fp8_gemm:
+            gpu.close()
+            pytest.skip("e4m3 activations need gemm_fp8_sm90.cu (sm_90)")
+        logits[activations] = gpu.prefill_logits(prompt)
+        gpu.close()
+    ours = logits["auto"]
+    oracle = ReferenceEngine(config, weights, ctx=160, fp8_activations=True).prefill_logits(prompt)
+    for name, other in (("reference", oracle), ("bf16 activations", logits["bf16"])):
+        errors = np.abs(ours - other).max(axis=1) / np.abs(other).max(axis=1)
+        agree = float(np.mean(ours.argmax(axis=1) == other.argmax(axis=1)))
+        print(f"{shape} against the {name}: median {np.median(errors):.2e}, max "
+              f"{errors.max():.2e}, top-1 {agree:.1%}")
+        assert np.median(errors) <= 5e-3
+        assert np.quantile(errors, 0.95) <= 2e-2 and agree >= 0.95
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -173,7 +248,7 @@ def test_real_widths_in_fp8_prefill_and_decode_as_the_reference(quantized_shape,
     from qwenchat.engine.cuda.engine import CudaEngine
 
     config, weights, ref = quantized_shape
-    gpu = CudaEngine(config, weights, ctx=256, decode=decode)
+    gpu = CudaEngine(config, weights, ctx=256, decode=decode, **WIDENED)
     # 32B is too wide for the megakernel on an H100: it says so and uses the graph.
     assert gpu.decode in (decode, "layered")
     prefill_and_decode_as_the_reference(gpu, ref)
@@ -217,7 +292,7 @@ def test_an_odd_count_of_fp8_blocks_prefills_as_the_reference(odd_blocks_fp8_dir
 
     model = open_model_dir(odd_blocks_fp8_dir)
     gpu = CudaEngine(model.config, model.checkpoint, 512, decode="layered",
-                     prefill_kernels=prefill_kernels)
+                     prefill_kernels=prefill_kernels, **WIDENED)
     ref = ReferenceEngine(model.config, Fp8Weights(model.checkpoint), 512)
     prefills_as_the_reference(gpu, ref, 200, seed=5, label=f"{prefill_kernels} prefill")
 

@@ -125,13 +125,11 @@ def test_every_define_becomes_one_sorted_option():
 # The kernels that read the linear layers' weights are also built for FP8 ones (weights.cuh).
 FP8_KERNEL_FILES = ("gemm.cu", "layers.cu", "megakernel.cu")
 # Hopper-only sources (wgmma, TMA) are built for sm_90a alone, as the engine builds them;
-# gemm_fp8_sm90.cu (issue 25's FP8 GEMM, a draft the engine does not load yet) with them.
-DRAFTS = ("gemm_fp8_sm90.cu",)
-HOPPER_FILES = (*SM90_KERNELS, *DRAFTS)
-BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in HOPPER_FILES for arch in ARCHS]
+# gemm_fp8_sm90.cu only for FP8 weights.
+BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in SM90_KERNELS for arch in ARCHS]
           + [(k, "fp8", arch) for k in FP8_KERNEL_FILES for arch in ARCHS]
-          + [(k, "bf16", "sm_90a") for k in SM90_KERNELS]
-          + [(k, "fp8", "sm_90a") for k in HOPPER_FILES])
+          + [(k, "bf16", "sm_90a") for k in SM90_KERNELS if k != "gemm_fp8_sm90.cu"]
+          + [(k, "fp8", "sm_90a") for k in SM90_KERNELS])
 
 
 def test_hopper_sources_are_among_the_kernel_files():
@@ -442,6 +440,21 @@ def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():
         plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_86"), prefill_kernels="hopper")
 
 
+def test_fp8_weights_on_hopper_prefill_on_the_e4m3_gemm_unless_asked_for_bf16():
+    config = PRESETS["qwen3-4b"]
+    plan = plan_kernels(config, "fp8", gpu_shape("sm_90"))
+    assert plan.fp8_gemm
+    assert ("gemm_fp8_sm90.cu", "sm_90a") in _sources(plan)
+    assert ("gemm_sm90.cu", "sm_90a") not in _sources(plan)
+    widened = plan_kernels(config, "fp8", gpu_shape("sm_90"), fp8_activations="bf16")
+    assert not widened.fp8_gemm and ("gemm_sm90.cu", "sm_90a") in _sources(widened)
+    for other in (plan_kernels(config, "bf16", gpu_shape("sm_90")),
+                  plan_kernels(config, "fp8", gpu_shape("sm_89")),
+                  plan_kernels(config, "fp8", gpu_shape("sm_90"), prefill_kernels="portable")):
+        assert not other.fp8_gemm
+        assert "gemm_fp8_sm90.cu" not in {source for source, _ in _sources(other)}
+
+
 def test_where_the_megakernel_cannot_run_the_plan_says_why_and_compiles_the_graph():
     plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90", cooperative=False))
     assert plan.decode == "layered" and "cooperative" in plan.why_layered
@@ -632,7 +645,7 @@ def test_the_fp8_megakernel_compiles_with_either_consumer(arch, name):
 
 
 def test_every_source_has_a_place_in_the_compile_order():
-    assert set(COMPILE_ORDER) == set(KERNEL_FILES) - set(DRAFTS)
+    assert set(COMPILE_ORDER) == set(KERNEL_FILES)
 
 
 @needs_nvrtc

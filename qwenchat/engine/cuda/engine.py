@@ -36,7 +36,9 @@ from qwenchat.engine.cuda.megakernel import (
     megakernel_unusable,
 )
 from qwenchat.engine.cuda.prefill import (
+    FP8_ACTIVATIONS,
     GEMM90_SHARED,
+    GEMM_FP8_KERNELS,
     PREFILL_KERNELS,
     PREFILL_MAX_KEY_SPLITS,
     PREFILL_QUERIES_PER_BLOCK,
@@ -74,10 +76,11 @@ KERNELS = {
 # bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
 SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128",
                                  "gemm90_add_256", "gemm90_swiglu"),
+                "gemm_fp8_sm90.cu": GEMM_FP8_KERNELS,
                 "attention_sm90.cu": ("attn_prefill90",)}
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
 # builds start in this order, so the longest never waits behind the short ones.
-COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "attention.cu", "sampling.cu",
+COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "gemm_fp8_sm90.cu", "attention.cu", "sampling.cu",
                  "attention_sm90.cu", "gemm.cu", "verify.cu", "layers.cu")
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
@@ -98,15 +101,18 @@ def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str 
 
 def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_gemm: bool,
                   hopper_attention: bool, megakernel: KernelBuild | None,
-                  kv_format: str = "bf16") -> list[KernelBuild]:
+                  kv_format: str = "bf16", fp8_gemm: bool = False) -> list[KernelBuild]:
     """The cubins a run uses, longest compile first: layers.cu, attention.cu and sampling.cu
     always; gemm.cu only where gemm_sm90.cu does not run the products; the Hopper sources
-    (for sm_90a) where they run; the megakernel where it decodes."""
+    (for sm_90a) where they run, gemm_fp8_sm90.cu instead of gemm_sm90.cu where FP8 weights
+    meet e4m3 activations (`fp8_gemm`); the megakernel where it decodes."""
     defines = kernel_defines(config, weight_format, kv_format)
     builds = [KernelBuild.of(source, arch, defines) for source in KERNELS
               if not (source == "gemm.cu" and hopper_gemm)]
+    wanted = {"gemm_sm90.cu": hopper_gemm and not fp8_gemm, "gemm_fp8_sm90.cu": fp8_gemm,
+              "attention_sm90.cu": hopper_attention}
     builds += [KernelBuild.of(source, "sm_90a", defines) for source in SM90_KERNELS
-               if (hopper_gemm if source == "gemm_sm90.cu" else hopper_attention)]
+               if wanted[source]]
     if megakernel is not None:
         builds.append(megakernel)
     return sorted(builds, key=lambda build: COMPILE_ORDER.index(build.source))
@@ -120,6 +126,7 @@ class KernelPlan:
     why_layered: str | None  # why the megakernel cannot decode here, if it cannot
     hopper_gemm: bool  # prefill products on gemm_sm90.cu
     hopper_attention: bool  # prefill attention on attention_sm90.cu
+    fp8_gemm: bool  # FP8 weights' prefill products on e4m3 tensor cores (gemm_fp8_sm90.cu)
     megakernel_layout: MegakernelLayout | None
     megakernel: KernelBuild | None
     builds: list[KernelBuild]
@@ -131,14 +138,16 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                  megakernel_stages: int | tuple[int, int] | None = None,
                  megakernel_timeline: int = 0, megakernel_consumer: str = "auto",
                  megakernel_shared: int | None = None,
-                 megakernel_rows: str = "auto", kv_format: str = "bf16") -> KernelPlan:
+                 megakernel_rows: str = "auto", kv_format: str = "bf16",
+                 fp8_activations: str = "auto") -> KernelPlan:
     """The paths and kernels of a run: "auto" decodes in the megakernel wherever it can run
     and prefills with the Hopper kernels on sm_90. `megakernel_shared` lays the megakernel out
     for that much shared memory a block instead of the GPU's (at most the GPU's): 101,376
     runs an H100 as an RTX 4090 would lay it out. `megakernel_rows` "whole" or "parts" forces
     how its stages hold the weight rows (megakernel_layout; tests and comparisons). An int8
     KV cache (`kv_format`) is decoded by the megakernel only at head_dim 128 (its rows must
-    fill whole lines)."""
+    fill whole lines). FP8 weights prefill with e4m3 activations on Hopper's FP8 tensor cores
+    unless `fp8_activations` is "bf16" (their codes then widened to bf16 for gemm_sm90.cu)."""
     shared = device.max_shared_per_block_optin
     if megakernel_shared is not None:
         if not MEGAKERNEL_MIN_SHARED <= megakernel_shared <= shared:
@@ -150,6 +159,9 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
         raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {device.arch}")
     hopper_gemm = hopper and prefill_kernels != "portable"
     hopper_attention = hopper_gemm and config.head_dim in (64, 128)
+    # (each 128-row box of the fused Q/K/V rows must lie in one of Q, K, V: one block scale)
+    fp8_gemm = (hopper_gemm and weight_format == "fp8" and fp8_activations != "bf16"
+                and config.q_size % 128 == 0 and config.kv_size % 128 == 0)
     layout = megakernel_layout(config, shared, device.sm_count, weight_format,
                                fp8_on_tensor_cores(device.arch, megakernel_consumer),
                                megakernel_rows, device.memory_bandwidth)
@@ -165,10 +177,10 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                                          kv_format)
     else:
         layout = None
-    return KernelPlan(chosen, why, hopper_gemm, hopper_attention, layout, build,
+    return KernelPlan(chosen, why, hopper_gemm, hopper_attention, fp8_gemm, layout, build,
                       kernel_builds(config, weight_format, device.arch, hopper_gemm=hopper_gemm,
                                     hopper_attention=hopper_attention, megakernel=build,
-                                    kv_format=kv_format))
+                                    kv_format=kv_format, fp8_gemm=fp8_gemm))
 
 
 def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
@@ -211,6 +223,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         megakernel_shared: int | None = None,
         megakernel_rows: str = "auto",
         kv_cache: str = "bf16",
+        fp8_activations: str = "auto",
     ):
         """`notice` gets what the user should know (a kernel compile starting, a fallback);
         `progress` a line as each kernel compile ends. `megakernel_timeline` > 0 builds a
@@ -218,13 +231,18 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         `megakernel_consumer` "fma" keeps FP8 rows off the tensor cores (comparisons);
         `megakernel_shared` lays the megakernel out for less shared memory than the GPU has,
         `megakernel_rows` forces whole rows or parts of rows in its stages (plan_kernels);
-        `kv_cache` "int8" keeps keys and values as int8 rows and their scales (kv8.cuh)."""
+        `kv_cache` "int8" keeps keys and values as int8 rows and their scales (kv8.cuh);
+        `fp8_activations` "bf16" keeps FP8 weights' prefill off the e4m3 tensor cores
+        (plan_kernels)."""
         if kv_cache not in KV_CACHE_CHOICES:
             raise QwenchatError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}; "
                                 f"got {kv_cache!r}")
         if decode not in DECODES:
             choices = ", ".join(DECODES)
             raise QwenchatError(f"--decode must be one of {choices}; got {decode!r}")
+        if fp8_activations not in FP8_ACTIVATIONS:
+            raise QwenchatError(f"fp8_activations must be one of {', '.join(FP8_ACTIVATIONS)}; "
+                                f"got {fp8_activations!r}")
         if prefill_kernels not in PREFILL_KERNELS:
             choices = ", ".join(PREFILL_KERNELS)
             raise QwenchatError(f"prefill_kernels must be one of {choices}; "
@@ -249,12 +267,16 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         plan = plan_kernels(config, self.weight_format, self.device, decode, prefill_kernels,
                             megakernel_skip, megakernel_stages, megakernel_timeline,
                             megakernel_consumer, megakernel_shared, megakernel_rows,
-                            kv_cache)
+                            kv_cache, fp8_activations)
         self.mk_timeline_phases = megakernel_timeline
         if plan.why_layered and decode == "megakernel":
             notice(f"{plan.why_layered}: decoding layer by layer")
         self.decode, self.mk_layout = plan.decode, plan.megakernel_layout
         self.gemm90, self.attention90 = plan.hopper_gemm, plan.hopper_attention
+        self.fp8_gemm = plan.fp8_gemm
+        # False leaves the prefill's attention kernels out (its output is then stale): only
+        # for `qwenchat bench`, which times a prefill with and without them.
+        self.prefill_attention = True
         # The kernels compile on worker threads while the weights upload.
         compilation = KernelCache().start(plan.builds, announce=notice, progress=progress)
         try:
@@ -303,7 +325,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         for name in ("gemm_store", "gemm_add"):
             if name in self.k:
                 self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
-        for name in SM90_KERNELS["gemm_sm90.cu"]:
+        for name in (*SM90_KERNELS["gemm_sm90.cu"], *GEMM_FP8_KERNELS[:-1]):  # (not quantize)
             if name in self.k:
                 self.k[name].set_max_dynamic_shared(GEMM90_SHARED)
         if "attn_prefill90" in self.k:
@@ -365,7 +387,13 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # fp32 gate/up rows: the layered decode's one row, and the prefill's unless
         # gemm_sm90.cu applies SwiGLU in gate/up's product.
         self.gu = self._device_buffer((1 if self.gemm90 else c) * 2 * cfg.intermediate_size * 4)
-        self.act = self._device_buffer(c * cfg.intermediate_size * 2)
+        self.act = self._device_buffer(0 if self.fp8_gemm else c * cfg.intermediate_size * 2)
+        if self.fp8_gemm:  # e4m3 codes and scales of xn / attn (one at a time), and of act
+            widest = max(cfg.hidden_size, cfg.q_size)
+            self.xq = self._device_buffer(c * widest)
+            self.xq_scales = self._device_buffer(c * math.ceil(widest / 128) * 4)
+            self.actq = self._device_buffer(c * cfg.intermediate_size)
+            self.actq_scales = self._device_buffer(c * math.ceil(cfg.intermediate_size / 128) * 4)
         self.w16 = self._device_buffer(dequant_scratch_bytes(cfg, self.weight_format))
         self.ids = self._device_buffer(c * 4)
         sms = self.device.sm_count

@@ -1,6 +1,6 @@
 """Prefill: the new tokens through every layer as batched tensor-core GEMMs and flash
-attention (gemm.cu, attention.cu, layers.cu; on Hopper gemm_sm90.cu and attention_sm90.cu),
-in chunks that bound the scratch memory."""
+attention (gemm.cu, attention.cu, layers.cu; on Hopper gemm_sm90.cu, gemm_fp8_sm90.cu for FP8
+weights, and attention_sm90.cu), in chunks that bound the scratch memory."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ GEMM90_NARROW_COST = 0.65
 # attention.cu, the kernels of every other GPU; "auto": hopper wherever it can run.
 PREFILL_KERNELS = ("auto", "hopper", "portable")
 ATTENTION90_QUERIES = 128  # queries per block
+# gemm_fp8_sm90.cu: FP8 weights times e4m3 activations (a scale a token and 128 columns, made
+# by quantize_rows_e4m3 or by the SwiGLU product's epilogue); its SHARED_BYTES are
+# GEMM90_SHARED, its THREADS GEMM90_THREADS.
+GEMM_FP8_KERNELS = ("gemm_fp8_store_128", "gemm_fp8_store_256", "gemm_fp8_add_128",
+                    "gemm_fp8_add_256", "gemm_fp8_swiglu", "quantize_rows_e4m3")
+# "auto": e4m3 activations wherever gemm_fp8_sm90.cu runs (sm_90, FP8 weights); "bf16" keeps
+# the FP8 weights' codes widened to bf16 in gemm_sm90.cu (comparisons, docs/prefill_v2.md).
+FP8_ACTIVATIONS = ("auto", "e4m3", "bf16")
 
 
 def attention90_threads(kv_format: str = "bf16") -> int:
@@ -104,8 +112,10 @@ class Prefill:
     def _prefill_chunk_tokens(self) -> int:
         cfg = self.config
         gate_up = 0 if self.gemm90 else 2 * 4  # fp32 gate/up rows, unless fused into SwiGLU
-        per_token = (cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
-                     + cfg.q_size * 2 * 2 + cfg.intermediate_size * (gate_up + 2) + 4)
+        # act in bf16, or (e4m3 activations) in codes and scales, with xn's or attn's codes
+        act, codes = (1.04, max(cfg.hidden_size, cfg.q_size) * 1.04) if self.fp8_gemm else (2, 0)
+        per_token = int(cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
+                        + cfg.q_size * 2 * 2 + cfg.intermediate_size * (gate_up + act) + codes + 4)
         chunk = PREFILL_SCRATCH_BUDGET // per_token
         return int(max(64, min(2048, chunk // 64 * 64)))
 
@@ -120,13 +130,17 @@ class Prefill:
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
         for i, w in enumerate(self.layers):
             self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
+            self._quantize("xn", n, h)
             self._product("store", "xn", i, "qkv", self.qkv, n, qkv_cols, h)
             self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
                          rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
                          c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
-            self._attention_prefill(i, start, n, scale)
+            if self.prefill_attention:
+                self._attention_prefill(i, start, n, scale)
+            self._quantize("attn", n, cfg.q_size)
             self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
+            self._quantize("xn", n, h)
             self._gate_up(i, n)
             self._product("add", "act", i, "down", self.x, n, h, inter)
 
@@ -136,6 +150,9 @@ class Prefill:
         where the engine uses it, else gemm.cu. int4 weights are dequantized to bf16 a slice
         of rows at a time (_dequant), each slice's product writing its columns of c."""
         b = getattr(self.layers[layer], weight)
+        if self.fp8_gemm:
+            self._gemm_fp8(kind, a, self.gemm90_maps[layer][weight], b, c, m, n, k)
+            return
         if self.weight_format != "int4":
             maps = self.gemm90_maps[layer][weight] if self.gemm90 else None
             self._gemm_any(kind, a, maps, b, c, m, n, k, ldc=n)
@@ -154,6 +171,10 @@ class Prefill:
         cfg = self.config
         h, inter = cfg.hidden_size, cfg.intermediate_size
         w = self.layers[layer].gate_up
+        if self.fp8_gemm:
+            self._gemm_fp8("swiglu", "xn", self.gemm90_maps[layer]["gate_up"], w, self.actq, m,
+                           inter, h)
+            return
         if self.weight_format != "int4":
             if self.gemm90:
                 self._gemm90("swiglu", self.gemm90_maps_a["xn"], self.gemm90_maps[layer]["gate_up"],
@@ -187,6 +208,33 @@ class Prefill:
         else:
             self._gemm(f"gemm_{kind}", getattr(self, a), b, c, m, n, k, ldc=ldc)
 
+    def _quantize(self, a: str, m: int, cols: int) -> None:
+        """Buffer `a`'s m rows of bf16 activations as e4m3 codes and scales (xq), for
+        gemm_fp8_sm90.cu; nothing on the other paths."""
+        if not self.fp8_gemm:
+            return
+        items = m * math.ceil(cols / 128)  # a warp a group of 128 columns of a row
+        self._launch("quantize_rows_e4m3", math.ceil(items / 8), 256, getattr(self, a),
+                     ctypes.c_int(m), ctypes.c_int(cols), ctypes.c_int(cols), self.xq,
+                     self.xq_scales)
+
+    def _gemm_fp8(self, kind: str, a: str, map_b: rt.TensorMap, b, c, m: int, n: int,
+                  k: int) -> None:
+        """gemm_fp8_sm90.cu: c = or += a's e4m3 codes . the FP8 weights b^T (kind "store",
+        "add"), or ("swiglu", n features) actq = e4m3(silu(gate) * up) with its scales."""
+        if kind == "swiglu":
+            self._launch("gemm_fp8_swiglu", (math.ceil(m / 128), math.ceil(n / 128)),
+                         GEMM90_THREADS, self.gemm90_maps_a[a], map_b, self.xq_scales, b,
+                         self.actq, self.actq_scales, ctypes.c_int(m), ctypes.c_int(n),
+                         ctypes.c_int(k), ctypes.c_int(n), ctypes.c_int(n), shared=GEMM90_SHARED)
+            return
+        width = gemm90_width(m, n, self.device.sm_count)
+        scales = self.actq_scales if a == "act" else self.xq_scales
+        self._launch(f"gemm_fp8_{kind}_{width}", (math.ceil(m / 128), math.ceil(n / width)),
+                     GEMM90_THREADS, self.gemm90_maps_a[a], map_b, scales, b, c, rt.Ptr(0),
+                     ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(0),
+                     ctypes.c_int(n), shared=GEMM90_SHARED)
+
     def _dequant(self, weights, row0: int, rows: int, cols: int, to_row: int) -> None:
         """int4 rows row0 .. row0 + rows of `weights` as bf16 rows of the scratch matrix from
         row `to_row` (dequant_int4_rows): about a tenth of a 4K-token prefill's time
@@ -206,7 +254,15 @@ class Prefill:
         def tiles(buffer, rows: int, cols: int) -> rt.TensorMap:
             return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
 
+        def codes(buffer, rows: int, cols: int, packed: bool = False) -> rt.TensorMap:
+            """e4m3 codes in 128 x 128-byte boxes (gemm_fp8_sm90.cu); packed: FP8 weight rows,
+            their codes (weights.cuh)."""
+            return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 128, swizzled_codes=True,
+                               row_bytes=packed_row_bytes(cols) if packed else None)
+
         def weights(buffer, rows: int, cols: int) -> rt.TensorMap:
+            if self.fp8_gemm:
+                return codes(buffer, rows, cols, packed=True)
             if self.weight_format == "fp8":  # the codes of each packed row (weights.cuh)
                 return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64, codes=True,
                                    row_bytes=packed_row_bytes(cols))
@@ -222,9 +278,14 @@ class Prefill:
             self.q_map = tiles(self.q, c, cfg.q_size)
         if not self.gemm90:
             return
-        self.gemm90_maps_a = {"xn": tiles(self.xn, c, cfg.hidden_size),
-                              "attn": tiles(self.attn, c, cfg.q_size),
-                              "act": tiles(self.act, c, cfg.intermediate_size)}
+        if self.fp8_gemm:  # e4m3 codes: xn's and attn's share xq
+            self.gemm90_maps_a = {"xn": codes(self.xq, c, cfg.hidden_size),
+                                  "attn": codes(self.xq, c, cfg.q_size),
+                                  "act": codes(self.actq, c, cfg.intermediate_size)}
+        else:
+            self.gemm90_maps_a = {"xn": tiles(self.xn, c, cfg.hidden_size),
+                                  "attn": tiles(self.attn, c, cfg.q_size),
+                                  "act": tiles(self.act, c, cfg.intermediate_size)}
         if self.weight_format == "int4":  # the slices _dequant makes, every layer's
             h, q, inter = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
             self.w16_maps = {
