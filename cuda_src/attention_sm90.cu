@@ -36,8 +36,20 @@ constexpr int Q_BYTES = PANELS * PANEL_BYTES, KV_BYTES = PANELS * PANEL_BYTES;
 constexpr int STAGE_BYTES = 2 * KV_BYTES;  // a K tile, then a V tile
 constexpr int SHARED_BYTES = Q_BYTES + STAGES * STAGE_BYTES + 1024;  // + slack for alignment
 static_assert(SHARED_BYTES <= 227 * 1024, "one block's shared memory on an H100");
-constexpr int PRODUCERS = qw::kv8 ? 128 : 32;  // the int8 tiles' converters, or the TMA warp
+// FlashAttention-3's ping-pong schedule (below) for a bf16 cache; an int8 cache's converters
+// would spill in the registers it leaves them, so it keeps the plain one. (QW_ATTN_PINGPONG=0
+// builds the plain one for bf16 too: comparisons.)
+#ifndef QW_ATTN_PINGPONG
+#define QW_ATTN_PINGPONG 1
+#endif
+#define QW_PINGPONG (QW_ATTN_PINGPONG && !QW_KV8)
+// The int8 tiles' converters, or the TMA thread's warp (a whole warpgroup with the ping-pong
+// schedule: it gives its registers to the consumers, and setmaxnreg works on warpgroups).
+constexpr int PRODUCERS = qw::kv8 || QW_PINGPONG ? 128 : 32;
 constexpr int THREADS = 2 * 128 + PRODUCERS;
+// Registers a thread with the ping-pong schedule: the TMA's warpgroup and the consumers (S, O
+// and the last tile's P); 128 x 40 + 256 x 232 <= 65,536.
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 constexpr float LOG2E = 1.4426950408889634f;
 
 #if QW_KV8
@@ -113,7 +125,7 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
     if (threadIdx.x == 0) {
         mbar_init(smem_addr(&q_full), 1);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_addr(&full[s]), PRODUCERS == 32 ? 1 : PRODUCERS);  // TMA, or each converter
+            mbar_init(smem_addr(&full[s]), qw::kv8 ? PRODUCERS : 1);  // each converter, or TMA
             mbar_init(smem_addr(&empty[s]), 8);  // every consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -121,6 +133,9 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
     __syncthreads();
 
     if (warp >= 8) {  // the producers
+#if QW_PINGPONG
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+#endif
 #if QW_KV8
         const int c = threadIdx.x - 256;
         if (c == 0) {
@@ -146,7 +161,7 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
             if (j + 1 < tiles) tile.load(k, v, ks, vs, (j + 1) * BKV, capacity, c);
         }
 #else
-        if (lane == 0) {
+        if (threadIdx.x == 256) {
             const unsigned qbar = smem_addr(&q_full);
             mbar_expect_tx(qbar, Q_BYTES);
             for (int p = 0; p < PANELS; ++p)
@@ -178,6 +193,136 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
     float m_row[2] = {QW_NEG_INF, QW_NEG_INF}, l_row[2] = {0.f, 0.f};
     mbar_wait(smem_addr(&q_full), 0);
 
+#if QW_PINGPONG
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    // FlashAttention-3's schedule. Within the warpgroup, tile j's S = Q K^T is issued with
+    // tile j - 1's O += P V, and j's softmax runs while that P V finishes; between the two
+    // warpgroups, named barriers 1 and 2 hand the tensor cores over in turn, so one's
+    // softmax runs under the other's products. (o is rescaled once P V(j - 1) is done.)
+    unsigned pk[BKV / 16][4];  // P of the last tile, bf16 A fragments for its P V
+    const auto handover_wait = [&] {
+        asm volatile("bar.sync %0, 256;" ::"r"(1 + wg) : "memory");
+    };
+    const auto handover_give = [&] {
+        asm volatile("bar.arrive %0, 256;" ::"r"(2 - wg) : "memory");
+    };
+    if (wg == 1) handover_give();  // warpgroup 0 goes first
+    // S = Q K^T of tile j into s (issued and committed, not waited for).
+    const auto issue_qk = [&](int j) {
+        const int st = j % STAGES;
+        mbar_wait(smem_addr(&full[st]), (j / STAGES) & 1);
+        const unsigned k_tile = ring + st * STAGE_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned slice = (kk / 4) * PANEL_BYTES + (kk % 4) * 32;
+            Wgmma<BKV>::mma(s, smem_desc(q_smem + slice + wg * 64 * 128),
+                            smem_desc(k_tile + slice), kk > 0);
+        }
+        wgmma_commit();
+    };
+    // The online softmax of tile j's scores in s (now probabilities); alpha: how far the
+    // running sums so far shrink.
+    float alpha[2];
+    const auto softmax = [&](int j) {
+        fence_operands(s);
+        const bool diagonal = j * BKV + BKV - 1 > start + row0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float mx = QW_NEG_INF;
+#pragma unroll
+            for (int c = 0; c < BKV / 8; ++c) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = j * BKV + c * 8 + t * 2 + e;
+                    float v = s[c * 4 + half * 2 + e] * qk_scale;
+                    if (diagonal && key > pos_row[half]) v = QW_NEG_INF;
+                    s[c * 4 + half * 2 + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_row[half], mx);
+            const float m_use = m_new == QW_NEG_INF ? 0.f : m_new;
+            alpha[half] = exp2f(m_row[half] - m_use);
+            float sum = 0.f;
+#pragma unroll
+            for (int c = 0; c < BKV / 8; ++c) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[c * 4 + half * 2 + e] - m_use);
+                    s[c * 4 + half * 2 + e] = p;
+                    sum += p;
+                }
+            }
+            l_row[half] = l_row[half] * alpha[half] + sum;
+            m_row[half] = m_new;
+        }
+    };
+    const auto pack = [&] {
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk) {
+            pk[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
+            pk[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+            pk[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+            pk[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+    // Tile 0: its scores alone (o is first written by its P V, in the next round).
+    handover_wait();
+    issue_qk(0);
+    if (tiles > 1 || wg == 0) handover_give();
+    wgmma_wait<0>();
+    softmax(0);
+    pack();
+    for (int j = 1; j < tiles; ++j) {
+        const unsigned v_prev = ring + ((j - 1) % STAGES) * STAGE_BYTES + KV_BYTES;
+        handover_wait();
+        issue_qk(j);
+        fence_operands(o);
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk)
+            WgmmaRegA<D>::mma(o, pk[kk], smem_desc(v_prev + kk * 16 * 128, PANEL_BYTES),
+                              j > 1 || kk > 0);
+        wgmma_commit();
+        if (!(wg == 1 && j == tiles - 1)) handover_give();  // (the last one nobody waits for)
+        wgmma_wait<1>();  // the scores are in; P V(j - 1) may still run
+        softmax(j);
+        wgmma_wait<0>();  // P V(j - 1) done: its stage goes back, o moves to this maximum
+        fence_operands(o);
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pk[kk][i])::"memory");
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[(j - 1) % STAGES]));
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                o[d * 4 + half * 2] *= alpha[half];
+                o[d * 4 + half * 2 + 1] *= alpha[half];
+            }
+        }
+        pack();
+    }
+    {  // the last tile's P V
+        const int last = tiles - 1;
+        const unsigned v_last = ring + (last % STAGES) * STAGE_BYTES + KV_BYTES;
+        fence_operands(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk)
+            WgmmaRegA<D>::mma(o, pk[kk], smem_desc(v_last + kk * 16 * 128, PANEL_BYTES),
+                              last > 0 || kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(o);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[last % STAGES]));
+    }
+#else
     for (int j = 0; j < tiles; ++j) {
         const int st = j % STAGES;
         mbar_wait(smem_addr(&full[st]), (j / STAGES) & 1);
@@ -258,6 +403,8 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
         __syncwarp();
         if (lane == 0) mbar_arrive(smem_addr(&empty[st]));  // this warp is done with the stage
     }
+
+#endif
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
