@@ -97,7 +97,11 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES], codes_full[STAGES];
     const unsigned ring = (smem_addr(gemm_shared) + 1023) & ~1023u;
     const int m0 = blockIdx.x * BM, tile_n = blockIdx.y;
-    const int steps = (K + BK - 1) / BK;
+    // Split K (gridDim.z > 1, STORE_F32 only): this block's run of steps from `first`, its
+    // partial product into C's slice blockIdx.z (splitk_sum / splitk_swiglu add them up).
+    const int all_steps = (K + BK - 1) / BK, per_split = (all_steps + gridDim.z - 1) / gridDim.z;
+    const int first = blockIdx.z * per_split;
+    const int steps = min(per_split, all_steps - first);  // >= 1: the host sees to it
     const int warpgroup = threadIdx.x >> 7;
 
     if (threadIdx.x == 0) {
@@ -124,25 +128,25 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
                 const unsigned a_dst = ring + s * STAGE_BYTES, b_dst = a_dst + A_BYTES;
                 if constexpr (qw::fp8) {  // the codes go to the converters, not the consumers
                     mbar_expect_tx(bar, A_BYTES);
-                    tma_load(a_dst, map_a, step * BK, m0, bar);
+                    tma_load(a_dst, map_a, (first + step) * BK, m0, bar);
                     const unsigned codes_bar = smem_addr(&codes_full[s]);
                     mbar_expect_tx(codes_bar, Tiles<BN>::CODES_BYTES);
 #pragma unroll
                     for (int box = 0; box < BN / BOX_ROWS; ++box) {
                         const int row = EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
                                                            : tile_n * BN + box * BOX_ROWS;
-                        tma_load(b_dst + BN * BK * 2 + box * BOX_ROWS * BK, map_b, step * BK,
-                                 row, codes_bar);
+                        tma_load(b_dst + BN * BK * 2 + box * BOX_ROWS * BK, map_b,
+                                 (first + step) * BK, row, codes_bar);
                     }
                     continue;
                 }
                 mbar_expect_tx(bar, STAGE_BYTES);
-                tma_load(a_dst, map_a, step * BK, m0, bar);
+                tma_load(a_dst, map_a, (first + step) * BK, m0, bar);
 #pragma unroll
                 for (int box = 0; box < BN / BOX_ROWS; ++box) {
                     const int row = EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
                                                        : tile_n * BN + box * BOX_ROWS;
-                    tma_load(b_dst + box * BOX_BYTES, map_b, step * BK, row, bar);
+                    tma_load(b_dst + box * BOX_BYTES, map_b, (first + step) * BK, row, bar);
                 }
             }
         } else if (qw::fp8 && threadIdx.x >= 32) {  // the converters, in step with the copies
@@ -151,7 +155,7 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
                 mbar_wait(smem_addr(&codes_full[s]), (step / STAGES) & 1);
                 const unsigned b_dst = ring + s * STAGE_BYTES + A_BYTES;
                 convert_codes<BN, EPI>(b_dst, gemm_shared + (b_dst + BN * BK * 2 - smem_addr(gemm_shared)),
-                                       b_rows, N, K, step, tile_n, up_row);
+                                       b_rows, N, K, first + step, tile_n, up_row);
                 // The tensor cores read what ordinary stores wrote: order them first.
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 mbar_arrive(smem_addr(&full[s]));
@@ -210,7 +214,7 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
             }
         }
     } else {
-        float* out = static_cast<float*>(c);
+        float* out = static_cast<float*>(c) + static_cast<long long>(blockIdx.z) * M * ldc;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             const int col = tile_n * BN + j * 8 + col0;
@@ -253,3 +257,34 @@ GEMM90(gemm90_store_256, 256, STORE_F32)
 GEMM90(gemm90_add_128, 128, ADD_F32)  // o_proj, down_proj into the fp32 residual stream
 GEMM90(gemm90_add_256, 256, ADD_F32)
 GEMM90(gemm90_swiglu, 256, SWIGLU_BF16)  // gate/up, SwiGLU applied: down_proj's bf16 input
+
+// Split K's sums: C (rows ldc apart) = or += (add) the `splits` partial products parts[z]
+// (M x N each, in the order of z: the same bits run after run). Grid-stride over M x N.
+extern "C" __global__ void __launch_bounds__(256)
+    splitk_sum(const float* __restrict__ parts, int splits, int M, int N, float* __restrict__ c,
+               int ldc, int add) {
+    const long long total = static_cast<long long>(M) * N;
+    for (long long i = blockIdx.x * 256ll + threadIdx.x; i < total; i += gridDim.x * 256ll) {
+        float sum = 0.f;
+        for (int z = 0; z < splits; ++z) sum += parts[z * total + i];
+        float* o = c + (i / N) * ldc + i % N;
+        *o = add ? *o + sum : sum;
+    }
+}
+
+// Split K's SwiGLU: act[m][f] = bf16(silu(gate) * up) with gate and up the sums of the partial
+// products of gate/up's rows f and inter + f (parts[z]: M x 2 inter), as gemm90_swiglu's.
+extern "C" __global__ void __launch_bounds__(256)
+    splitk_swiglu(const float* __restrict__ parts, int splits, int M, int inter,
+                  bf16_t* __restrict__ act) {
+    const long long total = static_cast<long long>(M) * inter, part = 2 * total;
+    for (long long i = blockIdx.x * 256ll + threadIdx.x; i < total; i += gridDim.x * 256ll) {
+        const long long m = i / inter, f = i % inter;
+        float gate = 0.f, up = 0.f;
+        for (int z = 0; z < splits; ++z) {
+            gate += parts[z * part + m * 2 * inter + f];
+            up += parts[z * part + m * 2 * inter + inter + f];
+        }
+        act[i] = f32_to_bf16(silu(gate) * up);
+    }
+}

@@ -72,6 +72,7 @@ class BenchSettings:
     seed: int = 0  # of the random prompt ids
     sampled: bool = False  # decode with Qwen3's non-thinking sampler instead of greedy
     speculation: bool = False  # also measure speculative decoding's mechanism (first position)
+    after: int = 0  # cached tokens each prompt is prefilled after (a chat's later turn)
 
     def __post_init__(self) -> None:
         for flag, sizes in (("--prompts", self.prompts), ("--positions", self.positions)):
@@ -80,11 +81,14 @@ class BenchSettings:
         for flag, value in (("--steps", self.steps), ("--repeats", self.repeats)):
             if value < 1:
                 raise UsageError(f"{flag} must be at least 1; got {value}")
+        if self.after < 0:
+            raise UsageError(f"--after takes a count of cached tokens, 0 or more; got {self.after}")
 
     def default_ctx(self, config: Qwen3Config) -> int:
         """Room for the longest prompt and the last position's steps, within the model's limit."""
         ahead = SPECULATE_MOST + 1 if self.speculation else 0  # (a pass past the last step)
-        needed = max(max(self.positions) + self.steps + 1 + ahead, max(self.prompts))
+        needed = max(max(self.positions) + self.steps + 1 + ahead,
+                     max(self.prompts) + self.after)
         return min(needed, config.max_position_embeddings)
 
     def planned_items(self, compare_hf: bool) -> int:
@@ -138,6 +142,7 @@ class PrefillResult:
     seconds: float | None = None
     ttft_s: float | None = None  # prefill plus the first generated token
     skipped: str | None = None
+    after: int = 0  # cached tokens before the prompt (--after)
     # The attention's share: the same prefill timed again with the attention kernels left
     # out (an engine with a prefill_attention switch: the CUDA one), the difference, and the
     # attention's FLOP rate over it (attention_flops).
@@ -145,11 +150,11 @@ class PrefillResult:
     attention_tflop_s: float | None = None
 
 
-def attention_flops(config: Qwen3Config, tokens: int) -> int:
-    """The causal prefill attention's floating-point operations for a prompt of `tokens`:
-    Q.K^T and P.V, 2 x head_dim multiply-adds each, for every query head, layer and
-    (query, key <= query) pair (FlashAttention's count)."""
-    pairs = tokens * (tokens + 1) // 2
+def attention_flops(config: Qwen3Config, tokens: int, after: int = 0) -> int:
+    """The causal prefill attention's floating-point operations for a prompt of `tokens`
+    after `after` cached ones: Q.K^T and P.V, 2 x head_dim multiply-adds each, for every
+    query head, layer and (query, key <= query) pair (FlashAttention's count)."""
+    pairs = tokens * after + tokens * (tokens + 1) // 2
     return 4 * config.head_dim * config.num_attention_heads * config.num_hidden_layers * pairs
 
 
@@ -285,13 +290,17 @@ def measure_engine(engine: Engine, settings: BenchSettings, model: str, weights:
 
 def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
                      rng: np.random.Generator) -> PrefillResult:
-    if tokens > engine.capacity:
+    after = settings.after
+    if tokens + after > engine.capacity:
         return PrefillResult(tokens, skipped=f"does not fit the {engine.capacity}-token "
-                                             "context (raise --ctx)")
+                                             "context (raise --ctx)", after=after)
+    if after:  # the history, once: each run below starts from it
+        engine.truncate(0)
+        engine.prefill(_random_ids(rng, engine.config, after))
     ids = _random_ids(rng, engine.config, tokens)
     durations, ttfts = [], []
     for _ in range(settings.repeats):
-        engine.truncate(0)
+        engine.truncate(after)
         start = time.perf_counter()
         engine.prefill(ids)
         prefilled = time.perf_counter()
@@ -301,7 +310,8 @@ def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
         durations.append(prefilled - start)
         _drain(generation)
     seconds = statistics.median(durations)
-    result = PrefillResult(tokens, tokens / seconds, seconds, statistics.median(ttfts))
+    result = PrefillResult(tokens, tokens / seconds, seconds, statistics.median(ttfts),
+                           after=after)
     if getattr(engine, "prefill_attention", None) is True:
         # The same prompts without the attention kernels (the cache is refilled by the next
         # measurement's prefill): what is left is the rest of the prefill's time.
@@ -309,16 +319,16 @@ def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
         try:
             without = []
             for _ in range(settings.repeats):
-                engine.truncate(0)
+                engine.truncate(after)
                 start = time.perf_counter()
                 engine.prefill(ids)
                 without.append(time.perf_counter() - start)
         finally:
             engine.prefill_attention = True
-            engine.truncate(0)
+            engine.truncate(after)
         result.attention_s = seconds - statistics.median(without)
         if result.attention_s > 0:
-            result.attention_tflop_s = (attention_flops(engine.config, tokens)
+            result.attention_tflop_s = (attention_flops(engine.config, tokens, after)
                                         / result.attention_s / 1e12)
     return result
 
@@ -596,7 +606,9 @@ def _hf_decode(runner: _HfRunner, config: Qwen3Config, position: int,
 def _hf_prefill(runner: _HfRunner, config: Qwen3Config, tokens: int, settings: BenchSettings,
                 ctx: int, rng: np.random.Generator) -> PrefillResult:
     skipped = None
-    if tokens > ctx:
+    if settings.after:
+        skipped = "with --after: transformers' prefill here starts from an empty cache"
+    elif tokens > ctx:
         skipped = f"does not fit the {ctx}-token context (raise --ctx)"
     elif runner.on_cpu and tokens > HF_CPU_MAX_POSITION:
         skipped = (f"beyond {HF_CPU_MAX_POSITION} tokens, transformers on the CPU takes "
@@ -895,7 +907,8 @@ def render(result: BenchResult, out: TextIO) -> None:
     for p in result.prefill:
         if p.skipped:
             notes.append(f"prefill of {p.tokens} tokens skipped: {p.skipped}")
-        cells = ["qwenchat", str(p.tokens), _num(p.tok_s, ",.0f", "skipped"), _ms(p.seconds),
+        tokens = f"{p.tokens} after {p.after:,}" if p.after else str(p.tokens)
+        cells = ["qwenchat", tokens, _num(p.tok_s, ",.0f", "skipped"), _ms(p.seconds),
                  _ms(p.ttft_s)]
         if attention:
             cells += [_ms(p.attention_s), _num(p.attention_tflop_s, ",.0f")]

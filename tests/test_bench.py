@@ -29,6 +29,7 @@ from qwenchat.bench import (
     weight_bytes_per_step,
 )
 from qwenchat.engine.reference import ReferenceEngine
+from qwenchat.errors import UsageError
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 from qwenchat.model.presets import PRESETS
@@ -505,6 +506,21 @@ def test_the_attentions_time_is_the_prefill_with_it_less_the_prefill_without_it(
     bench_module.render(table_result(TIED, [result]), out)
     row = next(line for line in out.getvalue().splitlines() if "qwenchat" in line)
     assert "attn TFLOP/s" in out.getvalue() and bench_module._ms(result.attention_s) in row
+
+
+def test_after_prefills_each_prompt_behind_a_cached_history():
+    result, _, settings = bench(TIED, 64, prompts=(4,), positions=(1,), steps=2, repeats=2,
+                                after=20)
+    assert settings.default_ctx(TIED) >= 24
+    (p,) = result.prefill
+    assert p.after == 20 and p.skipped is None and p.tok_s > 0
+    assert bench_module.attention_flops(TIED, 4, 20) == (
+        4 * TIED.head_dim * TIED.num_attention_heads * TIED.num_hidden_layers * (4 * 20 + 10))
+    out = io.StringIO()
+    bench_module.render(table_result(TIED, [p]), out)
+    assert "4 after 20" in out.getvalue()
+    with pytest.raises(UsageError, match="--after"):
+        BenchSettings(after=-1)
 
 
 def test_speculation_measures_the_oracle_at_each_share_of_wrong_proposals_and_the_draft():

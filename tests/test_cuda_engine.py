@@ -280,6 +280,8 @@ def _hopper_gemm_functions(weight_format: str):
                  "gemm90_swiglu"):
         functions[name] = module.function(name)
         functions[name].set_max_dynamic_shared(GEMM90_SHARED)
+    for name in ("splitk_sum", "splitk_swiglu"):
+        functions[name] = module.function(name)
     return rt, functions, rt.Stream()
 
 
@@ -686,6 +688,67 @@ def test_real_shapes_prefill_matches_the_reference_and_transformers(real_shape):
         theirs = model(torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
     del model
     assert rel_err(ours, theirs) <= 2e-2
+
+
+def test_real_shapes_short_prompt_after_a_history_splits_k_and_matches_the_reference(
+        real_shape):
+    """A chat's next message: 40 tokens after 300 cached, its products with K split (the
+    short-prompt path of gemm_sm90.cu, where it runs) within 2e-2 of the reference; the same
+    prompt in parts of 40 is the same as in one call of 40."""
+    from qwenchat.engine.cuda.prefill import SPLIT_K_MAX_ROWS, split_k
+
+    config, _, gpu_engine, ref = real_shape
+    rng = np.random.default_rng(11)
+    history, turn = ([int(i) for i in rng.integers(0, config.vocab_size, n)] for n in (300, 40))
+    assert len(turn) <= SPLIT_K_MAX_ROWS
+    if gpu_engine.gemm90:  # the shapes split: Q/K/V at least
+        qkv = config.q_size + 2 * config.kv_size
+        assert split_k(len(turn), qkv, config.hidden_size, gpu_engine.device.sm_count) > 1
+    gpu_engine.truncate(0)
+    gpu_engine.prefill(history)
+    ours = gpu_engine.prefill_logits(turn)
+    again = gpu_engine.last_logits()
+    gpu_engine.truncate(300)
+    gpu_engine.prefill(turn)
+    assert np.array_equal(gpu_engine.last_logits(), again)
+    ref.truncate(0)
+    ref.prefill(history)
+    assert rel_err(ours, ref.prefill_logits(turn)) <= 2e-2
+
+
+def test_hopper_gemm_split_k_sums_its_parts_in_order(hopper_gemm):
+    """gemm90_store_128 over runs of K (gridDim.z) into partial products, then splitk_sum
+    (store and add) and splitk_swiglu, against NumPy."""
+    from qwenchat.engine.cuda.prefill import GEMM90_SHARED, GEMM90_THREADS
+
+    rt, functions, stream = hopper_gemm
+    rng = np.random.default_rng(3)
+    m, inter, k, splits = 37, 200, 520, 3  # 9 steps of 64: runs of 3
+    a_bits = f32_to_bf16_bits(rng.standard_normal((m, k)).astype(np.float32))
+    b_bits = f32_to_bf16_bits(rng.standard_normal((2 * inter, k)).astype(np.float32) * 0.1)
+    product = bf16_bits_to_f32(a_bits) @ bf16_bits_to_f32(b_bits).T
+    a, b = upload(rt, a_bits), upload(rt, b_bits)
+    n = 2 * inter
+    parts = poisoned(rt, splits * m * n * 4)
+    maps = [rt.tile_map(a.ptr, m, k, 128, 64), rt.tile_map(b.ptr, n, k, 128, 64)]
+    rt.launch(functions["gemm90_store_128"], (1, (n + 127) // 128, splits), GEMM90_THREADS,
+              [*maps, b, parts, ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
+               ctypes.c_int(0), ctypes.c_int(n)], shared=GEMM90_SHARED, stream=stream)
+    base = rng.standard_normal((m, n)).astype(np.float32)
+    c = upload(rt, base)
+    rt.launch(functions["splitk_sum"], 8, 256, [parts, ctypes.c_int(splits), ctypes.c_int(m),
+                                                ctypes.c_int(n), c, ctypes.c_int(n),
+                                                ctypes.c_int(1)], stream=stream)
+    act = poisoned(rt, m * inter * 2)
+    rt.launch(functions["splitk_swiglu"], 8, 256, [parts, ctypes.c_int(splits),
+                                                   ctypes.c_int(m), ctypes.c_int(inter), act],
+              stream=stream)
+    stream.synchronize()
+    assert rel_err(download(c, np.float32, (m, n)), base + product) <= 1e-4
+    gate, up = product[:, :inter], product[:, inter:]
+    expected = gate / (1 + np.exp(-gate)) * up
+    got = bf16_bits_to_f32(download(act, np.uint16, (m, inter)))
+    assert rel_err(got, expected) <= 1e-2
 
 
 @pytest.mark.parametrize("decode", DECODES)

@@ -658,3 +658,20 @@ def test_the_megakernel_timeline_build_compiles(arch):
     assert "QW_MK_TIMELINE" not in dict(plain.megakernel.defines)
     cubin = compile_source("megakernel.cu", arch, dict(plan.megakernel.defines))
     assert cubin.startswith(ELF_MAGIC) and b"qw_timeline" in cubin
+
+
+def test_short_prompts_split_k_where_few_tiles_would_leave_the_sms_idle():
+    from qwenchat.engine.cuda.prefill import SPLIT_K_MOST, split_k
+
+    sms = 132
+    # 8B shapes, a 32-token turn: Q/K/V's 48 tiles of 128 columns alone fill 48 of 132 SMs
+    assert split_k(32, 6144, 4096, sms) == 8
+    assert split_k(32, 4096, 12288, sms) > 1
+    for m, n, k in [(32, 6144, 4096), (9, 24576, 4096), (64, 1024, 3072), (40, 2048, 200)]:
+        splits = split_k(m, n, k, sms)
+        steps = -(-k // 64)
+        per = -(-steps // splits)
+        assert 1 <= splits <= SPLIT_K_MOST and -(-steps // per) == splits  # no empty run
+    assert split_k(32, 6144, 4096, sms, budget_floats=32 * 6144 * 2) <= 2  # the scratch
+    assert split_k(2048, 6144, 4096, sms) == 1  # long prompts: tiles enough
+    assert split_k(32, 6144, 64, sms) == 1  # one step: nothing to split

@@ -311,6 +311,9 @@ def bench(
         help="Decode at these cache positions (comma-separated).")] = "1,1024,4096,16384,32768",
     prompts: Annotated[str, typer.Option(
         help="Prefill prompts of these lengths (comma-separated).")] = "512,4096",
+    after: Annotated[int, typer.Option(
+        "--after", help="Prefill each prompt after this many cached tokens, as a chat's later "
+        "turn does (ours only: transformers' prefill starts from an empty cache).")] = 0,
     steps: Annotated[int, typer.Option(help="Decode steps timed per position.")] = 64,
     repeats: Annotated[int, typer.Option(help="Runs per measurement; the median counts.")] = 3,
     sampled: Annotated[bool, typer.Option(
@@ -334,7 +337,7 @@ def bench(
 
         settings = BenchSettings(parse_sizes(prompts, "--prompts"),
                                  parse_sizes(positions, "--positions"), steps, repeats,
-                                 sampled=sampled, speculation=speculation)
+                                 sampled=sampled, speculation=speculation, after=after)
         return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
                                       compare_hf, decode, quantize, kv_cache=kv_cache))
 

@@ -43,6 +43,7 @@ from qwenchat.engine.cuda.prefill import (
     PREFILL_MAX_KEY_SPLITS,
     PREFILL_QUERIES_PER_BLOCK,
     PREFILL_SCRATCH_BUDGET,
+    SPLIT_K_BYTES,
     Prefill,
     attention90_shared,
     dequant_scratch_bytes,
@@ -75,7 +76,8 @@ KERNELS = {
 # Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs, for
 # bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
 SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128",
-                                 "gemm90_add_256", "gemm90_swiglu"),
+                                 "gemm90_add_256", "gemm90_swiglu", "splitk_sum",
+                                 "splitk_swiglu"),
                 "gemm_fp8_sm90.cu": GEMM_FP8_KERNELS,
                 "attention_sm90.cu": ("attn_prefill90",)}
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
@@ -325,8 +327,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         for name in ("gemm_store", "gemm_add"):
             if name in self.k:
                 self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
-        for name in (*SM90_KERNELS["gemm_sm90.cu"], *GEMM_FP8_KERNELS[:-1]):  # (not quantize)
-            if name in self.k:
+        for name in (*SM90_KERNELS["gemm_sm90.cu"], *GEMM_FP8_KERNELS):
+            if name in self.k and name.startswith("gemm"):
                 self.k[name].set_max_dynamic_shared(GEMM90_SHARED)
         if "attn_prefill90" in self.k:
             self.k["attn_prefill90"].set_max_dynamic_shared(
@@ -350,7 +352,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # (+ the context id kept for penalties)
         per_position = bytes_per_position(cfg, self.kv_format) + 4
         scratch = (PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
-                   + dequant_scratch_bytes(cfg, self.weight_format))
+                   + dequant_scratch_bytes(cfg, self.weight_format)
+                   + (SPLIT_K_BYTES if self.gemm90 and not self.fp8_gemm else 0))
         fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
         wanted = ctx or cfg.max_position_embeddings
         if wanted <= fits:
@@ -395,6 +398,9 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
             self.actq = self._device_buffer(c * cfg.intermediate_size)
             self.actq_scales = self._device_buffer(c * math.ceil(cfg.intermediate_size / 128) * 4)
         self.w16 = self._device_buffer(dequant_scratch_bytes(cfg, self.weight_format))
+        # split K's partial products (short prompts on gemm_sm90.cu)
+        self.splitk_parts = self._device_buffer(
+            SPLIT_K_BYTES if self.gemm90 and not self.fp8_gemm else 0)
         self.ids = self._device_buffer(c * 4)
         sms = self.device.sm_count
         # Flash-decoding split counts, one decode graph each: few chunks while the context is

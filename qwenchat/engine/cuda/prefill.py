@@ -26,6 +26,12 @@ GEMM90_NARROW_COST = 0.65
 # attention.cu, the kernels of every other GPU; "auto": hopper wherever it can run.
 PREFILL_KERNELS = ("auto", "hopper", "portable")
 ATTENTION90_QUERIES = 128  # queries per block
+# Short prompts (a chat's next message): a product of at most this many rows would cover few
+# SMs with its tiles, so gemm_sm90.cu splits K too, each split's partial product into
+# SPLIT_K_BYTES of scratch, summed in order by splitk_sum / splitk_swiglu.
+SPLIT_K_MAX_ROWS = 64
+SPLIT_K_BYTES = 24 * 2**20
+SPLIT_K_MOST = 16
 # gemm_fp8_sm90.cu: FP8 weights times e4m3 activations (a scale a token and 128 columns, made
 # by quantize_rows_e4m3 or by the SwiGLU product's epilogue); its SHARED_BYTES are
 # GEMM90_SHARED, its THREADS GEMM90_THREADS.
@@ -60,6 +66,23 @@ def gemm90_width(m: int, n: int, sms: int) -> int:
         return waves * (1.0 if width == 256 else GEMM90_NARROW_COST)
 
     return min((256, 128), key=cost)
+
+
+def split_k(m: int, n: int, k: int, sms: int, budget_floats: int = SPLIT_K_BYTES // 4) -> int:
+    """How many runs of K gemm_sm90.cu's 128 x 128 tiles of an m x n x k product take (one
+    block each): the count whose blocks' waves over the SMs times each block's 64-deep steps
+    is least (the fewest of equals), with every run at least one step and the partial products
+    within the scratch."""
+    tiles, steps = math.ceil(m / 128) * math.ceil(n / 128), math.ceil(k / 64)
+    best, best_cost = 1, math.ceil(tiles / sms) * steps
+    for splits in range(2, min(SPLIT_K_MOST, steps) + 1):
+        per = math.ceil(steps / splits)
+        if math.ceil(steps / per) != splits or splits * m * n > budget_floats:
+            continue
+        cost = math.ceil(tiles * splits / sms) * per
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def gemm_shared_bytes(weight_format: str) -> int:
@@ -306,13 +329,41 @@ class Prefill:
     def _gemm90(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, b, c, m: int,
                 n: int, k: int, up_row: int = 0, ldc: int | None = None) -> None:
         """c = or += A . B^T (kind "store", "add"), or c = silu(gate) * up ("swiglu"); b is
-        B's buffer (FP8 rows' scales are read from it); c's rows are ldc apart (n)."""
+        B's buffer (FP8 rows' scales are read from it); c's rows are ldc apart (n). A few
+        rows (a short prompt) split K where that fills the chip better (_gemm90_split)."""
+        if m <= SPLIT_K_MAX_ROWS and self._gemm90_split(kind, map_a, map_b, b, c, m, n, k,
+                                                        up_row, n if ldc is None else ldc):
+            return
         width = 256 if kind == "swiglu" else gemm90_width(m, n, self.device.sm_count)
         name = "gemm90_swiglu" if kind == "swiglu" else f"gemm90_{kind}_{width}"
         tiles_n = math.ceil(n / (128 if kind == "swiglu" else width))
         self._launch(name, (math.ceil(m / 128), tiles_n), GEMM90_THREADS, map_a, map_b, b, c,
                      ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(up_row),
                      ctypes.c_int(n if ldc is None else ldc), shared=GEMM90_SHARED)
+
+    def _gemm90_split(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, b, c, m: int,
+                      n: int, k: int, up_row: int, ldc: int) -> bool:
+        """_gemm90's product with K split into runs (split_k), each run's partial product
+        into splitk_parts, then summed in order: False where one run is best (or the
+        product's B is a slice of int4 weights, whose gate rows are not B's first half)."""
+        cols = 2 * n if kind == "swiglu" else n
+        if kind == "swiglu" and up_row != n:
+            return False
+        splits = split_k(m, cols, k, self.device.sm_count)
+        if splits == 1:
+            return False
+        c_int = ctypes.c_int
+        self._launch("gemm90_store_128", (math.ceil(m / 128), math.ceil(cols / 128), splits),
+                     GEMM90_THREADS, map_a, map_b, b, self.splitk_parts, c_int(m), c_int(cols),
+                     c_int(k), c_int(0), c_int(cols), shared=GEMM90_SHARED)
+        blocks = min(4 * self.device.sm_count, math.ceil(m * n / 256))
+        if kind == "swiglu":
+            self._launch("splitk_swiglu", blocks, 256, self.splitk_parts, c_int(splits),
+                         c_int(m), c_int(n), c)
+        else:
+            self._launch("splitk_sum", blocks, 256, self.splitk_parts, c_int(splits), c_int(m),
+                         c_int(n), c, c_int(ldc), c_int(kind == "add"))
+        return True
 
     def prefill_key_splits(self, start: int, n: int) -> int:
         """Blocks along the keys for the prefill attention of n tokens after `start` cached
