@@ -95,9 +95,11 @@ __device__ __forceinline__ KvHead kv_head(const void* k_cache, const void* v_cac
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS)
     attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
-                 const void* __restrict__ v_cache, int start, int n, int capacity, float scale,
-                 bf16_t* __restrict__ out, float* __restrict__ part_o,
-                 float* __restrict__ part_ml) {
+                 const void* __restrict__ v_cache, const int* __restrict__ start_at,
+                 int start_arg, int n, int capacity, float scale, bf16_t* __restrict__ out,
+                 float* __restrict__ part_o, float* __restrict__ part_ml) {
+    // The first query's position: start_arg, or *start_at (a short prompt's graph, prefill.py)
+    const int start = start_at ? *start_at : start_arg;
     extern __shared__ __align__(16) bf16_t kv_stages[];  // [2][K tile, V tile]
     const int head = blockIdx.y, kvh = head / qw::group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

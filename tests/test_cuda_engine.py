@@ -470,8 +470,9 @@ def run_prefill_attention(rt, module, stream, q: np.ndarray, k_cache, v_cache, s
     prefill = module.function("attn_prefill")
     prefill.set_max_dynamic_shared(prefill_attention_shared(d))
     rt.launch(prefill, ((n + 63) // 64, heads, splits), 128,
-              [upload(rt, q), k_cache, v_cache, ctypes.c_int(start), ctypes.c_int(n),
-               ctypes.c_int(capacity), ctypes.c_float(d**-0.5), out, part_o, part_ml],
+              [upload(rt, q), k_cache, v_cache, rt.Ptr(0), ctypes.c_int(start),
+               ctypes.c_int(n), ctypes.c_int(capacity), ctypes.c_float(d**-0.5), out, part_o,
+               part_ml],
               shared=prefill_attention_shared(d), stream=stream)
     if splits > 1:
         rt.launch(module.function("attn_prefill_merge"), (n, heads), d,
@@ -692,9 +693,10 @@ def test_real_shapes_prefill_matches_the_reference_and_transformers(real_shape):
 
 def test_real_shapes_short_prompt_after_a_history_splits_k_and_matches_the_reference(
         real_shape):
-    """A chat's next message: 40 tokens after 300 cached, its products with K split (the
-    short-prompt path of gemm_sm90.cu, where it runs) within 2e-2 of the reference; the same
-    prompt in parts of 40 is the same as in one call of 40."""
+    """A chat's next message: 40 tokens after 300 cached, one graph launch (rows padded to 48,
+    the start read from device memory) whose products split K (gemm_sm90.cu, where it runs),
+    within 2e-2 of the reference, the same whether prefill_logits or prefill ran it; then 20
+    more tokens at position 340."""
     from qwenchat.engine.cuda.prefill import SPLIT_K_MAX_ROWS, split_k
 
     config, _, gpu_engine, ref = real_shape
@@ -714,6 +716,11 @@ def test_real_shapes_short_prompt_after_a_history_splits_k_and_matches_the_refer
     ref.truncate(0)
     ref.prefill(history)
     assert rel_err(ours, ref.prefill_logits(turn)) <= 2e-2
+    # The next turn, shorter, at another start: another graph (or the same one replayed)
+    # reading its start from device memory
+    reply = [int(i) for i in rng.integers(0, config.vocab_size, 20)]
+    assert rel_err(gpu_engine.prefill_logits(reply), ref.prefill_logits(reply)) <= 2e-2
+    assert len(gpu_engine._short_graphs) <= 2
 
 
 def test_hopper_gemm_split_k_sums_its_parts_in_order(hopper_gemm):

@@ -675,3 +675,17 @@ def test_short_prompts_split_k_where_few_tiles_would_leave_the_sms_idle():
     assert split_k(32, 6144, 4096, sms, budget_floats=32 * 6144 * 2) <= 2  # the scratch
     assert split_k(2048, 6144, 4096, sms) == 1  # long prompts: tiles enough
     assert split_k(32, 6144, 64, sms) == 1  # one step: nothing to split
+
+
+def test_a_short_prompt_replays_a_graph_of_whole_steps_of_16_rows_within_the_cache():
+    from types import SimpleNamespace
+
+    from qwenchat.engine.cuda.prefill import SHORT_PROMPT_ROWS, Prefill
+
+    engine = SimpleNamespace(capacity=1024)
+    assert Prefill.short_prompt_rows(engine, 300, 40) == 48
+    assert Prefill.short_prompt_rows(engine, 0, 9) == 16
+    assert Prefill.short_prompt_rows(engine, 0, SHORT_PROMPT_ROWS) == SHORT_PROMPT_ROWS
+    assert Prefill.short_prompt_rows(engine, 0, SHORT_PROMPT_ROWS + 1) is None
+    assert Prefill.short_prompt_rows(engine, 1000, 20) is None  # rows 1000-1031: past the end
+    assert Prefill.short_prompt_rows(engine, 992, 20) == 32

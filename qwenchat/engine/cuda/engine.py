@@ -398,6 +398,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
             self.actq = self._device_buffer(c * cfg.intermediate_size)
             self.actq_scales = self._device_buffer(c * math.ceil(cfg.intermediate_size / 128) * 4)
         self.w16 = self._device_buffer(dequant_scratch_bytes(cfg, self.weight_format))
+        self.short_start = self._device_buffer(4)  # a short prompt's graph reads its start here
+        self._short_graphs: dict[tuple[int, int, bool], rt.Graph] = {}
         # split K's partial products (short prompts on gemm_sm90.cu)
         self.splitk_parts = self._device_buffer(
             SPLIT_K_BYTES if self.gemm90 and not self.fp8_gemm else 0)
@@ -466,8 +468,12 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
                 self._verify_forward(start + a, len(part))
                 self._keep_pass_row(len(part) - 1)
                 continue
-            self.ids.upload(part, stream=self.stream)
-            self._forward_prefill(start + a, len(part))
+            rows = self.short_prompt_rows(start + a, len(part))
+            if rows is not None:  # a chat's next message: one graph launch (prefill.py)
+                self._forward_short(start + a, part, rows)
+            else:
+                self.ids.upload(part, stream=self.stream)
+                self._forward_prefill(start + a, len(part))
             if a + len(part) == len(ids):
                 self._lm_head(self._ptr(self.x, (len(part) - 1) * self.config.hidden_size * 4),
                               self._ptr(self.logits))
@@ -513,6 +519,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
             graph.close()
         self._graphs.clear()
         self._close_verify()
+        self._close_short()
         for buffer in self._buffers:
             buffer.free()
         self._buffers.clear()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import math
 
+import numpy as np
+
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.fp8 import packed_row_bytes, row_bytes
@@ -32,6 +34,13 @@ ATTENTION90_QUERIES = 128  # queries per block
 SPLIT_K_MAX_ROWS = 64
 SPLIT_K_BYTES = 24 * 2**20
 SPLIT_K_MOST = 16
+# A pass of at most SHORT_PROMPT_ROWS tokens (and more than the speculative pass takes) replays
+# a CUDA graph instead of launching ~10 kernels a layer from Python (a few ms on a small
+# model: the launches, not the GPU, set a chat turn's time), its rows rounded up to a multiple
+# of SHORT_PROMPT_STEP so that a few graphs serve every turn; the first position is read from
+# device memory.
+SHORT_PROMPT_ROWS = 64
+SHORT_PROMPT_STEP = 16
 # gemm_fp8_sm90.cu: FP8 weights times e4m3 activations (a scale a token and 128 columns, made
 # by quantize_rows_e4m3 or by the SwiGLU product's epilogue); its SHARED_BYTES are
 # GEMM90_SHARED, its THREADS GEMM90_THREADS.
@@ -144,8 +153,10 @@ class Prefill:
         chunk = PREFILL_SCRATCH_BUDGET // per_token
         return int(max(64, min(2048, chunk // 64 * 64)))
 
-    def _forward_prefill(self, start: int, n: int) -> None:
-        """Run n tokens (ids already in self.ids) at positions start.. through every layer."""
+    def _forward_prefill(self, start: int, n: int, start_at: rt.Ptr | None = None) -> None:
+        """Run n tokens (ids already in self.ids) at positions start.. through every layer;
+        with `start_at`, the kernels read the first position there instead (a graph's, for
+        any start with the same attention split: _forward_short)."""
         cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
         eps = c_float(cfg.rms_norm_eps)
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
@@ -158,10 +169,11 @@ class Prefill:
             self._quantize("xn", n, h)
             self._product("store", "xn", i, "qkv", self.qkv, n, qkv_cols, h)
             self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
-                         rt.Ptr(0), c_int(start), w.q_norm, w.k_norm, self.inv_freq, eps,
-                         c_int(self.capacity), self.q, self.k_cache[i], self.v_cache[i])
+                         start_at or rt.Ptr(0), c_int(start), w.q_norm, w.k_norm,
+                         self.inv_freq, eps, c_int(self.capacity), self.q, self.k_cache[i],
+                         self.v_cache[i])
             if self.prefill_attention:
-                self._attention_prefill(i, start, n, scale)
+                self._attention_prefill(i, start, n, scale, start_at)
             self._quantize("attn", n, cfg.q_size)
             self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
@@ -365,6 +377,39 @@ class Prefill:
                          c_int(n), c, c_int(ldc), c_int(kind == "add"))
         return True
 
+    def short_prompt_rows(self, start: int, n: int) -> int | None:
+        """The rows of the graph a pass of n tokens at `start` replays (n rounded up to a
+        multiple of SHORT_PROMPT_STEP), or None where it takes the kernels one by one: more
+        than SHORT_PROMPT_ROWS tokens, or rows that would pass the cache's end. (The padding
+        rows' keys and values land past the prompt, where nothing reads them before the next
+        tokens overwrite them.)"""
+        rows = math.ceil(n / SHORT_PROMPT_STEP) * SHORT_PROMPT_STEP
+        if n > SHORT_PROMPT_ROWS or start + rows > self.capacity:
+            return None
+        return rows
+
+    def _forward_short(self, start: int, tokens: np.ndarray, rows: int) -> None:
+        """_forward_prefill of `tokens` at start.. as one graph launch: the tokens padded with
+        token 0 to `rows`, the graph captured on first use for these rows, key split and
+        prefill_attention."""
+        padded = np.zeros(rows, np.int32)
+        padded[: len(tokens)] = tokens
+        self.ids.upload(padded, stream=self.stream)
+        self.short_start.upload(np.array([start], np.int32), stream=self.stream)
+        key = (rows, self.prefill_key_splits(start, rows), self.prefill_attention)
+        graph = self._short_graphs.get(key)
+        if graph is None:
+            with rt.Graph.capture(self.stream) as graph:
+                self._forward_prefill(start, rows, rt.Ptr(self.short_start.ptr))
+            self._short_graphs[key] = graph
+        graph.launch(self.stream)
+
+    def _close_short(self) -> None:
+        graphs = getattr(self, "_short_graphs", {})  # (none if set-up stopped before them)
+        for graph in graphs.values():
+            graph.close()
+        graphs.clear()
+
     def prefill_key_splits(self, start: int, n: int) -> int:
         """Blocks along the keys for the prefill attention of n tokens after `start` cached
         ones: one, unless a single tile of queries per head would leave the chip mostly idle
@@ -376,10 +421,11 @@ class Prefill:
         return max(1, min(PREFILL_MAX_KEY_SPLITS, by_keys,
                           math.ceil(2 * self.device.sm_count / heads)))
 
-    def _attention_prefill(self, layer: int, start: int, n: int, scale: ctypes.c_float) -> None:
+    def _attention_prefill(self, layer: int, start: int, n: int, scale: ctypes.c_float,
+                           start_at: rt.Ptr | None = None) -> None:
         c_int, heads = ctypes.c_int, self.config.num_attention_heads
         splits = self.prefill_key_splits(start, n)
-        if self.attention90 and splits == 1:
+        if self.attention90 and splits == 1 and start_at is None:
             k, v = self.attention90_kv[layer]
             self._launch("attn_prefill90", (heads, math.ceil(n / ATTENTION90_QUERIES)),
                          attention90_threads(self.kv_format), self.q_map, k, v,
@@ -387,8 +433,9 @@ class Prefill:
                          shared=attention90_shared(self.config.head_dim))
             return
         self._launch("attn_prefill", (math.ceil(n / PREFILL_QUERIES_PER_BLOCK), heads, splits),
-                     128, self.q, self.k_cache[layer], self.v_cache[layer], c_int(start),
-                     c_int(n), c_int(self.capacity), scale, self.attn, self.prefill_part_o,
+                     128, self.q, self.k_cache[layer], self.v_cache[layer],
+                     start_at or rt.Ptr(0), c_int(start), c_int(n), c_int(self.capacity), scale,
+                     self.attn, self.prefill_part_o,
                      self.prefill_part_ml, shared=prefill_attention_shared(self.config.head_dim))
         if splits > 1:
             self._launch("attn_prefill_merge", (n, heads), self.config.head_dim,
