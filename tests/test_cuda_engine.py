@@ -773,7 +773,26 @@ def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape, deco
 
 @pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
-def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, decode, sampler):
+def drawn_at_a_near_tie(monkeypatch, token: int, logits, params, seed: int, step: int,
+                        context, counts) -> bool:
+    """Whether the replica (sample_token_gpu) draws `token` for a uniform number within 1e-5
+    of this step's: the GPU's weights (expf on the device) differ from the replica's in
+    their low bits, and summed over ~16K kept tokens that can move a boundary that far
+    (measured: 5.5e-6 of the total mass at step 36 of the 0.6B shape, no top-k, min-p)."""
+    from qwenchat.sampling import sampler as sampling
+
+    u = sampling.uniform(seed, step)
+    for shift in (-1e-5, 1e-5):
+        monkeypatch.setattr(sampling, "uniform", lambda _seed, _step, v=u + shift: v)
+        drawn = sample_token_gpu(logits, params, seed, step, context, counts)
+        monkeypatch.undo()
+        if drawn == token:
+            return True
+    return False
+
+
+def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, decode, sampler,
+                                                                   monkeypatch):
     from collections import Counter
 
     config, _, gpu_engine, _ = real_shape
@@ -784,15 +803,20 @@ def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, d
     gpu_engine.prefill(prompt)
     params = SamplingParams(**SAMPLERS[sampler], seed=11, max_tokens=48)
     context, counts = list(prompt), Counter()
-    tokens = []
+    tokens, near_ties = [], 0
     for step, token in enumerate(gpu_engine.generate(GenerateRequest(LiveParams(params),
                                                                      frozenset(), seed=0))):
-        expected = sample_token_gpu(gpu_engine.last_logits(), params, 11, step, context, counts)
-        assert token == expected, f"step {step}"
+        logits = gpu_engine.last_logits()
+        expected = sample_token_gpu(logits, params, 11, step, context, counts)
+        if token != expected:  # allowed only where the draw sits on a boundary
+            assert drawn_at_a_near_tie(monkeypatch, token, logits, params, 11, step, context,
+                                       counts), f"step {step}: {token}, not {expected}"
+            near_ties += 1
         tokens.append(token)
         context.append(token)
         counts[token] += 1
     assert len(tokens) == 48 and len(set(tokens)) > 1  # a real draw, not one repeated token
+    assert near_ties <= 2
 
 
 def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real_shape):
