@@ -273,10 +273,11 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Split K's SwiGLU: act[m][f] = bf16(silu(gate) * up) with gate and up the sums of the partial
-// products of gate/up's rows f and inter + f (parts[z]: M x 2 inter), as gemm90_swiglu's.
+// products of gate/up's rows f and inter + f (parts[z]: M x 2 inter), as gemm90_swiglu's;
+// act's rows are ldc apart (inter, or more for a slice of the features).
 extern "C" __global__ void __launch_bounds__(256)
     splitk_swiglu(const float* __restrict__ parts, int splits, int M, int inter,
-                  bf16_t* __restrict__ act) {
+                  bf16_t* __restrict__ act, int ldc) {
     const long long total = static_cast<long long>(M) * inter, part = 2 * total;
     for (long long i = blockIdx.x * 256ll + threadIdx.x; i < total; i += gridDim.x * 256ll) {
         const long long m = i / inter, f = i % inter;
@@ -285,6 +286,6 @@ extern "C" __global__ void __launch_bounds__(256)
             gate += parts[z * part + m * 2 * inter + f];
             up += parts[z * part + m * 2 * inter + inter + f];
         }
-        act[i] = f32_to_bf16(silu(gate) * up);
+        act[m * ldc + f] = f32_to_bf16(silu(gate) * up);
     }
 }

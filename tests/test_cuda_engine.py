@@ -748,8 +748,8 @@ def test_hopper_gemm_split_k_sums_its_parts_in_order(hopper_gemm):
                                                 ctypes.c_int(1)], stream=stream)
     act = poisoned(rt, m * inter * 2)
     rt.launch(functions["splitk_swiglu"], 8, 256, [parts, ctypes.c_int(splits),
-                                                   ctypes.c_int(m), ctypes.c_int(inter), act],
-              stream=stream)
+                                                   ctypes.c_int(m), ctypes.c_int(inter), act,
+                                                   ctypes.c_int(inter)], stream=stream)
     stream.synchronize()
     assert rel_err(download(c, np.float32, (m, n)), base + product) <= 1e-4
     gate, up = product[:, :inter], product[:, inter:]
@@ -771,8 +771,6 @@ def test_real_shapes_decode_matches_the_reference_for_256_steps(real_shape, deco
     assert worst_greedy_decode_error(gpu_engine, ref, 256) <= 2e-2
 
 
-@pytest.mark.parametrize("decode", DECODES)
-@pytest.mark.parametrize("sampler", list(SAMPLERS))
 def drawn_at_a_near_tie(monkeypatch, token: int, logits, params, seed: int, step: int,
                         context, counts) -> bool:
     """Whether the replica (sample_token_gpu) draws `token` for a uniform number within 1e-5
@@ -791,6 +789,8 @@ def drawn_at_a_near_tie(monkeypatch, token: int, logits, params, seed: int, step
     return False
 
 
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
 def test_sampled_tokens_are_the_gpu_samplers_draws_from_the_logits(real_shape, decode, sampler,
                                                                    monkeypatch):
     from collections import Counter

@@ -390,7 +390,9 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # fp32 gate/up rows: the layered decode's one row, and the prefill's unless
         # gemm_sm90.cu applies SwiGLU in gate/up's product.
         self.gu = self._device_buffer((1 if self.gemm90 else c) * 2 * cfg.intermediate_size * 4)
-        self.act = self._device_buffer(0 if self.fp8_gemm else c * cfg.intermediate_size * 2)
+        # (the speculative pass's rows too: with e4m3 activations, only those)
+        act_rows = VERIFY_ROWS if self.fp8_gemm else c
+        self.act = self._device_buffer(act_rows * cfg.intermediate_size * 2)
         if self.fp8_gemm:  # e4m3 codes and scales of xn / attn (one at a time), and of act
             widest = max(cfg.hidden_size, cfg.q_size)
             self.xq = self._device_buffer(c * widest)

@@ -371,7 +371,7 @@ class Prefill:
         blocks = min(4 * self.device.sm_count, math.ceil(m * n / 256))
         if kind == "swiglu":
             self._launch("splitk_swiglu", blocks, 256, self.splitk_parts, c_int(splits),
-                         c_int(m), c_int(n), c)
+                         c_int(m), c_int(n), c, c_int(ldc))
         else:
             self._launch("splitk_sum", blocks, 256, self.splitk_parts, c_int(splits), c_int(m),
                          c_int(n), c, c_int(ldc), c_int(kind == "add"))
