@@ -193,20 +193,8 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
     float m_row[2] = {QW_NEG_INF, QW_NEG_INF}, l_row[2] = {0.f, 0.f};
     mbar_wait(smem_addr(&q_full), 0);
 
-#if QW_PINGPONG
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
-    // FlashAttention-3's schedule. Within the warpgroup, tile j's S = Q K^T is issued with
-    // tile j - 1's O += P V, and j's softmax runs while that P V finishes; between the two
-    // warpgroups, named barriers 1 and 2 hand the tensor cores over in turn, so one's
-    // softmax runs under the other's products. (o is rescaled once P V(j - 1) is done.)
-    unsigned pk[BKV / 16][4];  // P of the last tile, bf16 A fragments for its P V
-    const auto handover_wait = [&] {
-        asm volatile("bar.sync %0, 256;" ::"r"(1 + wg) : "memory");
-    };
-    const auto handover_give = [&] {
-        asm volatile("bar.arrive %0, 256;" ::"r"(2 - wg) : "memory");
-    };
-    if (wg == 1) handover_give();  // warpgroup 0 goes first
+    unsigned pk[BKV / 16][4];  // P of a tile as bf16 A fragments, for its P V
+    float alpha[2];
     // S = Q K^T of tile j into s (issued and committed, not waited for).
     const auto issue_qk = [&](int j) {
         const int st = j % STAGES;
@@ -223,7 +211,6 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
     };
     // The online softmax of tile j's scores in s (now probabilities); alpha: how far the
     // running sums so far shrink.
-    float alpha[2];
     const auto softmax = [&](int j) {
         fence_operands(s);
         const bool diagonal = j * BKV + BKV - 1 > start + row0;
@@ -269,6 +256,45 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
             pk[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
         }
     };
+    // o *= alpha: the sums so far moved to this tile's maximum.
+    const auto rescale = [&] {
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                o[d * 4 + half * 2] *= alpha[half];
+                o[d * 4 + half * 2 + 1] *= alpha[half];
+            }
+        }
+    };
+    // O += P V of tile j (issued and committed): P's fragments from pk; V's 16 keys a step
+    // are 16 rows of 128 bytes further on, its 64-wide slices PANEL_BYTES apart. The first
+    // tile's products overwrite o.
+    const auto issue_pv = [&](int j) {
+        const unsigned v_tile = ring + (j % STAGES) * STAGE_BYTES + KV_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk)
+            WgmmaRegA<D>::mma(o, pk[kk], smem_desc(v_tile + kk * 16 * 128, PANEL_BYTES),
+                              j > 0 || kk > 0);
+        wgmma_commit();
+    };
+    const auto release = [&](int j) {  // this warp is done with tile j's stage
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[j % STAGES]));
+    };
+#if QW_PINGPONG
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    // FlashAttention-3's schedule. Within the warpgroup, tile j's S = Q K^T is issued with
+    // tile j - 1's O += P V, and j's softmax runs while that P V finishes; between the two
+    // warpgroups, named barriers 1 and 2 hand the tensor cores over in turn, so one's
+    // softmax runs under the other's products. (o is rescaled once P V(j - 1) is done.)
+    const auto handover_wait = [&] {
+        asm volatile("bar.sync %0, 256;" ::"r"(1 + wg) : "memory");
+    };
+    const auto handover_give = [&] {
+        asm volatile("bar.arrive %0, 256;" ::"r"(2 - wg) : "memory");
+    };
+    if (wg == 1) handover_give();  // warpgroup 0 goes first
     // Tile 0: its scores alone (o is first written by its P V, in the next round).
     handover_wait();
     issue_qk(0);
@@ -277,15 +303,10 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
     softmax(0);
     pack();
     for (int j = 1; j < tiles; ++j) {
-        const unsigned v_prev = ring + ((j - 1) % STAGES) * STAGE_BYTES + KV_BYTES;
         handover_wait();
         issue_qk(j);
         fence_operands(o);
-#pragma unroll
-        for (int kk = 0; kk < BKV / 16; ++kk)
-            WgmmaRegA<D>::mma(o, pk[kk], smem_desc(v_prev + kk * 16 * 128, PANEL_BYTES),
-                              j > 1 || kk > 0);
-        wgmma_commit();
+        issue_pv(j - 1);
         if (!(wg == 1 && j == tiles - 1)) handover_give();  // (the last one nobody waits for)
         wgmma_wait<1>();  // the scores are in; P V(j - 1) may still run
         softmax(j);
@@ -295,115 +316,31 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
         for (int kk = 0; kk < BKV / 16; ++kk)
 #pragma unroll
             for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pk[kk][i])::"memory");
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&empty[(j - 1) % STAGES]));
-#pragma unroll
-        for (int d = 0; d < D / 8; ++d) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                o[d * 4 + half * 2] *= alpha[half];
-                o[d * 4 + half * 2 + 1] *= alpha[half];
-            }
-        }
+        release(j - 1);
+        rescale();
         pack();
     }
-    {  // the last tile's P V
-        const int last = tiles - 1;
-        const unsigned v_last = ring + (last % STAGES) * STAGE_BYTES + KV_BYTES;
-        fence_operands(o);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BKV / 16; ++kk)
-            WgmmaRegA<D>::mma(o, pk[kk], smem_desc(v_last + kk * 16 * 128, PANEL_BYTES),
-                              last > 0 || kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(o);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&empty[last % STAGES]));
-    }
+    fence_operands(o);  // the last tile's P V
+    wgmma_fence();
+    issue_pv(tiles - 1);
+    wgmma_wait<0>();
+    fence_operands(o);
+    release(tiles - 1);
 #else
+    // One tile after the other: S = Q K^T, its softmax, O += P V, each waited for.
     for (int j = 0; j < tiles; ++j) {
-        const int st = j % STAGES;
-        mbar_wait(smem_addr(&full[st]), (j / STAGES) & 1);
-        const unsigned k_tile = ring + st * STAGE_BYTES, v_tile = k_tile + KV_BYTES;
-
-        // S = Q K^T: 16 dims a step, 4 steps per 64-wide slice (32 bytes apart in a row).
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned slice = (kk / 4) * PANEL_BYTES + (kk % 4) * 32;
-            Wgmma<BKV>::mma(s, smem_desc(q_smem + slice + wg * 64 * 128),
-                            smem_desc(k_tile + slice), kk > 0);
-        }
-        wgmma_commit();
+        issue_qk(j);
         wgmma_wait<0>();
-        fence_operands(s);
-
-        // s[c * 4 + e]: row g (+ 8 for e >= 2), key j * BKV + c * 8 + 2t (+ 1 for odd e).
-        const bool diagonal = j * BKV + BKV - 1 > start + row0;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float mx = QW_NEG_INF;
-#pragma unroll
-            for (int c = 0; c < BKV / 8; ++c) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = j * BKV + c * 8 + t * 2 + e;
-                    float v = s[c * 4 + half * 2 + e] * qk_scale;
-                    if (diagonal && key > pos_row[half]) v = QW_NEG_INF;
-                    s[c * 4 + half * 2 + e] = v;
-                    mx = fmaxf(mx, v);
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_row[half], mx);
-            // A row whose keys are all masked so far keeps m = -inf; use 0 to avoid inf - inf.
-            const float m_use = m_new == QW_NEG_INF ? 0.f : m_new;
-            const float alpha = exp2f(m_row[half] - m_use);
-            float sum = 0.f;
-#pragma unroll
-            for (int c = 0; c < BKV / 8; ++c) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(s[c * 4 + half * 2 + e] - m_use);
-                    s[c * 4 + half * 2 + e] = p;
-                    sum += p;
-                }
-            }
-            l_row[half] = l_row[half] * alpha + sum;
-            m_row[half] = m_new;
-            if (j > 0) {  // (the first tile's products overwrite o)
-#pragma unroll
-                for (int d = 0; d < D / 8; ++d) {
-                    o[d * 4 + half * 2] *= alpha;
-                    o[d * 4 + half * 2 + 1] *= alpha;
-                }
-            }
-        }
-
-        // O += P V: P's fragments from the score accumulators (their layout is the A
-        // fragments'); V's 16 keys a step are 16 rows of 128 bytes further on, its 64-wide
-        // slices PANEL_BYTES apart.
+        softmax(j);
+        if (j > 0) rescale();
+        pack();
         fence_operands(o);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BKV / 16; ++kk) {
-            const unsigned a[4] = {pack_bf16x2(s[8 * kk], s[8 * kk + 1]),
-                                   pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]),
-                                   pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]),
-                                   pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])};
-            WgmmaRegA<D>::mma(o, a, smem_desc(v_tile + kk * 16 * 128, PANEL_BYTES),
-                              j > 0 || kk > 0);
-        }
-        wgmma_commit();
+        issue_pv(j);
         wgmma_wait<0>();
         fence_operands(o);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&empty[st]));  // this warp is done with the stage
+        release(j);
     }
-
 #endif
 
 #pragma unroll

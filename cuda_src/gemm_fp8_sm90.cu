@@ -183,31 +183,8 @@ __device__ __forceinline__ void gemm_fp8_tile(const TensorMap& map_a, const Tens
             if ((lane & 3) == 0) c_scales[static_cast<long long>(row) * ((N + 127) / 128) + tile_n] = scale;
         }
     } else {
-        float* out = static_cast<float*>(c);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const int col = b_row0 + j * 8 + col0;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row0 + h * 8;
-                if (row >= M || col >= N) continue;
-                float* o = out + static_cast<long long>(row) * ldc + col;
-                const float v0 = d[j * 4 + h * 2], v1 = d[j * 4 + h * 2 + 1];
-                if (col + 1 < N && (ldc & 1) == 0) {  // one 8-byte access (col is even)
-                    float2* o2 = reinterpret_cast<float2*>(o);
-                    float2 v = make_float2(v0, v1);
-                    if (EPI == ADD_F32) {
-                        const float2 old = *o2;
-                        v.x += old.x;
-                        v.y += old.y;
-                    }
-                    *o2 = v;
-                    continue;
-                }
-                o[0] = EPI == ADD_F32 ? o[0] + v0 : v0;
-                if (col + 1 < N) o[1] = EPI == ADD_F32 ? o[1] + v1 : v1;
-            }
-        }
+        store_accumulators<EPI == ADD_F32>(d, static_cast<float*>(c), row0, b_row0 + col0, M, N,
+                                           ldc);
     }
 }
 }  // namespace

@@ -165,6 +165,39 @@ struct WgmmaE4m3 {
         : "l"(a), "l"(b), "r"(accumulate));
     }
 };
+// A consumer warpgroup's fp32 accumulators into C (fp32, rows ldc apart), stored (ADD false)
+// or added: d[j * 4 + e] is row row0 (+ 8 for e >= 2), column col0 + j * 8 (+ 1 for odd e),
+// the layout of wgmma's m64nN accumulators (row0: this thread's first row, col0: its first
+// column). Rows past M and columns past N are left alone.
+template <bool ADD, int R>
+__device__ __forceinline__ void store_accumulators(const float (&d)[R], float* out, int row0,
+                                                   int col0, int M, int N, int ldc) {
+#pragma unroll
+    for (int j = 0; j < R / 4; ++j) {
+        const int col = col0 + j * 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + h * 8;
+            if (row >= M || col >= N) continue;
+            float* o = out + static_cast<long long>(row) * ldc + col;
+            const float v0 = d[j * 4 + h * 2], v1 = d[j * 4 + h * 2 + 1];
+            if (col + 1 < N && (ldc & 1) == 0) {  // one 8-byte access (col is even)
+                float2* o2 = reinterpret_cast<float2*>(o);
+                float2 v = make_float2(v0, v1);
+                if (ADD) {
+                    const float2 old = *o2;
+                    v.x += old.x;
+                    v.y += old.y;
+                }
+                *o2 = v;
+                continue;
+            }
+            o[0] = ADD ? o[0] + v0 : v0;
+            if (col + 1 < N) o[1] = ADD ? o[1] + v1 : v1;
+        }
+    }
+}
+
 // D (64 x N) += A (64 x 16, bf16 fragments in registers, the layout of mma.sync's A) .
 // B (16 x N) from shared memory, MN-major (imm-trans-b = 1): attention's P . V;
 // accumulate = 0 overwrites D.
