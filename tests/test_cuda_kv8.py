@@ -214,6 +214,55 @@ def test_int8_hopper_prefill_attention_matches_numpy(int8_hopper_attention, star
     assert np.isfinite(got).all() and rel_err(got, expected) <= 2e-2
 
 
+@pytest.fixture(scope="module", params=[64, 128])
+def bf16_hopper_attention(request):
+    from qwenchat.engine.cuda import runtime as rt
+    from qwenchat.engine.cuda.compiler import KernelCache, kernel_defines
+    from qwenchat.engine.cuda.prefill import attention90_shared
+
+    if rt.Device(0).arch != "sm_90":
+        pytest.skip("attention_sm90.cu needs an sm_90 GPU")
+    config = dataclasses.replace(ODD, head_dim=request.param)
+    module = rt.Module(KernelCache().load("attention_sm90.cu", "sm_90a", kernel_defines(config)))
+    function = module.function("attn_prefill90")
+    function.set_max_dynamic_shared(attention90_shared(config.head_dim))
+    return rt, config, function, rt.Stream()
+
+
+@pytest.mark.parametrize(("start", "n"), [(0, 83), (37, 130), (200, 1), (0, 300), (90, 257),
+                                          (0, 400)])
+def test_bf16_hopper_prefill_attention_matches_numpy(bf16_hopper_attention, start, n):
+    """The ping-pong schedule (a bf16 cache): one to four key tiles a block, both warpgroups
+    handing the tensor cores over, head_dim 64 and 128; rows past the prompt random (masked)."""
+    from qwenchat.engine.cuda.prefill import (
+        ATTENTION90_QUERIES,
+        attention90_shared,
+        attention90_threads,
+    )
+
+    rt, config, function, stream = bf16_hopper_attention
+    rng = np.random.default_rng(start + n + config.head_dim)
+    cap, d = 400, config.head_dim
+    kvh, heads = config.num_key_value_heads, config.num_attention_heads
+    q = query_rows(rng, n, config)
+    k_bits, v_bits = (f32_to_bf16_bits(rng.standard_normal((kvh, cap, d)).astype(np.float32))
+                      for _ in range(2))
+    q_buffer, out = upload(rt, q), poisoned(rt, n * heads * d * 2)
+    k_buffer, v_buffer = upload(rt, k_bits), upload(rt, v_bits)
+    args = [rt.tile_map(q_buffer.ptr, n, heads * d, 128, 64),
+            rt.tile_map(k_buffer.ptr, kvh * cap, d, 128, 64),
+            rt.tile_map(v_buffer.ptr, kvh * cap, d, 128, 64), ctypes.c_int(start),
+            ctypes.c_int(n), ctypes.c_int(cap), ctypes.c_float(d**-0.5), out]
+    rt.launch(function, (heads, (n + ATTENTION90_QUERIES - 1) // ATTENTION90_QUERIES),
+              attention90_threads(), args, shared=attention90_shared(d), stream=stream)
+    stream.synchronize()
+    length = start + n
+    expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(k_bits)[:, :length],
+                                   bf16_bits_to_f32(v_bits)[:, :length], start, heads // kvh)
+    got = bf16_bits_to_f32(download(out, np.uint16, (n, heads, d)))
+    assert np.isfinite(got).all() and rel_err(got, expected) <= 2e-2
+
+
 @pytest.mark.parametrize("position", [1024, 8192, 32768])
 def test_int8_cache_stays_near_the_bf16_cache_at_long_positions(shape, position):
     """A prompt of `position` tokens, then one decode step: the logits of both against the
