@@ -190,8 +190,8 @@ def test_int8_hopper_prefill_attention_matches_numpy(int8_hopper_attention, star
     past the buffer's rows: read as zeros), random rows past the prompt (masked)."""
     from qwenchat.engine.cuda.prefill import (
         ATTENTION90_QUERIES,
+        ATTENTION90_THREADS,
         attention90_shared,
-        attention90_threads,
     )
 
     rt, config, function, stream = int8_hopper_attention
@@ -205,7 +205,7 @@ def test_int8_hopper_prefill_attention_matches_numpy(int8_hopper_attention, star
             upload(rt, v_raw), ctypes.c_int(start), ctypes.c_int(n), ctypes.c_int(cap),
             ctypes.c_float(d**-0.5), out]
     rt.launch(function, (heads, (n + ATTENTION90_QUERIES - 1) // ATTENTION90_QUERIES),
-              attention90_threads("int8"), args, shared=attention90_shared(d), stream=stream)
+              ATTENTION90_THREADS, args, shared=attention90_shared(d), stream=stream)
     stream.synchronize()
     length = start + n
     expected = reference_attention(bf16_bits_to_f32(q), k[:, :length], v[:, :length], start,
@@ -236,8 +236,8 @@ def test_bf16_hopper_prefill_attention_matches_numpy(bf16_hopper_attention, star
     handing the tensor cores over, head_dim 64 and 128; rows past the prompt random (masked)."""
     from qwenchat.engine.cuda.prefill import (
         ATTENTION90_QUERIES,
+        ATTENTION90_THREADS,
         attention90_shared,
-        attention90_threads,
     )
 
     rt, config, function, stream = bf16_hopper_attention
@@ -254,7 +254,7 @@ def test_bf16_hopper_prefill_attention_matches_numpy(bf16_hopper_attention, star
             rt.tile_map(v_buffer.ptr, kvh * cap, d, 128, 64), ctypes.c_int(start),
             ctypes.c_int(n), ctypes.c_int(cap), ctypes.c_float(d**-0.5), out]
     rt.launch(function, (heads, (n + ATTENTION90_QUERIES - 1) // ATTENTION90_QUERIES),
-              attention90_threads(), args, shared=attention90_shared(d), stream=stream)
+              ATTENTION90_THREADS, args, shared=attention90_shared(d), stream=stream)
     stream.synchronize()
     length = start + n
     expected = reference_attention(bf16_bits_to_f32(q), bf16_bits_to_f32(k_bits)[:, :length],

@@ -28,6 +28,10 @@ GEMM90_NARROW_COST = 0.65
 # attention.cu, the kernels of every other GPU; "auto": hopper wherever it can run.
 PREFILL_KERNELS = ("auto", "hopper", "portable")
 ATTENTION90_QUERIES = 128  # queries per block
+# attention_sm90.cu's THREADS: two consumer warpgroups and a producer warpgroup (the TMA
+# thread's, which gives its registers to the ping-pong consumers; for an int8 cache, four
+# warps that turn its tiles into bf16).
+ATTENTION90_THREADS = 3 * 128
 # Short prompts (a chat's next message): a product of at most this many rows would cover few
 # SMs with its tiles, so gemm_sm90.cu splits K too, each split's partial product into
 # SPLIT_K_BYTES of scratch, summed in order by splitk_sum / splitk_swiglu.
@@ -49,14 +53,6 @@ GEMM_FP8_KERNELS = ("gemm_fp8_store_128", "gemm_fp8_store_256", "gemm_fp8_add_12
 # "auto": e4m3 activations wherever gemm_fp8_sm90.cu runs (sm_90, FP8 weights); "bf16" keeps
 # the FP8 weights' codes widened to bf16 in gemm_sm90.cu (comparisons, docs/prefill_v2.md).
 FP8_ACTIVATIONS = ("auto", "e4m3", "bf16")
-
-
-def attention90_threads(kv_format: str = "bf16") -> int:
-    """attention_sm90.cu's THREADS: two consumer warpgroups and a producer warpgroup (the TMA
-    thread's, which gives its registers to the ping-pong consumers; for an int8 cache, four
-    warps that turn its tiles into bf16)."""
-    del kv_format
-    return 3 * 128
 
 
 def attention90_shared(head_dim: int) -> int:
@@ -428,7 +424,7 @@ class Prefill:
         if self.attention90 and splits == 1 and start_at is None:
             k, v = self.attention90_kv[layer]
             self._launch("attn_prefill90", (heads, math.ceil(n / ATTENTION90_QUERIES)),
-                         attention90_threads(self.kv_format), self.q_map, k, v,
+                         ATTENTION90_THREADS, self.q_map, k, v,
                          c_int(start), c_int(n), c_int(self.capacity), scale, self.attn,
                          shared=attention90_shared(self.config.head_dim))
             return
