@@ -173,10 +173,8 @@ __device__ __forceinline__ void gemm_fp8_tile(const TensorMap& map_a, const Tens
             unsigned char* out = codes + static_cast<long long>(row) * ldc + b_row0;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                unsigned short pair;  // cvt takes (hi, lo): the lower column in the low byte
-                asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                    : "=h"(pair)
-                    : "f"(d[j * 4 + h * 2 + 1] * inverse), "f"(d[j * 4 + h * 2] * inverse));
+                const unsigned short pair =
+                    pack_e4m3x2(d[j * 4 + h * 2] * inverse, d[j * 4 + h * 2 + 1] * inverse);
                 if (b_row0 + j * 8 + col0 < N)
                     *reinterpret_cast<unsigned short*>(out + j * 8 + col0) = pair;
             }
@@ -226,10 +224,10 @@ extern "C" __global__ void __launch_bounds__(256)
     float v[4];
     if (whole) {  // one 8-byte load
         const uint2 packed = *reinterpret_cast<const uint2*>(in);
-        v[0] = __uint_as_float(packed.x << 16);
-        v[1] = __uint_as_float(packed.x & 0xffff0000u);
-        v[2] = __uint_as_float(packed.y << 16);
-        v[3] = __uint_as_float(packed.y & 0xffff0000u);
+        v[0] = bf16_lo(packed.x);
+        v[1] = bf16_hi(packed.x);
+        v[2] = bf16_lo(packed.y);
+        v[3] = bf16_hi(packed.y);
     } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) v[e] = c0 + e < K ? bf16_to_f32(in[e]) : 0.f;
@@ -241,10 +239,8 @@ extern "C" __global__ void __launch_bounds__(256)
     const float safe = scale > 0.f ? scale : 1.f;
     unsigned short pair[2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e)  // cvt takes (hi, lo): the lower column in the low byte
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-            : "=h"(pair[e])
-            : "f"(__fdiv_rn(v[2 * e + 1], safe)), "f"(__fdiv_rn(v[2 * e], safe)));
+    for (int e = 0; e < 2; ++e)
+        pair[e] = pack_e4m3x2(__fdiv_rn(v[2 * e], safe), __fdiv_rn(v[2 * e + 1], safe));
     unsigned char* out = codes + static_cast<long long>(row) * K + c0;
     if (whole) {
         *reinterpret_cast<unsigned*>(out) = pair[0] | (static_cast<unsigned>(pair[1]) << 16);

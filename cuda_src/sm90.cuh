@@ -32,6 +32,14 @@ __device__ __forceinline__ void st_swizzled_pair(unsigned row_addr, int chunk, i
     }
 }
 
+// Two floats as e4m3 codes (rounded to nearest even, saturated to +-448), lo in the low byte:
+// pack_bf16x2's counterpart for the e4m3 wgmma's operands (sm_89+).
+__device__ __forceinline__ unsigned short pack_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
