@@ -14,6 +14,7 @@ from typing import Any, TextIO
 from qwenchat.engine import check_engine_flags, create_engine
 from qwenchat.engine.speculate import check_speculate, open_draft, speculation_asked
 from qwenchat.errors import UsageError
+from qwenchat.model import rope
 from qwenchat.model.loader import open_model
 from qwenchat.model.locate import looks_like_path, resolve_model
 from qwenchat.model.tokenizer import check_text
@@ -39,6 +40,7 @@ class AskOptions:
     speculate: str = "off"
     draft: str | None = None  # a draft model's directory or hub id (speculative decoding)
     kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
+    rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
 
 
 # Byte-order marks honoured on stdin: UTF-8's is dropped, UTF-16's (as Windows tools write)
@@ -82,7 +84,7 @@ def check_overrides(overrides: dict[str, Any]) -> None:
 def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache)
+                       options.quantize, options.kv_cache, options.rope_scaling)
     check_speculate(options.speculate, options.draft)
     draft = options.draft
     if draft and (looks_like_path(draft) or Path(draft).expanduser().exists()):
@@ -92,7 +94,8 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     # The tokenizer loads on its own thread while the engine compiles and uploads.
     model = open_model(options.model, tokenizer_in_background=True)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
-    engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
+    config = rope.with_flag(model.config, options.rope_scaling)
+    engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
                            device=options.device, notice=say, decode=options.decode,
                            quantize=options.quantize, kv_cache=options.kv_cache)
     tokenizer = model.tokenizer

@@ -35,7 +35,7 @@ from qwenchat.engine import (
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
 from qwenchat.errors import UsageError
-from qwenchat.model import fp8, kv_cache
+from qwenchat.model import fp8, kv_cache, rope
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
 from qwenchat.model.config import Qwen3Config, parameters_text
 from qwenchat.model.loader import open_model
@@ -89,7 +89,7 @@ class BenchSettings:
         ahead = SPECULATE_MOST + 1 if self.speculation else 0  # (a pass past the last step)
         needed = max(max(self.positions) + self.steps + 1 + ahead,
                      max(self.prompts) + self.after)
-        return min(needed, config.max_position_embeddings)
+        return min(needed, config.context_limit)
 
     def planned_items(self, compare_hf: bool) -> int:
         """How many times the measuring functions call their Tick (for a progress bar)."""
@@ -650,7 +650,7 @@ def transformers_model(config: Qwen3Config, weights: WeightSource, device: Any =
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, rope_parameters=_hf_rope(config),
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings, attn_implementation="sdpa")
     with torch.device(device):
@@ -660,6 +660,21 @@ def transformers_model(config: Qwen3Config, weights: WeightSource, device: Any =
         # copy_ casts (bf16 values stay exact) and moves to the device in one go.
         model.get_parameter(name).data.copy_(torch.from_numpy(weights.float32(name)))
     return model.eval()
+
+
+def _hf_rope(config: Qwen3Config) -> dict[str, Any]:
+    """transformers' rope_parameters for our config: plain RoPE, or the same YaRN."""
+    yarn = config.rope_scaling
+    if yarn is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    params = {"rope_type": "yarn", "rope_theta": config.rope_theta, "factor": yarn.factor,
+              "original_max_position_embeddings": yarn.original_max_position_embeddings,
+              "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
+              "truncate": yarn.truncate}
+    for name in ("attention_factor", "mscale", "mscale_all_dim"):
+        if getattr(yarn, name) is not None:
+            params[name] = getattr(yarn, name)
+    return params
 
 
 def _torch_copy_bandwidth(torch: Any, device: Any) -> float:
@@ -794,6 +809,7 @@ class BenchOptions:
     decode: str = "auto"  # the CUDA engine's decode path
     quantize: str = "none"  # "fp8" or "int4": the linear layers quantized at load time
     kv_cache: str = "bf16"  # the KV cache's format
+    rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
 
 
 def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -804,7 +820,7 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
     if options.config is not None and options.model is not None:
         raise UsageError("give --config (random weights) or --model (a checkpoint), not both")
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache)
+                       options.quantize, options.kv_cache, options.rope_scaling)
     settings = options.settings
     console = Console(file=err)
 
@@ -825,6 +841,7 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
 
         tick("building the engine")
         name, config, weights, label = _open_weights(options)
+        config = rope.with_flag(config, options.rope_scaling)
         try:
             ctx = settings.default_ctx(config) if options.ctx is None else options.ctx
             engine = create_engine(options.backend, config, weights, ctx, device=options.device,

@@ -188,6 +188,34 @@ def test_usage_errors_exit_2_with_one_line(tiny_model_dir, args):
     assert_one_error_line(result, 2)
 
 
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--ctx", "600"], ["--ctx 600", "512 positions", "--rope-scaling yarn"]),
+    (["--rope-scaling", "yarn:2:256", "--ctx", "600"], ["--ctx 600", "yarn:3"]),
+    (["--rope-scaling", "linear"], ["--rope-scaling", "yarn:FACTOR"]),
+    (["--rope-scaling", "yarn:0.5"], ["--rope-scaling", "1 or more"]),
+    (["--device", "3", "--backend", "cpu", "--ctx", "700"], ["--ctx 700"]),
+])
+def test_context_past_the_trained_length_and_bad_rope_scaling_exit_2(tiny_model_dir, args,
+                                                                     needles):
+    """The tiny model is trained for 512 positions: more needs YaRN, named in the line."""
+    result = qwenchat("ask", "--model", str(tiny_model_dir), *args, "Hi")
+    assert_one_error_line(result, 2, *needles)
+
+
+def test_rope_scaling_yarn_answers_past_the_trained_length(tiny_model_dir):
+    done = qwenchat("ask", "--model", str(tiny_model_dir), "--backend", "cpu",
+                    "--rope-scaling", "yarn:2:512", "--ctx", "1024", "--max-tokens", "4",
+                    "--temperature", "0", "Hi")
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_explicit_device_that_does_not_exist_exits_2(tiny_model_dir):
+    """--device 7 asks for a GPU this machine (no GPU in CI; one or a few elsewhere) lacks:
+    refused, not answered on the CPU."""
+    result = qwenchat("ask", "--model", str(tiny_model_dir), "--device", "7", "Hi")
+    assert_one_error_line(result, 2, "--device 7", "this machine has")
+
+
 def test_an_int8_kv_cache_answers_and_ask_json_names_it(tiny_model_dir):
     done = qwenchat("ask", "--model", str(tiny_model_dir), "--kv-cache", "int8", "--backend",
                     "cpu", "--max-tokens", "4", "--temperature", "0", "--json", "Hi")

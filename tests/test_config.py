@@ -90,6 +90,28 @@ def test_rope_theta_is_read_from_rope_parameters():
     assert Qwen3Config.from_dict(raw).rope_theta == 500_000.0
 
 
+@pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("key", ["rope_type", "type"])
+def test_yarn_is_read_from_either_field_and_either_key(field, key):
+    from qwenchat.model.rope import Yarn
+
+    raw = transformers5_raw(**{field: {key: "yarn", "factor": 4.0, "beta_fast": 16,
+                                       "original_max_position_embeddings": 32768,
+                                       "rope_theta": 1e6}})
+    if field == "rope_scaling":
+        raw.pop("rope_parameters")
+    config = Qwen3Config.from_dict(raw)
+    assert config.rope_scaling == Yarn(factor=4.0, original_max_position_embeddings=32768,
+                                       beta_fast=16.0)
+    assert config.trained_positions == 32768 and config.context_limit == 131072
+
+
+def test_plain_rope_keeps_the_configs_maximum_as_its_limit():
+    config = Qwen3Config.from_dict(transformers5_raw())
+    assert config.rope_scaling is None
+    assert config.trained_positions == config.context_limit == config.max_position_embeddings
+
+
 def test_dtype_stands_in_for_torch_dtype():
     assert Qwen3Config.from_dict(transformers5_raw(dtype="float16")).torch_dtype == "float16"
 
@@ -118,9 +140,19 @@ def test_num_key_value_heads_absent_means_one_per_query_head():
         ({"model_type": "qwen3_moe", "architectures": None}, "model_type", "qwen3_moe"),
         ({"num_experts": 128, "num_experts_per_tok": 8}, "num_experts", "128"),
         ({"moe_intermediate_size": 768}, "moe_intermediate_size", "768"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling", "yarn"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-         "rope_parameters.rope_type", "yarn"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling", "linear"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}},
+         "rope_parameters", "dynamic"),
+        ({"rope_scaling": {"type": "longrope"}}, "rope_scaling", "longrope"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling",
+         "original_max_position_embeddings"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": "big",
+                           "original_max_position_embeddings": 32768}}, "rope_scaling.factor",
+         "big"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 0.5,
+                           "original_max_position_embeddings": 32768}}, "rope_scaling",
+         "factor >= 1"),
+        ({"rope_scaling": "yarn"}, "rope_scaling", "yarn"),
         ({"use_sliding_window": True}, "use_sliding_window", "true"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types",
          "sliding_attention"),

@@ -189,3 +189,85 @@ def test_truncate_beyond_the_cache_is_refused(tiny_model_dir):
     engine.prefill(prompt_ids(5))
     with pytest.raises(UsageError, match="truncate"):
         engine.truncate(6)
+
+
+# ---------------------------------------------------------------------------------- YaRN
+# Qwen's recipe scaled down: trained on 64 positions, extended 4x.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module", params=["rope_scaling", "rope_parameters"])
+def yarn_dir(request, tmp_path_factory, tiny_tokenizer):
+    """A tiny model with YaRN in its config.json, as older configs (rope_scaling, "type")
+    and transformers 5's (rope_parameters, "rope_type", rope_theta inside) write it."""
+    entry = ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+             if request.param == "rope_scaling" else {**YARN, "rope_theta": 1_000_000.0})
+    return write_tiny_model(tmp_path_factory.mktemp(f"yarn-{request.param}") / "m",
+                            tokenizer=tiny_tokenizer, max_position_embeddings=64,
+                            **{request.param: entry})
+
+
+def test_yarn_prefill_matches_transformers_below_and_past_the_original_length(yarn_dir):
+    require_transformers()
+    ids = prompt_ids(200, seed=4)  # positions 0-199: to three times the 64 trained ones
+    engine = engine_for(yarn_dir)
+    assert engine.capacity == 256  # the default context: factor x the original length
+    ours, theirs = engine.prefill_logits(ids), hf_logits(yarn_dir, ids)
+    assert relative_error(ours[:64], theirs[:64]) <= 1e-4
+    assert relative_error(ours[64:], theirs[64:]) <= 1e-4
+
+
+def test_yarn_greedy_reply_past_the_original_length_is_transformers(yarn_dir):
+    torch, _ = require_transformers()
+    from hf_compare import hf_model
+
+    ids = prompt_ids(60, seed=5)
+    engine = engine_for(yarn_dir)
+    engine.prefill(ids)
+    ours = list(engine.generate(GenerateRequest(greedy(40), frozenset(), seed=0)))
+    model = hf_model(yarn_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, len(ids):].tolist()
+
+
+def test_yarn_frequencies_blend_as_transformers_computes_them():
+    _, transformers = require_transformers()
+    import dataclasses
+
+    from qwenchat.model import rope
+    from qwenchat.model.presets import PRESETS
+
+    for factor, original in ((4.0, 32768), (2.0, 4096), (8.0, 64)):
+        config = dataclasses.replace(
+            PRESETS["qwen3-8b"], rope_scaling=rope.Yarn(factor=factor,
+                                                       original_max_position_embeddings=original))
+        hf = transformers.Qwen3Config(
+            head_dim=config.head_dim, hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_parameters={"rope_type": "yarn", "rope_theta": config.rope_theta,
+                             "factor": factor, "original_max_position_embeddings": original})
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+        np.testing.assert_allclose(rope.inv_freq(config), inv_freq.numpy(), rtol=1e-6)
+        assert rope.attention_factor(config) == pytest.approx(scaling, rel=1e-12)
+
+
+def test_rope_scaling_on_the_command_line_is_the_config_entry(yarn_dir, tiny_tokenizer, tmp_path):
+    """--rope-scaling yarn:4:64 on a plain config gives the logits of the same YaRN written
+    into config.json, bit for bit."""
+    from qwenchat.model import rope
+
+    plain_dir = write_tiny_model(tmp_path / "plain", tokenizer=tiny_tokenizer,
+                                 max_position_embeddings=64)
+    plain = open_model_dir(plain_dir)
+    config = rope.with_flag(plain.config, "yarn:4:64")
+    assert config.rope_scaling == open_model_dir(yarn_dir).config.rope_scaling
+    ids = prompt_ids(150, seed=6)
+    ours = ReferenceEngine(config, plain.checkpoint).prefill_logits(ids)
+    assert np.array_equal(ours, engine_for(yarn_dir).prefill_logits(ids))
+    assert not np.array_equal(ours, ReferenceEngine(plain.config, plain.checkpoint, 256)
+                              .prefill_logits(ids))  # (YaRN changes them)

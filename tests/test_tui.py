@@ -22,13 +22,14 @@ from textual.widgets._toast import Toast
 
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.errors import ModelError
+from qwenchat.model import rope
 from qwenchat.model.loader import open_model_dir
 from qwenchat.model.tokenizer import Message
 from qwenchat.sampling.params import LiveParams, SamplingParams
 from qwenchat.session import ChatSession, TextPiece
 from qwenchat.store import ChatStore
 from qwenchat.tui.app import QwenchatApp
-from qwenchat.tui.loader import LoadedModel
+from qwenchat.tui.loader import LoadedModel, _engine_text
 from qwenchat.tui.options import ChatOptions
 from qwenchat.tui.quiet_gc import NEVER
 from qwenchat.tui.screens.chat import ChatScreen
@@ -1617,6 +1618,35 @@ def test_an_int8_kv_cache_is_named_in_the_status_bar_and_model_info(tmp_path, ti
 
     async def scenario(pilot, screen):
         assert "int8 KV cache" in str(screen.query_one("#engine").render())
+
+    drive(app, scenario)
+
+
+def test_rope_scaling_reaches_the_model_and_shows_in_the_kv_gauge_and_model_info(
+        tmp_path, tiny_model_dir):
+    """--rope-scaling yarn:2 on the tiny model (trained for 512 positions): the engine runs
+    YaRN with 1,024 positions, /info names the trained length and the scaling, the KV gauge
+    says YaRN."""
+    from qwenchat.tui.loader import model_loader
+
+    loaded = model_loader(ChatOptions(str(tiny_model_dir), backend="cpu",
+                                      rope_scaling="yarn:2"))(
+        lambda _: None, lambda _: None, lambda _: None)
+    try:
+        assert loaded.engine.capacity == 1024
+        assert "YaRN x2 over 512 trained positions, to 1,024" in loaded.describe()
+    finally:
+        loaded.close()
+    model = open_model_dir(tiny_model_dir, "tiny-qwen3")
+    plain = ReferenceEngine(model.config, model.checkpoint)
+    assert "RoPE, trained for 512 positions" in _engine_text(plain)
+    config = rope.with_flag(model.config, "yarn:2")
+    app = make_app(tmp_path, LoadedModel(model.spec, model.directory,
+                                         ReferenceEngine(config, model.checkpoint),
+                                         model.tokenizer, model.eos_ids))
+
+    async def scenario(pilot, screen):
+        assert "/1,024 YaRN ×2" in str(screen.query_one(KVGauge).render())
 
     drive(app, scenario)
 

@@ -57,6 +57,11 @@ KvCacheOpt = Annotated[str, typer.Option(
     "--kv-cache", help="bf16 or int8: how keys and values are cached; int8 keeps 8-bit codes "
     "and a scale a head and token: about half the bytes, so nearly twice the context in the "
     "same memory and faster decode deep into a long conversation.")]
+RopeScalingOpt = Annotated[str | None, typer.Option(
+    "--rope-scaling", help="yarn, yarn:FACTOR or yarn:FACTOR:ORIGINAL: YaRN, Qwen's recipe for "
+    "contexts past the 32,768 positions the models were trained on (factor 4 reaches 131,072; "
+    "the default --ctx rises to factor x original); none turns a config.json's scaling off.",
+    show_default="as config.json says")]
 SpeculateOpt = Annotated[str, typer.Option(
     "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
     "where it occurred before (prompt lookup) and verify several a step; the reply is the "
@@ -154,6 +159,7 @@ def chat(
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
     kv_cache: KvCacheOpt = "bf16",
+    rope_scaling: RopeScalingOpt = None,
     speculate: SpeculateOpt = "off",
     draft: DraftOpt = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
@@ -171,7 +177,7 @@ def chat(
 
         options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
                               quantize, speculate, draft, history=not no_history,
-                              debug=debug, kv_cache=kv_cache)
+                              debug=debug, kv_cache=kv_cache, rope_scaling=rope_scaling)
         check_chat_options(options)
         require_terminal()
         from qwenchat.tui.app import run_chat  # Textual loads only once the flags are good
@@ -208,6 +214,7 @@ def ask(
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
     kv_cache: KvCacheOpt = "bf16",
+    rope_scaling: RopeScalingOpt = None,
     speculate: SpeculateOpt = "off",
     draft: DraftOpt = None,
     debug: DebugOpt = False,
@@ -225,7 +232,7 @@ def ask(
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
                              verbose, ctx, overrides, device, decode, quantize, speculate,
-                             draft, kv_cache=kv_cache)
+                             draft, kv_cache=kv_cache, rope_scaling=rope_scaling)
         return run_ask(options)
 
     run_guarded(action, debug)
@@ -303,6 +310,7 @@ def bench(
     decode: DecodeOpt = "auto",
     quantize: QuantizeOpt = "none",
     kv_cache: KvCacheOpt = "bf16",
+    rope_scaling: RopeScalingOpt = None,
     ctx: Annotated[int | None, typer.Option(
         "--ctx", help="KV-cache size in tokens.",
         show_default="room for the largest position and prompt, within the model's maximum")
@@ -339,7 +347,8 @@ def bench(
                                  parse_sizes(positions, "--positions"), steps, repeats,
                                  sampled=sampled, speculation=speculation, after=after)
         return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
-                                      compare_hf, decode, quantize, kv_cache=kv_cache))
+                                      compare_hf, decode, quantize, kv_cache=kv_cache,
+                                      rope_scaling=rope_scaling))
 
     run_guarded(action, debug)
 

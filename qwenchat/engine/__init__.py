@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from qwenchat.engine.base import Engine, GenerateRequest, Generation, StopReason
 from qwenchat.errors import BackendUnavailable, UsageError
+from qwenchat.model import rope
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.fp8 import QUANTIZE_CHOICES, with_quantization
@@ -20,9 +21,11 @@ __all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
 
 def check_engine_flags(backend: str, ctx: int | None, device: int,
                        decode: str = "auto", quantize: str = "none",
-                       kv_cache: str = "bf16") -> None:
-    """Validate --backend, --ctx, --device, --decode, --quantize and --kv-cache before
-    anything is loaded, so mistakes fail fast."""
+                       kv_cache: str = "bf16", rope_scaling: str | None = None) -> None:
+    """Validate --backend, --ctx, --device, --decode, --quantize, --kv-cache and
+    --rope-scaling before anything is loaded, so mistakes fail fast."""
+    if rope_scaling is not None:
+        rope.parse_flag(rope_scaling)
     if backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if decode not in DECODES:
@@ -57,6 +60,9 @@ def create_engine(
     (qwenchat/model/kv_cache.py). `progress` gets a line as
     each GPU kernel compile ends (the first run for a model)."""
     check_engine_flags(backend, ctx, device, decode, quantize, kv_cache)
+    rope.check_context(config, ctx)
+    if backend in ("auto", "cuda") and device > 0:
+        _check_device(device)
     weights = with_quantization(weights, quantize)
     if backend in ("auto", "cuda"):
         try:
@@ -68,6 +74,21 @@ def create_engine(
     from qwenchat.engine.reference import ReferenceEngine
 
     return ReferenceEngine(config, weights, ctx, kv_cache=kv_cache)
+
+
+def _check_device(device: int) -> None:
+    """An explicit --device past the GPUs there are is a usage error (exit 2), not a quiet
+    fall back to the CPU: the user asked for that GPU. (--device 0, the default, still falls
+    back where no GPU is usable.)"""
+    try:
+        from qwenchat.engine.cuda.probe import probe
+    except ImportError:  # cuda-python missing: no GPU to name
+        gpus = 0
+    else:
+        gpus = len(probe().gpus)
+    if device >= gpus:
+        have = f"{gpus} GPU{'s' if gpus != 1 else ''}" + (f" (0-{gpus - 1})" if gpus else "")
+        raise UsageError(f"--device {device}: this machine has {have}; see qwenchat info")
 
 
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
-from qwenchat.model import fp8
+from qwenchat.model import fp8, rope
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.kv_cache import cached
@@ -67,12 +67,9 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (np.float32(1.0) + np.exp(-x))
 
 
-def rope_tables(
-    positions: np.ndarray, head_dim: int, theta: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin (positions × head_dim) for rotate-half RoPE, computed in float32 as HF does."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (positions × head_dim) for rotate-half RoPE with these inverse frequencies
+    (rope.inv_freq), computed in float32 as HF does."""
     freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(angles), np.sin(angles)
@@ -94,7 +91,8 @@ class ReferenceEngine(CacheBookkeeping):
 
     def __init__(self, config: Qwen3Config, checkpoint: WeightSource, ctx: int | None = None,
                  kv_cache: str = "bf16", fp8_activations: bool = False):
-        super().__init__(ctx or config.max_position_embeddings)
+        super().__init__(ctx or config.context_limit)
+        self.inv_freq = rope.inv_freq(config)
         self.config = config
         self.weight_format = checkpoint.weight_format
         self.kv_format = kv_cache  # what the cache holds (qwenchat/model/kv_cache.py)
@@ -164,7 +162,7 @@ class ReferenceEngine(CacheBookkeeping):
         cfg = self.config
         start, count = self.position, len(ids)
         self._reserve(start + count)
-        cos, sin = rope_tables(np.arange(start, start + count), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(np.arange(start, start + count), self.inv_freq)
         x = self.embed[np.asarray(ids)]
         into = self.linear_input
         for index, w in enumerate(self.layers):
@@ -194,7 +192,7 @@ class ReferenceEngine(CacheBookkeeping):
         queries = q.reshape(count, cfg.num_key_value_heads, group, cfg.head_dim)
         queries = queries.transpose(1, 2, 0, 3)
         out = np.empty((cfg.num_key_value_heads, group, count, cfg.head_dim), np.float32)
-        scale = np.float32(cfg.head_dim**-0.5)
+        scale = np.float32(rope.softmax_scale(cfg))
         chunk = max(1, ATTENTION_SCORE_BUDGET // (cfg.num_attention_heads * length))
         key_pos = np.arange(length)
         for a in range(0, count, chunk):

@@ -181,7 +181,10 @@ def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: in
         raise UsageError(f"--draft {spec}: its tokenizer is not the model's ({model.spec}), so "
                          "its tokens would mean other words; use a model of the same family "
                          "(every Qwen3 size shares one tokenizer)")
-    draft_engine = create_engine(backend, draft.config, draft.checkpoint, engine.capacity,
+    config = draft.config
+    if engine.capacity > config.context_limit:  # the model's YaRN, for a draft as long
+        config = dataclasses.replace(config, rope_scaling=engine.config.rope_scaling)
+    draft_engine = create_engine(backend, config, draft.checkpoint, engine.capacity,
                                  device=device, notice=notice, decode=decode,
                                  quantize=quantize)
     return DraftProposer(draft_engine, model.config.vocab_size)

@@ -10,6 +10,7 @@ from typing import Any
 
 from qwenchat.errors import ModelError
 from qwenchat.model import awq, fp8
+from qwenchat.model.rope import Yarn
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -36,6 +37,24 @@ class Qwen3Config:
     # "fp8" when config.json declares Qwen's fine-grained FP8 (quantization_config), "awq" for
     # Qwen's 4-bit AWQ, else None.
     quantization: str | None = None
+    # YaRN from config.json's rope_scaling / rope_parameters or --rope-scaling (rope.py); None:
+    # plain RoPE.
+    rope_scaling: Yarn | None = None
+
+    @property
+    def trained_positions(self) -> int:
+        """The positions the model was trained on: YaRN's original length, else the config's."""
+        if self.rope_scaling is not None:
+            return self.rope_scaling.original_max_position_embeddings
+        return self.max_position_embeddings
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context it runs well: YaRN's factor x original length, else the
+        config's maximum."""
+        if self.rope_scaling is not None:
+            return max(self.rope_scaling.positions, self.max_position_embeddings)
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -118,6 +137,7 @@ class Qwen3Config:
         theta = _rope_theta(raw)
         if theta is not None:
             values["rope_theta"] = theta
+        values["rope_scaling"] = _rope_scaling(raw, source)
         config = cls(**values)
         config._check_sizes(source)
         return config
@@ -165,6 +185,46 @@ def _rope_theta(raw: dict[str, Any]) -> float | None:
     if raw.get("rope_theta") is not None:
         return float(raw["rope_theta"])
     return None
+
+
+def _rope_scaling(raw: dict[str, Any], source: str) -> Yarn | None:
+    """YaRN from `rope_scaling` (older configs) or `rope_parameters` (transformers 5), its type
+    named by `rope_type` or `type`; None for plain RoPE; one line for any other type or a
+    malformed entry."""
+    spec, field = raw.get("rope_scaling"), "rope_scaling"
+    if spec is None:
+        spec, field = raw.get("rope_parameters"), "rope_parameters"
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ModelError(f"{source}: {field}={json.dumps(spec)} is not an object")
+    kind = spec.get("rope_type") or spec.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ModelError(f"{source}: unsupported {field} type {json.dumps(kind)} (qwenchat runs "
+                         "plain RoPE and YaRN)")
+    values: dict[str, Any] = {}
+    for name, kind_of in (("factor", float), ("original_max_position_embeddings", int),
+                          ("beta_fast", float), ("beta_slow", float),
+                          ("attention_factor", float), ("mscale", float),
+                          ("mscale_all_dim", float)):
+        value = spec.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                kind_of is int and value != int(value)):
+            raise ModelError(f"{source}: {field}.{name}={json.dumps(value)} is not a number")
+        values[name] = kind_of(value)
+    for name in ("factor", "original_max_position_embeddings"):
+        if name not in values:
+            raise ModelError(f"{source}: {field} (YaRN) needs {name}")
+    if values["factor"] < 1 or values["original_max_position_embeddings"] < 1:
+        raise ModelError(f"{source}: {field} (YaRN) needs factor >= 1 and a positive "
+                         "original_max_position_embeddings")
+    if "truncate" in spec:
+        values["truncate"] = bool(spec["truncate"])
+    return Yarn(**values)
 
 
 def _quantization(spec: Any, source: str) -> str | None:
@@ -231,11 +291,6 @@ def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:
     for moe_field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if raw.get(moe_field):
             raise refuse(moe_field, raw[moe_field], "mixture-of-experts models are not supported")
-    if raw.get("rope_scaling") is not None:
-        raise refuse("rope_scaling", raw["rope_scaling"], "only plain RoPE is supported")
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
-        raise refuse("rope_parameters.rope_type", params["rope_type"], "only plain RoPE")
     if raw.get("use_sliding_window"):
         raise refuse("use_sliding_window", raw["use_sliding_window"], "sliding-window attention")
     layer_types = raw.get("layer_types")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qwenchat.engine import Engine, create_engine
 from qwenchat.engine.speculate import DraftProposer, open_draft
+from qwenchat.model import rope
 from qwenchat.model.config import parameters_text
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Tokenizer
@@ -85,7 +86,8 @@ def model_loader(options: ChatOptions) -> Loader:
             else:
                 notice(text)
 
-        engine = create_engine(options.backend, model.config, model.checkpoint, options.ctx,
+        config = rope.with_flag(model.config, options.rope_scaling)
+        engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
                                options.device, notice=engine_message, decode=options.decode,
                                quantize=options.quantize, progress=progress,
                                kv_cache=options.kv_cache)
@@ -120,4 +122,4 @@ def _engine_text(engine: Engine) -> str:
                  f"({cache / 2**30:.2f} GiB)")
     else:
         text += f", KV cache of {engine.capacity:,} tokens"
-    return text
+    return f"{text}; {rope.describe(cfg)}"

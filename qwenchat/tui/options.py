@@ -30,13 +30,14 @@ class ChatOptions:
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
     kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
+    rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
 
 
 def check_chat_options(options: ChatOptions) -> None:
     """The same checks, and the same one-line errors, as `ask`: before the app starts."""
     check_overrides(options.overrides)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache)
+                       options.quantize, options.kv_cache, options.rope_scaling)
     check_speculate(options.speculate, options.draft)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.

@@ -355,7 +355,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
                    + dequant_scratch_bytes(cfg, self.weight_format)
                    + (SPLIT_K_BYTES if self.gemm90 and not self.fp8_gemm else 0))
         fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
-        wanted = ctx or cfg.max_position_embeddings
+        wanted = ctx or cfg.context_limit
         if wanted <= fits:
             return wanted
         if ctx is not None:

@@ -9,6 +9,7 @@ import math
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.sampler import SAMPLER_HISTOGRAM_BYTES
+from qwenchat.model import rope
 from qwenchat.sampling.params import SamplingParams
 
 GEMV_ROWS_PER_BLOCK = 16  # 8 warps x 2 rows (rmsnorm_gemv2)
@@ -33,7 +34,7 @@ class LayeredDecode:
         cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
         eps = c_float(cfg.rms_norm_eps)
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
-        scale = c_float(cfg.head_dim**-0.5)
+        scale = c_float(rope.softmax_scale(cfg))
         gemv, residual = GEMV_ROWS_PER_BLOCK, RESIDUAL_ROWS_PER_BLOCK
         heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", 1, 256, self.token, c_int(1), self.embed, self.x)

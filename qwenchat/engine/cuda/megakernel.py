@@ -21,7 +21,7 @@ from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelBuild, kernel_defines
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS
 from qwenchat.errors import QwenchatError
-from qwenchat.model import fp8
+from qwenchat.model import fp8, rope
 from qwenchat.model.config import Qwen3Config
 from qwenchat.sampling.params import SamplingParams
 
@@ -426,7 +426,7 @@ class MegakernelDecode:
             self.mk_cand.ptr, self._mk_merge_ptr, self.seen.ptr, self.counts.ptr,
             self.token.ptr, self.pos.ptr, self.mk_stopped.ptr,
             self.mk_eos.ptr, mapped, self.mk_params.ptr, mapped + SAMPLE_PARAMS.itemsize + 8,
-            cfg.rms_norm_eps, cfg.head_dim**-0.5, cfg.num_hidden_layers, self.capacity,
+            cfg.rms_norm_eps, rope.softmax_scale(cfg), cfg.num_hidden_layers, self.capacity,
             self.mk_splits, n_eos, steps, int(feed_first), first_step, len(self._mk_ring),
             self._mk_epoch & 0xFFF)
 

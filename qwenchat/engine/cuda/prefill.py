@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
+from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.fp8 import packed_row_bytes, row_bytes
 
@@ -156,7 +157,7 @@ class Prefill:
         cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
         eps = c_float(cfg.rms_norm_eps)
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
-        scale = c_float(cfg.head_dim**-0.5)
+        scale = c_float(rope.softmax_scale(cfg))
         rope_block = max(32, cfg.head_dim // 2)
         heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)

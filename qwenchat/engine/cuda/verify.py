@@ -14,6 +14,7 @@ import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.speculate import SPECULATE_MOST
+from qwenchat.model import rope
 
 VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head")
 VERIFY_THREADS = 256  # verify.cu's VT_THREADS
@@ -90,7 +91,7 @@ class VerifyPass:
         cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
         eps = c_float(cfg.rms_norm_eps)
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
-        scale = c_float(cfg.head_dim**-0.5)
+        scale = c_float(rope.softmax_scale(cfg))
         heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
         for i, w in enumerate(self.layers):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
-from qwenchat.model import awq, fp8
+from qwenchat.model import awq, fp8, rope
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.random_weights import INT4_SALT, DeviceDraw
 
@@ -115,8 +115,7 @@ class WeightUpload:
         head = weights.lm_head_name()
         self.lm_head = self.embed if head == "model.embed_tokens.weight" else one(head)
         self.weight_bytes = sum(b.nbytes for b in self._buffers)
-        exponents = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
-        inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+        inv_freq = rope.inv_freq(cfg)  # (YaRN's blend where the config scales RoPE)
         self.inv_freq = self._device_buffer(inv_freq.nbytes)
         self.inv_freq.upload(inv_freq)
 

@@ -30,6 +30,7 @@ from textual.widgets import Footer, Header, Static
 
 from qwenchat.engine.speculate import SPECULATE_MOST, cannot_verify, speculation_asked
 from qwenchat.errors import QwenchatError, UsageError
+from qwenchat.model import rope
 from qwenchat.sampling.params import parse_value
 from qwenchat.session import Event, ReplyStats
 from qwenchat.session import now as session_clock
@@ -157,7 +158,8 @@ class ChatScreen(Screen[None]):
         self.sampler = SamplerPanel(id="sampler")
         self.status = StatusBar(model.engine.name, model.device_name,
                                 model.engine.weight_format,
-                                model.engine.kv_format, id="status")
+                                model.engine.kv_format, id="status",
+                                rope_note=rope.gauge_note(model.engine.config))
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:

@@ -20,6 +20,7 @@ class KVGauge(Widget):
 
     position: reactive[int] = reactive(0, layout=True)  # the text's width changes
     capacity: reactive[int] = reactive(1, layout=True)
+    note: reactive[str] = reactive("", layout=True)  # the RoPE scaling in force (rope.py)
 
     def render(self) -> Text:
         used = min(1.0, self.position / self.capacity) if self.capacity else 0.0
@@ -28,6 +29,8 @@ class KVGauge(Widget):
         bar.append("█" * filled, style="bold")
         bar.append("░" * (GAUGE_CELLS - filled), style="dim")
         bar.append(f" {self.position:,}/{self.capacity:,}")
+        if self.note:
+            bar.append(f" {self.note}", style="dim")
         return bar
 
     def watch_position(self) -> None:
@@ -44,7 +47,7 @@ class KVGauge(Widget):
 
 class StatusBar(Horizontal):
     def __init__(self, engine: str, device: str, weights: str = "bf16", kv: str = "bf16",
-                 id: str | None = None):
+                 id: str | None = None, rope_note: str = ""):
         super().__init__(id=id)
         label = f"{engine} · {device}" if device not in engine else engine
         label += f" · {weights} weights"
@@ -54,6 +57,7 @@ class StatusBar(Horizontal):
         self._activity = Static("", id="activity", markup=False)
         self._numbers = Static("", id="numbers", markup=False)
         self._gauge = KVGauge(id="kv")
+        self._gauge.note = rope_note
 
     def compose(self) -> ComposeResult:
         yield self._engine
