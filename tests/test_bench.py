@@ -122,6 +122,22 @@ def test_transformers_runs_the_same_weights(config):
     assert relative_error(ours, theirs) < 1e-4
 
 
+def test_transformers_runs_the_same_yarn_past_the_original_length():
+    """--compare-hf with --rope-scaling: transformers gets the same YaRN (rope_parameters)."""
+    torch, _ = require_transformers()
+    from qwenchat.model import rope
+
+    config = rope.with_flag(TIED, "yarn:4:16")
+    weights = RandomWeights(config)
+    ids = list(range(3, 60))  # positions to 3.5x the 16 trained ones
+    ours = ReferenceEngine(config, weights).prefill_logits(ids)
+    with torch.no_grad():
+        theirs = transformers_model(config, weights)(torch.tensor([ids])).logits[0].numpy()
+    assert relative_error(ours, theirs) < 1e-4
+    plain = ReferenceEngine(TIED, weights, 64).prefill_logits(ids)
+    assert relative_error(plain, theirs) > 1e-3  # (YaRN mattered)
+
+
 def bench(config: Qwen3Config, ctx: int, **settings) -> tuple:
     labels: list[str] = []
     engine = ReferenceEngine(config, RandomWeights(config), ctx)

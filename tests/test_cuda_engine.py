@@ -1041,3 +1041,32 @@ def test_random_weights_drawn_on_the_device_are_the_cpus_to_the_bit(weight_forma
         assert np.array_equal(device(engine.lm_head), host("lm_head.weight"))
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------------------- YaRN
+@pytest.mark.parametrize("decode", DECODES)
+def test_yarn_prefill_and_decode_past_the_original_length_follow_the_reference(decode):
+    """Two layers of 0.6B's widths with YaRN x4 over 256 trained positions: a 700-token
+    prompt (positions to 2.7x the original length) and 64 greedy steps on each decode path,
+    within 2e-2 of the reference (the frequency table and the attention factor in the
+    softmax scale, issue 26)."""
+    import dataclasses
+
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model import rope
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = rope.with_flag(dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2),
+                            "yarn:4:256")
+    weights = RandomWeights(config, seed=9)
+    gpu = CudaEngine(config, weights, ctx=1024, decode=decode)
+    ref = ReferenceEngine(config, weights, ctx=1024)
+    try:
+        if gpu.decode == "megakernel":
+            gpu.steps_per_launch, gpu.launches_ahead = 1, 0
+        prompt = [int(i) for i in np.random.default_rng(9).integers(0, config.vocab_size, 700)]
+        assert rel_err(gpu.prefill_logits(prompt), ref.prefill_logits(prompt)) <= 2e-2
+        assert worst_greedy_decode_error(gpu, ref, 64) <= 2e-2
+    finally:
+        gpu.close()
