@@ -113,21 +113,22 @@ __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned m
     }
 }
 
-// An int8 cache's keys on the tensor cores (mma m16n8k16, bf16 in, fp32 out), 8 keys of a
-// warp at a time. Lane (g, t) = (lane / 4, lane % 4).
-//  - Scores, S (keys x heads) = K (codes) . q^T: the A rows are the 8 keys (rows 8-15 zero),
-//    the B columns the group's query heads (zero past G). The 16 "columns" of k-step s are the
-//    head dimensions 32t' + 4s + (0..3) of the lanes t': a permutation of the dot product's
-//    terms, so that a lane reads its key's codes 32 contiguous bytes at a time. int8 codes are
-//    exact in bf16; q goes in as two bf16 parts (hi + lo: the product keeps ~16 bits), and the
-//    key's scale multiplies the fp32 score. Lane (g, t) gets key g's scores of heads 2t, 2t + 1.
-//  - P . V: out^T (dims x heads) = V^T (codes) . P'^T, with P' = p x the value row's scale
-//    (hi + lo again). The A rows are 16 dimensions (another permutation: the lane's four
-//    dimensions 32c + 4g + (0..3) of keys 2t and 2t + 1, one 4-byte load each, make rows g and
-//    g + 8 of m-tiles 2c and 2c + 1), the K columns the keys (8-15 zero), the B columns heads.
-//    Lane (g, t) accumulates dimensions int8_dim(i, g) and int8_dim(i, g + 8) of m-tile i
-//    for heads 2t and 2t + 1.
-__device__ __forceinline__ int int8_dim(int tile, int row) {
+// Keys on the tensor cores (mma m16n8k16, bf16 in, fp32 out), up to 8 keys of a warp at a
+// time, for both cache formats (TC_ATTN). Lane (g, t) = (lane / 4, lane % 4).
+//  - Scores, S (keys x heads) = K . q^T: the A rows are the 8 keys (rows 8-15 zero, and rows
+//    past the group's `rows` valid keys too), the B columns the group's query heads (zero past
+//    G). The 16 "columns" of k-step s are the head dimensions KQ t' + 4s + (0..3) of the lanes
+//    t' (KQ = HD / 4): a permutation of the dot product's terms, so that a lane reads its key's
+//    row KQ contiguous dimensions at a time. int8 codes and bf16 keys are exact in bf16; q goes
+//    in as two bf16 parts (hi + lo: the product keeps ~16 bits), and an int8 key's scale
+//    multiplies the fp32 score. Lane (g, t) gets key g's scores of heads 2t, 2t + 1.
+//  - P . V: out^T (dims x heads) = V^T . P'^T, with P' = p (x an int8 value row's scale), hi +
+//    lo again. The A rows are 16 dimensions (another permutation: the lane's four dimensions
+//    32c + 4g + (0..3) of keys 2t and 2t + 1 make rows g and g + 8 of m-tiles 2c and 2c + 1),
+//    the K columns the keys (8-15 zero), the B columns heads. Lane (g, t) accumulates
+//    dimensions tc_dim(i, g) and tc_dim(i, g + 8) of m-tile i for heads 2t and 2t + 1.
+constexpr int KQ = HD / 4;
+__device__ __forceinline__ int tc_dim(int tile, int row) {
     return 32 * (tile >> 1) + 4 * (row & 7) + 2 * (tile & 1) + (row >> 3);
 }
 
@@ -138,13 +139,13 @@ __device__ __forceinline__ void split_bf16x2(float a, float b, unsigned& hi, uns
 
 // The B fragments of the query heads for the scores, into frag[s * 32 + lane] (lane (g, t):
 // head g) for k-step s: {hi b0, hi b1, lo b0, lo b1}. One warp writes them for the block.
-__device__ __forceinline__ void int8_query(const float (*q)[HD], uint4* frag) {
+__device__ __forceinline__ void tc_query(const float (*q)[HD], uint4* frag) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int s = 0; s < HD / 16; ++s) {
         float v[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = g < qw::group ? q[g][32 * t + 4 * s + e] : 0.f;
+        for (int e = 0; e < 4; ++e) v[e] = g < qw::group ? q[g][KQ * t + 4 * s + e] : 0.f;
         uint4 f;
         split_bf16x2(v[0], v[1], f.x, f.z);
         split_bf16x2(v[2], v[3], f.y, f.w);
@@ -152,36 +153,87 @@ __device__ __forceinline__ void int8_query(const float (*q)[HD], uint4* frag) {
     }
 }
 
-// Eight keys of a stage from row `first` (those past n weigh nothing): the online softmax of
-// heads 2t, 2t + 1 (m: equal across g; l: this lane's key's share) and their outputs.
-// k_scale / v_scale: key g's row scales.
-__device__ __forceinline__ void int8_keys(const signed char* kt8, const signed char* vt8,
-                                          int first, int n, float k_scale, float v_scale,
-                                          float scale, const uint4* q,
-                                          float (&m)[2], float (&l)[2],
-                                          float (&acc)[HD / 16][4]) {
+// The A fragment words of key g's scores, k-step s: {dims +0, +1; dims +2, +3} as bf16 pairs.
+template <bool INT8>
+struct KeyWords {
+    unsigned w[INT8 ? HD / 16 : HD / 8];
+    __device__ __forceinline__ void load(const unsigned char* row, int t, bool valid) {
+        constexpr int N = sizeof(w) / 16;  // 16-byte pieces of the lane's KQ dimensions
+        const uint4* src = reinterpret_cast<const uint4*>(row + KQ * t * (INT8 ? 1 : 2));
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const uint4 v = valid ? src[i] : make_uint4(0u, 0u, 0u, 0u);
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+    }
+    __device__ __forceinline__ void step(int s, unsigned& lo, unsigned& hi) const {
+        if constexpr (INT8) {
+            float f[4];
+            kv8x4_floats(w[s], f);
+            lo = pack_bf16x2(f[0], f[1]);
+            hi = pack_bf16x2(f[2], f[3]);
+        } else {
+            lo = w[2 * s];
+            hi = w[2 * s + 1];
+        }
+    }
+};
+
+// The A fragments of P . V for m-tiles 2c, 2c + 1: the lane's dims 32c + 4g + (0..3) of keys
+// 2t and 2t + 1 (zero for keys past `rows`: a stage's stale bytes need not be finite bf16;
+// an int8 code always is, and weighs nothing there).
+template <bool INT8>
+__device__ __forceinline__ void value_words(const unsigned char* vt, int first, int rows, int c,
+                                            unsigned (&a0)[4], unsigned (&a1)[4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bool valid = first + g < n;
-    // S: key g's 32 codes from 32t on, k-step s takes the word s
-    const uint4* krow = reinterpret_cast<const uint4*>(kt8 + (first + g) * HD + 32 * t);
-    const uint4 k0 = krow[0], k1 = krow[1];
-    const unsigned kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+    const int dim = 32 * c + 4 * g;
+    if constexpr (INT8) {
+        const unsigned va = *reinterpret_cast<const unsigned*>(vt + (first + 2 * t) * HD + dim);
+        const unsigned vb = *reinterpret_cast<const unsigned*>(vt + (first + 2 * t + 1) * HD + dim);
+        float lo4[4], hi4[4];
+        kv8x4_floats(__byte_perm(va, vb, 0x5140), lo4);  // dims +0, +1: (key 2t, key 2t + 1)
+        kv8x4_floats(__byte_perm(va, vb, 0x7362), hi4);  // dims +2, +3
+        a0[0] = pack_bf16x2(lo4[0], lo4[1]), a0[1] = pack_bf16x2(lo4[2], lo4[3]);
+        a1[0] = pack_bf16x2(hi4[0], hi4[1]), a1[1] = pack_bf16x2(hi4[2], hi4[3]);
+    } else {
+        const uint2 zero = make_uint2(0u, 0u);
+        const uint2 va = 2 * t < rows
+            ? *reinterpret_cast<const uint2*>(vt + ((first + 2 * t) * HD + dim) * 2) : zero;
+        const uint2 vb = 2 * t + 1 < rows
+            ? *reinterpret_cast<const uint2*>(vt + ((first + 2 * t + 1) * HD + dim) * 2) : zero;
+        a0[0] = __byte_perm(va.x, vb.x, 0x5410), a0[1] = __byte_perm(va.x, vb.x, 0x7632);
+        a1[0] = __byte_perm(va.y, vb.y, 0x5410), a1[1] = __byte_perm(va.y, vb.y, 0x7632);
+    }
+    a0[2] = a0[3] = a1[2] = a1[3] = 0u;  // keys 8-15
+}
+
+// `rows` (1..8) keys of a stage from row `first`: the online softmax of heads 2t, 2t + 1 (m:
+// equal across g; l: this lane's key's share) and their outputs. k_scale / v_scale: key g's
+// row scales (int8), ignored for bf16.
+template <bool INT8>
+__device__ __forceinline__ void tc_keys(const unsigned char* kt, const unsigned char* vt,
+                                        int first, int rows, float k_scale, float v_scale,
+                                        float scale, const uint4* q, float (&m)[2], float (&l)[2],
+                                        float (&acc)[HD / 16][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bool valid = g < rows;
+    KeyWords<INT8> kw;
+    kw.load(kt + (first + g) * HD * (INT8 ? 1 : 2), t, valid || INT8);
     float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < HD / 16; ++s) {
-        float f[4];
-        kv8x4_floats(kw[s], f);
-        const unsigned a[4] = {pack_bf16x2(f[0], f[1]), 0u, pack_bf16x2(f[2], f[3]), 0u};
+        unsigned a[4] = {0u, 0u, 0u, 0u};
+        kw.step(s, a[0], a[2]);
         const uint4 qs = q[s * 32 + lane];
         const unsigned hi[2] = {qs.x, qs.y}, lo[2] = {qs.z, qs.w};
         mma_bf16_16816(c, a, hi);
         mma_bf16_16816(c, a, lo);
     }
-    // The online softmax of heads 2t and 2t + 1 over the 8 keys (lanes g)
+    // The online softmax of heads 2t and 2t + 1 over the keys (lanes g)
     float p[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-        const float sc = valid ? c[e] * k_scale * scale : QW_NEG_INF;
+        const float sc = valid ? c[e] * (INT8 ? k_scale * scale : scale) : QW_NEG_INF;
         float mx = sc;
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -198,7 +250,7 @@ __device__ __forceinline__ void int8_keys(const signed char* kt8, const signed c
     }
     // P'^T as B: lane (g, t) needs head g's weights of keys 2t and 2t + 1, which lanes
     // (2t, g / 2) and (2t + 1, g / 2) hold as element g % 2.
-    const float w0 = p[0] * v_scale, w1 = p[1] * v_scale;
+    const float w0 = INT8 ? p[0] * v_scale : p[0], w1 = INT8 ? p[1] * v_scale : p[1];
     float pk[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -209,17 +261,10 @@ __device__ __forceinline__ void int8_keys(const signed char* kt8, const signed c
     unsigned b[4];  // {hi, 0, lo, 0}: keys 8-15 are zero
     split_bf16x2(pk[0], pk[1], b[0], b[2]);
     b[1] = b[3] = 0u;
-    // V: the lane's 4 dimensions 32c + 4g .. of keys 2t and 2t + 1 (rows past n: finite codes
-    // of weight zero)
 #pragma unroll
     for (int cq = 0; cq < HD / 32; ++cq) {
-        const unsigned va = *reinterpret_cast<const unsigned*>(vt8 + (first + 2 * t) * HD + 32 * cq + 4 * g);
-        const unsigned vb = *reinterpret_cast<const unsigned*>(vt8 + (first + 2 * t + 1) * HD + 32 * cq + 4 * g);
-        float lo4[4], hi4[4];
-        kv8x4_floats(__byte_perm(va, vb, 0x5140), lo4);  // dims +0, +1: (key 2t, key 2t + 1)
-        kv8x4_floats(__byte_perm(va, vb, 0x7362), hi4);  // dims +2, +3
-        const unsigned a0[4] = {pack_bf16x2(lo4[0], lo4[1]), pack_bf16x2(lo4[2], lo4[3]), 0u, 0u};
-        const unsigned a1[4] = {pack_bf16x2(hi4[0], hi4[1]), pack_bf16x2(hi4[2], hi4[3]), 0u, 0u};
+        unsigned a0[4], a1[4];
+        value_words<INT8>(vt, first, rows, cq, a0, a1);
         mma_bf16_16816(acc[2 * cq], a0, b);
         mma_bf16_16816(acc[2 * cq], a0, b + 2);
         mma_bf16_16816(acc[2 * cq + 1], a1, b);
@@ -276,7 +321,9 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 mx = warp_max(mx);
                 if (lane == 0) sh.kv_scale[warp] = __fdiv_rn(mx, 127.f);
             }
-            if (warp == 2) int8_query(sh.q, reinterpret_cast<uint4*>(comb));
+        }
+        if constexpr (TC_ATTN) {
+            if (warp == 2) tc_query(sh.q, reinterpret_cast<uint4*>(comb));
             __syncthreads();
         }
         if (has_new && threadIdx.x < HD) {  // the new key and value join the cache
@@ -325,11 +372,11 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
 #pragma unroll
             for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
         }
-        // (int8 cache) heads 2t, 2t + 1 on the tensor cores: int8_keys
+        // (TC_ATTN) heads 2t, 2t + 1 on the tensor cores: tc_keys
         // (the query's fragments: in vec_buf until the warps' outputs take it over)
         float m8[2] = {QW_NEG_INF, QW_NEG_INF}, l8[2] = {0.f, 0.f}, acc8[HD / 16][4];
         const uint4* q8 = reinterpret_cast<const uint4*>(comb);
-        if constexpr (qw::kv8) {
+        if constexpr (TC_ATTN) {
 #pragma unroll
             for (int i = 0; i < HD / 16; ++i)
 #pragma unroll
@@ -364,20 +411,22 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 pipe_produce(a, consumed);
                 continue;
             }
-            if constexpr (qw::kv8) {
-                // the codes; this stage's scales, and the next stage's on their way
-                const signed char* kt8 = reinterpret_cast<const signed char*>(stage);
-                const signed char* vt8 = kt8 + KEYS * HD;
+            if constexpr (TC_ATTN) {
+                // (int8) this stage's scales, and the next stage's on their way
                 const float scale_reg = next_scale;
-                if (k0 + KEYS < keys) next_scale = stage_scale(k0 + KEYS);
+                if (qw::kv8 && k0 + KEYS < keys) next_scale = stage_scale(k0 + KEYS);
 #pragma unroll
-                for (int j = 0; j < KPW / 8; ++j) {
+                for (int j = 0; j < (KPW + 7) / 8; ++j) {
                     const int first = warp * KPW + 8 * j;
-                    if (first >= n) break;  // (warp-uniform)
+                    const int rows = min(min(8, KPW - 8 * j), n - first);
+                    if (rows <= 0) break;  // (warp-uniform)
                     const int g = lane >> 2;
-                    const float k_scale = __shfl_sync(0xffffffffu, scale_reg, 8 * j + g);
-                    const float v_scale = __shfl_sync(0xffffffffu, scale_reg, KPW + 8 * j + g);
-                    int8_keys(kt8, vt8, first, n, k_scale, v_scale, a.scale, q8, m8, l8, acc8);
+                    const float k_scale =
+                        qw::kv8 ? __shfl_sync(0xffffffffu, scale_reg, 8 * j + g) : 1.f;
+                    const float v_scale =
+                        qw::kv8 ? __shfl_sync(0xffffffffu, scale_reg, KPW + 8 * j + g) : 1.f;
+                    tc_keys<qw::kv8>(stage, stage + KEYS * KV_ROW, first, rows, k_scale, v_scale,
+                                     a.scale, q8, m8, l8, acc8);
                 }
                 pipe_release(consumed);
                 continue;
@@ -459,7 +508,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         // anything this item publishes (merge_if_last fences too).
         if (has_new && g.splits == 1 && threadIdx.x < HD) __threadfence();
         // Merge the warps: the chunk's max and sum, then each warp's outputs scaled to it.
-        if constexpr (qw::kv8) {  // lanes g hold a key's share of l each
+        if constexpr (TC_ATTN) {  // lanes g hold a key's share of l each
             const int g = lane >> 2, t = lane & 3;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
@@ -483,7 +532,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
             return mx;
         };
-        if constexpr (qw::kv8) {
+        if constexpr (TC_ATTN) {
             const int g = lane >> 2, t = lane & 3;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
@@ -493,8 +542,8 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 float* out = comb + (warp * G + h) * HD;
 #pragma unroll
                 for (int i = 0; i < HD / 16; ++i) {
-                    out[int8_dim(i, g)] = acc8[i][e] * f;
-                    out[int8_dim(i, g + 8)] = acc8[i][e + 2] * f;
+                    out[tc_dim(i, g)] = acc8[i][e] * f;
+                    out[tc_dim(i, g + 8)] = acc8[i][e + 2] * f;
                 }
             }
         } else {

@@ -174,6 +174,17 @@ constexpr int KPASS = 32 / LPK < KPW_FIT ? 32 / LPK : KPW_FIT;
 constexpr int KPW = qw::kv8 ? (KPW_FIT / 8 * 8 < 16 ? KPW_FIT / 8 * 8 : 16)
                             : KPASS > 0 ? KPW_FIT / KPASS * KPASS : 0;
 constexpr int KEYS = KPW * CWARPS;
+// Attention on the tensor cores (mk_attention.cuh, tc_keys): always with an int8 cache; with
+// bf16 for groups of 3 to 8 query heads a kv head. On the CUDA cores a key costs each lane's
+// dot products once per head of the group: two heads (0.6B, 1.7B) stay at the copy rate there
+// and lose on the tensor cores, four (4B, 8B) reach 72% of it at 128K (docs/perf.md).
+// QW_MK_ATTN_TC=0 keeps the CUDA cores for every group, 2 takes the tensor cores for every one.
+#ifndef QW_MK_ATTN_TC
+#define QW_MK_ATTN_TC 1
+#endif
+constexpr bool TC_ATTN =
+    qw::kv8 || (QW_MK_ATTN_TC && HD % 32 == 0 && qw::group <= 8 &&
+                (qw::group >= 3 || QW_MK_ATTN_TC == 2));
 static_assert(!qw::kv8 || (KPW >= 8 && qw::group <= 8),
               "int8 attention: a group of 8 keys a warp, at most 8 query heads a kv head");
 constexpr int RED = 1024;  // the sampler's scratch floats (two halves)
