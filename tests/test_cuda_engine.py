@@ -1045,11 +1045,13 @@ def test_random_weights_drawn_on_the_device_are_the_cpus_to_the_bit(weight_forma
 
 # ---------------------------------------------------------------------------------- YaRN
 @pytest.mark.parametrize("decode", DECODES)
-def test_yarn_prefill_and_decode_past_the_original_length_follow_the_reference(decode):
-    """Two layers of 0.6B's widths with YaRN x4 over 256 trained positions: a 700-token
-    prompt (positions to 2.7x the original length) and 64 greedy steps on each decode path,
-    within 2e-2 of the reference (the frequency table and the attention factor in the
-    softmax scale, issue 26)."""
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b"])
+def test_yarn_prefill_and_decode_past_the_original_length_follow_the_reference(decode, shape):
+    """Two layers of 0.6B's or 8B's widths with YaRN x4 over 256 trained positions: a
+    700-token prompt (positions to 2.7x the original length) and 64 greedy steps on each
+    decode path, within 2e-2 of the reference (the frequency table and the attention factor in
+    the softmax scale, issue 26). The megakernel's attention runs on the CUDA cores for 0.6B's
+    two query heads a kv head, on the tensor cores for 8B's four."""
     import dataclasses
 
     from qwenchat.engine.cuda.engine import CudaEngine
@@ -1057,7 +1059,7 @@ def test_yarn_prefill_and_decode_past_the_original_length_follow_the_reference(d
     from qwenchat.model.presets import PRESETS
     from qwenchat.model.random_weights import RandomWeights
 
-    config = rope.with_flag(dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2),
+    config = rope.with_flag(dataclasses.replace(PRESETS[shape], num_hidden_layers=2),
                             "yarn:4:256")
     weights = RandomWeights(config, seed=9)
     gpu = CudaEngine(config, weights, ctx=1024, decode=decode)

@@ -689,3 +689,28 @@ def test_a_short_prompt_replays_a_graph_of_whole_steps_of_16_rows_within_the_cac
     assert Prefill.short_prompt_rows(engine, 0, SHORT_PROMPT_ROWS + 1) is None
     assert Prefill.short_prompt_rows(engine, 1000, 20) is None  # rows 1000-1031: past the end
     assert Prefill.short_prompt_rows(engine, 992, 20) == 32
+
+
+def test_passes_share_one_scratch_of_partial_sums_sized_by_the_largest():
+    from qwenchat.engine.cuda.engine import decode_split_options, partials_bytes
+    from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK
+    from qwenchat.engine.cuda.prefill import (
+        PREFILL_MAX_KEY_SPLITS,
+        PREFILL_QUERIES_PER_BLOCK,
+        SPLIT_K_BYTES,
+    )
+    from qwenchat.engine.cuda.verify import VERIFY_ROWS
+    from qwenchat.model.presets import PRESETS
+
+    config = PRESETS["qwen3-8b"]
+    chunk_floats = config.num_attention_heads * config.head_dim
+    # 131,072 positions: chunks of at most 256 keys, and the speculative pass's rows of them
+    assert decode_split_options(config, 131072, 132) == [16, 131072 // DECODE_MAX_CHUNK]
+    assert partials_bytes(config, 131072, True, 132) == VERIFY_ROWS * chunk_floats * 512 * 4
+    assert VERIFY_ROWS * chunk_floats * 512 * 4 == 64 * 2**20
+    # a short context: split K's products are the largest
+    assert decode_split_options(config, 4096, 132) == [16, 66]
+    assert partials_bytes(config, 4096, True, 132) == SPLIT_K_BYTES
+    # without split K (FP8 weights on e4m3): a prefill's key splits
+    assert partials_bytes(config, 4096, False, 132) == (
+        PREFILL_QUERIES_PER_BLOCK * PREFILL_MAX_KEY_SPLITS * chunk_floats * 4)

@@ -120,6 +120,27 @@ def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_
     return sorted(builds, key=lambda build: COMPILE_ORDER.index(build.source))
 
 
+def decode_split_options(config: Qwen3Config, capacity: int, sm_count: int) -> list[int]:
+    """Flash-decoding split counts, one decode graph each: few chunks while the context is
+    short (little to merge), enough chunks to fill the chip later; the largest also keeps
+    every chunk within DECODE_MAX_CHUNK keys at full capacity."""
+    widest = max(math.ceil(capacity / DECODE_MAX_CHUNK),
+                 math.ceil(4 * sm_count / config.num_key_value_heads))
+    return sorted({min(16, widest), widest})
+
+
+def partials_bytes(config: Qwen3Config, capacity: int, split_k: bool, sm_count: int) -> int:
+    """CudaEngine.partials: the largest of the float partial sums its passes take in turn (a
+    decode step's chunks, a prefill's key splits, the speculative pass's chunks of each row,
+    and split K's products where `split_k`)."""
+    heads, hd = config.num_attention_heads, config.head_dim
+    most = decode_split_options(config, capacity, sm_count)[-1]
+    return max(heads * most * hd * 4,
+               PREFILL_QUERIES_PER_BLOCK * heads * PREFILL_MAX_KEY_SPLITS * hd * 4,
+               VERIFY_ROWS * heads * most * hd * 4,
+               SPLIT_K_BYTES if split_k else 0)
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """Which paths a run takes on a GPU, and so which kernels it compiles."""
@@ -349,11 +370,13 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         """The KV-cache size: as asked (or the model's maximum), if it fits in free memory."""
         cfg = self.config
         free, _ = self.device.mem_info()
-        # (+ the context id kept for penalties)
-        per_position = bytes_per_position(cfg, self.kv_format) + 4
+        # (+ the context id kept for penalties, and the speculative pass's flash-decoding
+        # chunks: partials_bytes)
+        per_position = (bytes_per_position(cfg, self.kv_format) + 4
+                        + math.ceil(partials_bytes(cfg, DECODE_MAX_CHUNK, False, 0)
+                                    / DECODE_MAX_CHUNK))
         scratch = (PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
-                   + dequant_scratch_bytes(cfg, self.weight_format)
-                   + (SPLIT_K_BYTES if self.gemm90 and not self.fp8_gemm else 0))
+                   + dequant_scratch_bytes(cfg, self.weight_format) + SPLIT_K_BYTES)
         fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
         wanted = ctx or cfg.context_limit
         if wanted <= fits:
@@ -402,22 +425,23 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self.w16 = self._device_buffer(dequant_scratch_bytes(cfg, self.weight_format))
         self.short_start = self._device_buffer(4)  # a short prompt's graph reads its start here
         self._short_graphs: dict[tuple[int, int, bool], rt.Graph] = {}
-        # split K's partial products (short prompts on gemm_sm90.cu)
-        self.splitk_parts = self._device_buffer(
-            SPLIT_K_BYTES if self.gemm90 and not self.fp8_gemm else 0)
         self.ids = self._device_buffer(c * 4)
         sms = self.device.sm_count
-        # Flash-decoding split counts, one decode graph each: few chunks while the context is
-        # short (little to merge), enough chunks to fill the chip later; the largest also keeps
-        # every chunk within DECODE_MAX_CHUNK keys at full capacity.
-        widest = max(math.ceil(cap / DECODE_MAX_CHUNK),
-                     math.ceil(4 * sms / cfg.num_key_value_heads))
-        self.split_options = sorted({min(16, widest), widest})
+        self.split_options = decode_split_options(cfg, cap, sms)
         most = self.split_options[-1]
-        self.part_o = self._device_buffer(cfg.num_attention_heads * most * cfg.head_dim * 4)
+        # One scratch for the partial sums a pass writes and merges before its next kernel
+        # reads anything else: a layered decode step's flash-decoding chunks (part_o), a
+        # prefill's key splits (prefill_part_o), split K's products of a short prompt on
+        # gemm_sm90.cu (splitk_parts) and the speculative pass's chunks (verify_part_o, which
+        # the first prefill of a few tokens needs). The passes run one at a time on the
+        # engine's stream, so they share it: at 131,072 positions 8B's speculative chunks
+        # alone take 64 MiB.
+        split_k = self.gemm90 and not self.fp8_gemm
+        self.partials = self._device_buffer(partials_bytes(cfg, cap, split_k, sms))
+        self.part_o = self.prefill_part_o = self.verify_part_o = self.partials
+        self.splitk_parts = self.partials
         self.part_ml = self._device_buffer(cfg.num_attention_heads * most * 2 * 4)
         rows = PREFILL_QUERIES_PER_BLOCK * cfg.num_attention_heads * PREFILL_MAX_KEY_SPLITS
-        self.prefill_part_o = self._device_buffer(rows * cfg.head_dim * 4)
         self.prefill_part_ml = self._device_buffer(rows * 2 * 4)
         self.attn_f32 = self._device_buffer(cfg.q_size * 4)
         self.logits = self._device_buffer(cfg.vocab_size * 4)

@@ -33,8 +33,9 @@ def verify_kernel(kind: str, weight_format: str) -> tuple[str, int]:
 
 class VerifyPass:
     """CudaEngine's speculative pass. Uses the engine's kernels, stream, prefill buffers (x,
-    xn, qkv, q, act, ids), KV caches and flash-decoding split options; allocates its own
-    scratch (the rows' logits, gate/up sums and attention partials) on first use."""
+    xn, qkv, q, act, ids), KV caches, flash-decoding split options and partial sums
+    (`partials`); allocates its own scratch (the rows' logits, gate/up sums, the chunks' maxima
+    and sums) on first use."""
 
     def _verify_state(self) -> None:
         if getattr(self, "_verify_graphs", None) is not None:
@@ -43,8 +44,7 @@ class VerifyPass:
         self.pass_logits = self._device_buffer(rows * cfg.vocab_size * 4)  # a row each token
         self.verify_gu = self._device_buffer(rows * 2 * cfg.intermediate_size * 4)
         self.verify_attn = self._device_buffer(rows * cfg.q_size * 4)
-        self.verify_part_o = self._device_buffer(rows * cfg.num_attention_heads * most
-                                                 * cfg.head_dim * 4)
+        # (its chunks' outputs: verify_part_o, in the engine's shared partials)
         self.verify_part_ml = self._device_buffer(rows * cfg.num_attention_heads * most * 2 * 4)
         self.verify_pos = self._device_buffer(4)
         self.verify_choice = self._device_buffer(rows * 4)  # rows_argmax's tokens
