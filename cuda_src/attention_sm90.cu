@@ -105,6 +105,14 @@ struct Int8Tile {
     }
 };
 
+// 2^x by the MUFU alone: results below 2^-126 (weights 1e-38 of the row's largest) flush to
+// zero, which exp2f's extra instructions for subnormal results would keep.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <int D>
 __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvSource& src_k,
                                                const KvSource& src_v, int start, int n,
@@ -210,7 +218,8 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
         wgmma_commit();
     };
     // The online softmax of tile j's scores in s (now probabilities); alpha: how far the
-    // running sums so far shrink.
+    // running sums so far shrink. The maxima are of the raw scores (the scale is positive), and
+    // each exponent is one FMA: s x scale - max x scale, as FlashAttention-3 computes it.
     const auto softmax = [&](int j) {
         fence_operands(s);
         const bool diagonal = j * BKV + BKV - 1 > start + row0;
@@ -222,23 +231,22 @@ __device__ __forceinline__ void attention_tile(const TensorMap& map_q, const KvS
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = j * BKV + c * 8 + t * 2 + e;
-                    float v = s[c * 4 + half * 2 + e] * qk_scale;
+                    float& v = s[c * 4 + half * 2 + e];
                     if (diagonal && key > pos_row[half]) v = QW_NEG_INF;
-                    s[c * 4 + half * 2 + e] = v;
                     mx = fmaxf(mx, v);
                 }
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m_row[half], mx);
-            const float m_use = m_new == QW_NEG_INF ? 0.f : m_new;
-            alpha[half] = exp2f(m_row[half] - m_use);
+            const float m_use = m_new == QW_NEG_INF ? 0.f : m_new * qk_scale;
+            alpha[half] = exp2_ftz(fmaf(m_row[half], qk_scale, -m_use));
             float sum = 0.f;
 #pragma unroll
             for (int c = 0; c < BKV / 8; ++c) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(s[c * 4 + half * 2 + e] - m_use);
+                    const float p = exp2_ftz(fmaf(s[c * 4 + half * 2 + e], qk_scale, -m_use));
                     s[c * 4 + half * 2 + e] = p;
                     sum += p;
                 }
