@@ -714,3 +714,18 @@ def test_passes_share_one_scratch_of_partial_sums_sized_by_the_largest():
     # without split K (FP8 weights on e4m3): a prefill's key splits
     assert partials_bytes(config, 4096, False, 132) == (
         PREFILL_QUERIES_PER_BLOCK * PREFILL_MAX_KEY_SPLITS * chunk_floats * 4)
+
+
+def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
+    from qwenchat.engine.cuda.prefill import attention_wave_chunk
+
+    # 8B: 1,856 tokens of scratch are 15 tiles of 128 queries x 32 heads = 480 blocks, 4 waves
+    # of 132 SMs; 1,536 tokens are 384 blocks in 3 waves, more queries a wave
+    assert attention_wave_chunk(1856, 32, 132) == 1536
+    assert attention_wave_chunk(2048, 16, 132) == 2048  # 0.6B: 256 blocks, 2 waves already
+    assert attention_wave_chunk(2048, 32, 132) == 2048  # 4B: 512 and 384 blocks tie a wave
+    assert attention_wave_chunk(1408, 40, 132) == 1152  # 14B: 360 blocks, 3 waves
+    for most in (64, 200, 700, 1856, 2048):
+        for heads in (8, 16, 32, 40, 64):
+            chunk = attention_wave_chunk(most, heads, 132)
+            assert most // 2 <= chunk <= most

@@ -91,6 +91,22 @@ def split_k(m: int, n: int, k: int, sms: int, budget_floats: int = SPLIT_K_BYTES
     return best
 
 
+def attention_wave_chunk(most: int, heads: int, sm_count: int) -> int:
+    """The prefill chunk (at most `most` tokens) for attention_sm90.cu. Deep in a long prompt
+    every block of a chunk's attention (a head's 128 queries) walks about as many keys, so a
+    chunk takes as long as its waves of blocks over the SMs: of the whole tiles from `most`
+    down to half of it, the one that moves the most queries a wave (the larger of equals).
+    8B's 32 heads: 1,856 tokens would be 15 tiles, 480 blocks, 4 waves of 132 SMs (464
+    queries a wave); 1,536 are 384 blocks in 3 (512)."""
+    def per_wave(chunk: int) -> float:
+        return chunk / math.ceil(math.ceil(chunk / ATTENTION90_QUERIES) * heads / sm_count)
+    if most < 2 * ATTENTION90_QUERIES:
+        return most
+    tiles = range(most // ATTENTION90_QUERIES * ATTENTION90_QUERIES, most // 2 - 1,
+                  -ATTENTION90_QUERIES)
+    return max([most, *tiles], key=lambda chunk: (per_wave(chunk), chunk))
+
+
 def gemm_shared_bytes(weight_format: str) -> int:
     """gemm.cu's dynamic shared memory (SHARED_BYTES): 4 stages of 128 x 40 bf16 A and B
     tiles; for FP8 weights, 4 stages of A and of B's 128 x 32 codes plus one bf16 B tile."""
@@ -147,8 +163,10 @@ class Prefill:
         act, codes = (1.04, max(cfg.hidden_size, cfg.q_size) * 1.04) if self.fp8_gemm else (2, 0)
         per_token = int(cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
                         + cfg.q_size * 2 * 2 + cfg.intermediate_size * (gate_up + act) + codes + 4)
-        chunk = PREFILL_SCRATCH_BUDGET // per_token
-        return int(max(64, min(2048, chunk // 64 * 64)))
+        most = int(max(64, min(2048, PREFILL_SCRATCH_BUDGET // per_token // 64 * 64)))
+        if not self.attention90:
+            return most
+        return attention_wave_chunk(most, cfg.num_attention_heads, self.device.sm_count)
 
     def _forward_prefill(self, start: int, n: int, start_at: rt.Ptr | None = None) -> None:
         """Run n tokens (ids already in self.ids) at positions start.. through every layer;
