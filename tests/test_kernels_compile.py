@@ -729,3 +729,19 @@ def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
         for heads in (8, 16, 32, 40, 64):
             chunk = attention_wave_chunk(most, heads, 132)
             assert most // 2 <= chunk <= most
+
+
+def test_capacity_planning_charges_the_kv_cache_and_little_more_per_position():
+    from types import SimpleNamespace
+
+    from qwenchat.engine.cuda.engine import MEMORY_MARGIN, CudaEngine
+    from qwenchat.model.kv_cache import bytes_per_position
+    from qwenchat.model.presets import PRESETS
+
+    config = PRESETS["qwen3-8b"]
+    ctx = 20_000
+    per_position = bytes_per_position(config, "bf16")
+    free = MEMORY_MARGIN + 2**30 + ctx * per_position * 101 // 100
+    engine = SimpleNamespace(config=config, kv_format="bf16", weight_format="bf16",
+                             device=SimpleNamespace(mem_info=lambda: (free, 80 * 2**30)))
+    assert CudaEngine._choose_capacity(engine, ctx, lambda _: None) == ctx

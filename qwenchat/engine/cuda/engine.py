@@ -129,6 +129,13 @@ def decode_split_options(config: Qwen3Config, capacity: int, sm_count: int) -> l
     return sorted({min(16, widest), widest})
 
 
+def verify_chunk_bytes(config: Qwen3Config) -> int:
+    """The speculative pass's flash-decoding output for one chunk of keys: a float per
+    dimension of every head of each of its rows (one chunk per DECODE_MAX_CHUNK positions at
+    full capacity)."""
+    return VERIFY_ROWS * config.num_attention_heads * config.head_dim * 4
+
+
 def partials_bytes(config: Qwen3Config, capacity: int, split_k: bool, sm_count: int) -> int:
     """CudaEngine.partials: the largest of the float partial sums its passes take in turn (a
     decode step's chunks, a prefill's key splits, the speculative pass's chunks of each row,
@@ -137,7 +144,7 @@ def partials_bytes(config: Qwen3Config, capacity: int, split_k: bool, sm_count: 
     most = decode_split_options(config, capacity, sm_count)[-1]
     return max(heads * most * hd * 4,
                PREFILL_QUERIES_PER_BLOCK * heads * PREFILL_MAX_KEY_SPLITS * hd * 4,
-               VERIFY_ROWS * heads * most * hd * 4,
+               verify_chunk_bytes(config) * most,
                SPLIT_K_BYTES if split_k else 0)
 
 
@@ -371,10 +378,9 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         cfg = self.config
         free, _ = self.device.mem_info()
         # (+ the context id kept for penalties, and the speculative pass's flash-decoding
-        # chunks: partials_bytes)
+        # chunks, which grow with the capacity: partials_bytes)
         per_position = (bytes_per_position(cfg, self.kv_format) + 4
-                        + math.ceil(partials_bytes(cfg, DECODE_MAX_CHUNK, False, 0)
-                                    / DECODE_MAX_CHUNK))
+                        + math.ceil(verify_chunk_bytes(cfg) / DECODE_MAX_CHUNK))
         scratch = (PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
                    + dequant_scratch_bytes(cfg, self.weight_format) + SPLIT_K_BYTES)
         fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
