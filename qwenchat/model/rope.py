@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from qwenchat.errors import UsageError
+
 if TYPE_CHECKING:
     from qwenchat.model.config import Qwen3Config
 
@@ -114,11 +116,15 @@ QWEN_TRAINED_POSITIONS = 32_768  # what Qwen3 was trained on (its cards' origina
 DEFAULT_FACTOR = 4.0  # Qwen's recipe: 4 x 32,768 = 131,072 positions
 
 
+def default_original(config: Qwen3Config) -> int:
+    """The trained length `--rope-scaling yarn` assumes: Qwen's 32,768, or the config's maximum
+    where that is less."""
+    return min(QWEN_TRAINED_POSITIONS, config.max_position_embeddings)
+
+
 def parse_flag(flag: str) -> tuple[float, int | None] | None:
     """`--rope-scaling`'s text: (factor, original length or None) for "yarn", "yarn:FACTOR"
     and "yarn:FACTOR:ORIGINAL", None for "none"; anything else is a one-line usage error."""
-    from qwenchat.errors import UsageError
-
     parts = flag.strip().lower().split(":")
     if parts == ["none"]:
         return None
@@ -148,7 +154,7 @@ def with_flag(config: Qwen3Config, flag: str | None) -> Qwen3Config:
         return replace(config, rope_scaling=None)
     factor, original = parsed
     if original is None:
-        original = min(QWEN_TRAINED_POSITIONS, config.max_position_embeddings)
+        original = default_original(config)
     return replace(config, rope_scaling=Yarn(factor=factor,
                                              original_max_position_embeddings=original))
 
@@ -157,8 +163,6 @@ def check_context(config: Qwen3Config, ctx: int | None) -> None:
     """One line, as a usage error, where --ctx asks for more positions than the model runs
     well: past its trained length without scaling (naming --rope-scaling yarn), or past what
     its YaRN factor extends it to."""
-    from qwenchat.errors import UsageError
-
     if ctx is None or ctx <= config.context_limit:
         return
     yarn = config.rope_scaling
@@ -166,7 +170,7 @@ def check_context(config: Qwen3Config, ctx: int | None) -> None:
         raise UsageError(
             f"--ctx {ctx:,} is past the {config.context_limit:,} positions this model was "
             f"trained for; add --rope-scaling yarn (YaRN, as Qwen's model cards describe, up to "
-            f"{DEFAULT_FACTOR * min(QWEN_TRAINED_POSITIONS, config.max_position_embeddings):,.0f}"
+            f"{DEFAULT_FACTOR * default_original(config):,.0f}"
             f") or use --ctx {config.context_limit} or less")
     needed = math.ceil(ctx / yarn.original_max_position_embeddings)
     raise UsageError(f"--ctx {ctx:,} is past the {config.context_limit:,} positions "
