@@ -792,8 +792,18 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
 
 
-CPU_WARNING = ("the CPU reference engine takes minutes per prefill and seconds per token at "
-               "real model sizes; try small sizes, e.g. --positions 1,128 --prompts 128")
+SMALL_SIZE = 128  # positions and prompts the CPU reference engine gets through in seconds
+
+
+def cpu_warning(settings: BenchSettings) -> str:
+    """What the bench says before timing the CPU reference engine: it is slow at real model
+    sizes, and (only for the sizes the user left large) the small ones to try."""
+    warning = ("the CPU reference engine takes minutes per prefill and seconds per token at "
+               "real model sizes")
+    advice = [f"{flag} {small}" for flag, sizes, small in (
+        ("--positions", settings.positions, f"1,{SMALL_SIZE}"),
+        ("--prompts", settings.prompts, str(SMALL_SIZE))) if max(sizes) > SMALL_SIZE]
+    return f"{warning}; try small sizes, e.g. {' '.join(advice)}" if advice else warning
 
 
 @dataclass
@@ -850,7 +860,7 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
             draft = None
             try:
                 if isinstance(engine, ReferenceEngine):
-                    say(CPU_WARNING)
+                    say(cpu_warning(settings))
                 if settings.speculation and engine.can_speculate:
                     draft_config = draft_shape(config)
                     draft = create_engine(options.backend, draft_config,

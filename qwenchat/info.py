@@ -13,9 +13,11 @@ from importlib import metadata
 from qwenchat import __version__, paths
 from qwenchat.errors import BackendUnavailable, UsageError
 from qwenchat.model.fp8 import gpu_weight_format, with_quantization
+from qwenchat.model.locate import looks_like_path, resolve_model
 from qwenchat.model.presets import named_config
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+NO_GPU = "--compile builds for a GPU and found none usable"
 
 PACKAGES = ("numpy", "tokenizers", "safetensors", "jinja2", "huggingface_hub", "platformdirs",
             "typer", "rich", "textual", "cuda-python", "cuda-bindings", "torch", "transformers")
@@ -96,8 +98,12 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
     check_engine_flags("cuda", None, options.device, options.decode, options.quantize)
     if options.model is not None and options.config is not None:
         raise UsageError("--model and --config both name the model to compile for: give one")
-    if options.config is not None:
-        name, config = options.config, named_config(options.config)
+    known = named_config(options.config) if options.config is not None else None
+    if options.model is not None and looks_like_path(options.model):
+        resolve_model(options.model)  # a wrong directory is a usage error, whatever the GPU
+    _require_gpu()  # before the model: nothing downloaded for a machine that cannot compile
+    if known is not None:
+        name, config = options.config, known
         weight_format = gpu_weight_format(options.quantize)
     else:
         from qwenchat.model.loader import open_model
@@ -109,20 +115,25 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
         quantized = with_quantization(model.checkpoint, options.quantize)
         weight_format = gpu_weight_format(quantized.weight_format)
         model.close()
-    try:
-        from qwenchat.engine.cuda.engine import compile_kernels
-    except ImportError as exc:
-        raise BackendUnavailable(f"cuda-python cannot be imported ({exc}); nothing to compile "
-                                 "for") from None
+    from qwenchat.engine.cuda.engine import compile_kernels
+
     started = time.perf_counter()
     try:
         gpu, plan, compilation = compile_kernels(config, weight_format, options.device,
                                                  options.decode, announce=say, progress=say)
     except BackendUnavailable as exc:
-        raise BackendUnavailable(f"--compile builds for a GPU and found none usable: {exc}"
-                                 ) from None
+        raise BackendUnavailable(f"{NO_GPU}: {exc}") from None
     seconds = time.perf_counter() - started
     cached = len(plan.builds) - len(compilation.to_compile)
     return (f"{len(plan.builds)} kernels for {name} ({weight_format}, {plan.decode} decode) on "
             f"{gpu}: {len(compilation.to_compile)} compiled, {cached} already cached, "
             f"{seconds:.1f} s; kept in {paths.kernel_cache_dir()}")
+
+
+def _require_gpu() -> None:
+    """A one-line error where this machine has no GPU the CUDA engine can use."""
+    from qwenchat.engine.cuda.probe import probe
+
+    found = probe()
+    if not found.usable:
+        raise BackendUnavailable(f"{NO_GPU}: {'; '.join(found.problems) or 'no usable GPU'}")

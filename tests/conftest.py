@@ -8,6 +8,19 @@ from pathlib import Path
 import pytest
 from tiny_model import train_tokenizer, write_tiny_model
 
+COMPILE_MATRIX_VAR = "QWENCHAT_COMPILE_MATRIX"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The full kernel compile matrix (minutes of NVRTC) runs only where asked for."""
+    if os.environ.get(COMPILE_MATRIX_VAR) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"the full kernel compile matrix: {COMPILE_MATRIX_VAR}=1 "
+                                   f"runs it (CI does)")
+    for item in items:
+        if item.get_closest_marker("compile_matrix") is not None:
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():

@@ -24,6 +24,7 @@ from qwenchat import bench as bench_module
 from qwenchat.bench import (
     BenchSettings,
     bytes_per_step,
+    cpu_warning,
     measure_engine,
     transformers_model,
     weight_bytes_per_step,
@@ -252,6 +253,14 @@ def test_default_ctx_fits_the_largest_position_and_prompt_within_the_model():
     settings = BenchSettings(positions=(1, 32768), steps=64)
     assert settings.default_ctx(PRESETS["qwen3-0.6b"]) == 32768 + 64 + 1
     assert settings.default_ctx(TIED) == TIED.max_position_embeddings
+
+
+def test_the_cpu_warning_suggests_only_the_small_sizes_not_already_given():
+    assert cpu_warning(BenchSettings()).endswith("e.g. --positions 1,128 --prompts 128")
+    assert cpu_warning(BenchSettings(positions=(1, 128))).endswith("e.g. --prompts 128")
+    assert cpu_warning(BenchSettings(prompts=(64,))).endswith("e.g. --positions 1,128")
+    small = cpu_warning(BenchSettings(positions=(1, 128), prompts=(128,)))
+    assert "CPU reference engine" in small and "try" not in small and "--" not in small
 
 
 def qwenchat(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -148,11 +148,19 @@ def test_verbose_stats_go_to_stderr_only(tiny_model_dir):
     assert quiet.stderr == ""
 
 
-def test_auto_backend_says_why_it_uses_the_cpu(tiny_model_dir):
+def test_auto_backend_says_in_one_line_why_it_uses_the_cpu(tiny_model_dir):
+    from qwenchat.engine.cuda.probe import probe
+
+    found = probe()
+    if found.usable:
+        pytest.skip("this machine has a usable GPU: auto takes it")
     result = qwenchat("ask", "--model", str(tiny_model_dir), "--max-tokens", "3", "Hi")
     assert result.returncode == 0
     notices = result.stderr.strip().splitlines()
-    assert len(notices) == 1 and "CPU reference engine" in notices[0]
+    assert len(notices) == 1 and "running on the CPU" in notices[0]
+    if found.driver_version is None:  # no NVIDIA driver: nothing to fix, so nothing to install
+        assert notices == ["qwenchat: no NVIDIA driver: running on the CPU (--backend cpu "
+                           "skips this note)"]
 
 
 def test_cuda_backend_unavailable_is_one_line_exit_1(tiny_model_dir):
@@ -191,7 +199,8 @@ def test_usage_errors_exit_2_with_one_line(tiny_model_dir, args):
 @pytest.mark.parametrize(("args", "needles"), [
     (["--ctx", "600"], ["--ctx 600", "512 positions", "--rope-scaling yarn"]),
     (["--rope-scaling", "yarn:2:256", "--ctx", "600"], ["--ctx 600", "yarn:3"]),
-    (["--rope-scaling", "linear"], ["--rope-scaling", "yarn:FACTOR"]),
+    (["--rope-scaling", "linear"], ["--rope-scaling", "unsupported rope type 'linear'",
+                                    "yarn:FACTOR"]),
     (["--rope-scaling", "yarn:0.5"], ["--rope-scaling", "1 or more"]),
     (["--device", "3", "--backend", "cpu", "--ctx", "700"], ["--ctx 700"]),
 ])
@@ -286,6 +295,30 @@ def test_info_compile_without_a_gpu_says_so_in_one_line(isolated_home, tiny_mode
     assert not (isolated_home / "cache" / "qwenchat" / "cubins").exists()
 
 
+def test_info_compile_checks_for_a_gpu_before_downloading_the_default_model(isolated_home):
+    from qwenchat.engine.cuda.probe import probe
+
+    if probe().usable:
+        pytest.skip("this machine has a usable GPU: the GPU tests compile for it")
+    result = qwenchat("info", "--compile", env={"QWENCHAT_MODEL": ""})  # offline, empty cache
+    assert_one_error_line(result, 1, "--compile builds for a GPU and found none usable")
+    assert "Hugging Face cache" not in result.stderr
+
+
+def test_info_prints_its_values_verbatim_not_as_rich_markup(monkeypatch):
+    from typer.testing import CliRunner
+
+    from qwenchat import info as info_module
+    from qwenchat.cli import app
+
+    fix = "pip install 'qwenchat[cu13]' (or 'qwenchat[cu12]' for a CUDA 12 driver)"
+    monkeypatch.setattr(info_module, "gather", lambda: [("GPU", [("problem", fix),
+                                                                 ("[bold]key[/]", "[red]x")])])
+    result = CliRunner().invoke(app, ["info"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert fix in result.output and "[bold]key[/]" in result.output and "[red]x" in result.output
+
+
 def test_ask_and_info_work_where_textual_and_cuda_python_cannot_load(tiny_model_dir):
     blocked = ("import sys; sys.modules['textual'] = None; sys.modules['cuda'] = None; "
                "from qwenchat.cli import main; sys.argv = ['qwenchat'] + sys.argv[1:]; main()")
@@ -344,9 +377,24 @@ def test_help_lists_the_commands_and_chat_takes_the_ask_flags():
 ])
 def test_help_keeps_the_defaults_that_are_not_values(command, defaults):
     # Rich takes "[default: ...]" written into a help text for a style tag and drops it.
-    text = qwenchat(command, "--help", env={"COLUMNS": "250"}).stdout
+    text = " ".join(qwenchat(command, "--help", env={"COLUMNS": "250"}).stdout.split())
     for default in defaults:
         assert default in text, text
+
+
+@pytest.mark.parametrize("command", ["ask", "chat", "bench", "info"])
+def test_help_at_80_columns_reads_whole_phrases_and_flags_show_no_value_type(command):
+    text = qwenchat(command, "--help", env={"COLUMNS": "80"}).stdout
+    assert "Show tracebacks on errors." in text  # not cut into a 20-column strip
+    assert "<bool>" not in text  # a flag takes no value: no type beside it
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_root_help_gives_each_command_a_whole_summary_line():
+    lines = qwenchat("--help", env={"COLUMNS": "80"}).stdout.splitlines()
+    for command in ("chat", "ask", "info", "bench"):
+        (line,) = [line for line in lines if line.split()[:1] == [command]]
+        assert line.rstrip().endswith(".") and "..." not in line
 
 def test_chat_runs_in_a_terminal_and_quits_with_ctrl_q(tiny_model_dir, isolated_home):
     pty = pytest.importorskip("pty")
@@ -432,9 +480,16 @@ def test_a_draft_with_another_tokenizer_is_refused_in_one_line(tiny_model_dir, d
 
 @pytest.mark.parametrize(("flags", "needles"), [
     (["--draft", "Qwen/Qwen3-0.6B", "--speculate", "ngram"], ["two ways to propose"]),
+    (["--draft", "Qwen/Qwen3-0.6B", "--speculate", "off"], ["--speculate off", "give one"]),
     (["--draft", "./no/such/draft"], ["--draft ./no/such/draft", "no such directory"]),
 ])
 def test_draft_flag_mistakes_are_one_error_line_before_any_model_loads(tiny_model_dir, flags,
                                                                         needles):
     result = qwenchat("ask", "--backend", "cpu", "--model", str(tiny_model_dir), *flags, "hi")
     assert_one_error_line(result, 2, *needles)
+
+
+def test_chat_refuses_speculate_off_beside_a_draft_before_the_app_starts(tiny_model_dir):
+    result = qwenchat("chat", "--model", str(tiny_model_dir), "--draft", "Qwen/Qwen3-0.6B",
+                      "--speculate", "off")
+    assert_one_error_line(result, 2, "--speculate off", "give one")

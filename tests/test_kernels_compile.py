@@ -1,12 +1,18 @@
 """Every kernel in cuda_src/ compiles with NVRTC, and the cubin cache keys, stores and heals.
 
-No GPU is needed, only NVRTC; without it these tests skip and say why.
+No GPU is needed, only NVRTC; without it these tests skip and say why. The whole matrix (every
+kernel x architecture x format x shape) is marked `compile_matrix` and runs where
+QWENCHAT_COMPILE_MATRIX=1 (CI sets it); the default run keeps a diagonal of it that still
+builds every kernel for every architecture and format once, the shapes taking turns. Builds
+compile ahead on one thread per CPU (`nvrtc_pool`), so a test mostly collects its cubin.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,7 @@ from qwenchat.engine.cuda.compiler import (
     KernelCompileError,
     compile_source,
     kernel_defines,
+    usable_cpus,
 )
 from qwenchat.engine.cuda.engine import COMPILE_ORDER, SM90_KERNELS, plan_kernels
 from qwenchat.engine.cuda.megakernel import (
@@ -83,6 +90,63 @@ extern "C" __global__ void broken(float* x) { x[0] = undefined_name * tiny_scale
 TINY_DEFINES = {"TINY_SCALE": 3}
 
 
+# ------------------------------------------------------------------ compiling ahead
+Build = tuple[str, str, dict]  # (source, architecture, defines)
+# test name -> a function of the test's parameters giving the builds it will ask the pool for
+AHEAD: dict[str, Callable[..., Iterable[Build]]] = {}
+
+
+def compiled_ahead(builds_of: Callable[..., Iterable[Build]]):
+    """Declares the builds a test compiles, so `nvrtc_pool` starts them before it runs."""
+    def register(test):
+        AHEAD[test.__name__] = builds_of
+        return test
+    return register
+
+
+class CompilePool:
+    """compile_source on a thread per CPU (NVRTC releases the GIL), each build once."""
+
+    def __init__(self, workers: int):
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="test-nvrtc")
+        self._futures: dict[tuple, Future] = {}
+
+    def submit(self, source: str, arch: str, defines: dict) -> Future:
+        key = (source, arch, tuple(sorted(defines.items())))
+        if key not in self._futures:
+            self._futures[key] = self._executor.submit(compile_source, source, arch,
+                                                       dict(defines))
+        return self._futures[key]
+
+    def cubin(self, source: str, arch: str, defines: dict) -> bytes:
+        return self.submit(source, arch, defines).result()
+
+    def close(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
+        self._executor.shutdown(wait=True)
+
+
+def _will_run(item) -> bool:
+    return not any(mark.name == "skip" or (mark.name == "skipif" and mark.args and mark.args[0])
+                   for mark in item.iter_markers())
+
+
+@pytest.fixture(scope="session")
+def nvrtc_pool(request):
+    """Starts every build that this session's tests in this module will ask for, in their
+    order, so compiles overlap each other and the tests that collect them."""
+    pool = CompilePool(usable_cpus())
+    for item in request.session.items:
+        builds_of = AHEAD.get(getattr(item, "originalname", item.name))
+        if item.module.__name__ == __name__ and builds_of is not None and _will_run(item):
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            for build in builds_of(**params):
+                pool.submit(*build)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
 def src(tmp_path) -> Path:
     """A cuda_src-like directory: one header shared by a good and a broken kernel."""
@@ -136,20 +200,47 @@ def test_hopper_sources_are_among_the_kernel_files():
     assert set(SM90_KERNELS) < set(KERNEL_FILES)
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize(("kernel", "weights", "arch"), BUILDS)
-def test_every_kernel_compiles(kernel, weights, arch, shape):
+COMPILE_MATRIX = pytest.mark.compile_matrix
+
+
+def diagonal(builds: list[tuple], shapes: Iterable[str]) -> list:
+    """The builds x shapes matrix as parameters: the default run keeps one shape for each
+    build, taking the shapes in turn; the rest is marked `compile_matrix`."""
+    shapes = list(shapes)
+    return [pytest.param(*build, shape, marks=() if j == i % len(shapes) else COMPILE_MATRIX)
+            for i, build in enumerate(builds) for j, shape in enumerate(shapes)]
+
+
+def every_kernel_build(kernel, weights, arch, shape) -> Build | str:
+    """What the engine builds for this kernel on such a GPU, or why it builds none there."""
     config = SHAPES[shape]
     defines = kernel_defines(config, weights)
     if kernel == "megakernel.cu":  # built as the engine builds it on such a GPU, or refused
         layout = megakernel_layout(config, *GPUS[arch], weights, fp8_on_tensor_cores(arch))
         if isinstance(layout, str):  # the engine decodes with the per-op graph there
-            assert "shared memory" in layout and f"{GPUS[arch][0]:,}" in layout
-            return
+            return layout
         defines = layout.defines(config, weights)
-    cubin = compile_source(kernel, arch, defines)
-    assert cubin.startswith(ELF_MAGIC)
+    return kernel, arch, defines
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("kernel", "weights", "arch", "shape"),
+                         diagonal(BUILDS, sorted(SHAPES)))
+@compiled_ahead(lambda **p: [b for b in [every_kernel_build(**p)] if not isinstance(b, str)])
+def test_every_kernel_compiles(kernel, weights, arch, shape, nvrtc_pool):
+    build = every_kernel_build(kernel, weights, arch, shape)
+    if isinstance(build, str):
+        assert "shared memory" in build and f"{GPUS[arch][0]:,}" in build
+        return
+    assert nvrtc_pool.cubin(*build).startswith(ELF_MAGIC)
+
+
+def test_the_default_run_builds_every_kernel_for_every_architecture_and_format():
+    kept = [p.values for p in diagonal(BUILDS, sorted(SHAPES)) if not p.marks]
+    assert sorted(values[:3] for values in kept) == sorted(BUILDS)
+    assert {values[3] for values in kept} == set(SHAPES)
+    full = diagonal(BUILDS, sorted(SHAPES))
+    assert len(full) == len(BUILDS) * len(SHAPES) and len(set(p.values for p in full)) == len(full)
 
 
 # The kernels that read int4 rows, on an architecture with FP8 conversion in hardware and one
@@ -159,29 +250,35 @@ def test_every_kernel_compiles(kernel, weights, arch, shape):
 INT4_SHAPES = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b", "odd-gqa")
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("shape", INT4_SHAPES)
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("kernel", ["layers.cu", "verify.cu", "megakernel.cu"])
-def test_int4_kernels_compile(kernel, arch, shape):
+def int4_build(kernel, arch, shape) -> Build:
     config = SHAPES[shape]
     defines = kernel_defines(config, "int4")
     if kernel == "megakernel.cu":
         layout = megakernel_layout(config, *GPUS[arch], "int4", fp8_on_tensor_cores(arch))
         assert not isinstance(layout, str) and layout.mma
         defines = layout.defines(config, "int4")
-    assert compile_source(kernel, arch, defines).startswith(ELF_MAGIC)
+    return kernel, arch, defines
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b", "odd-tiny"])
-@pytest.mark.parametrize(("kernel", "arch"), [
+@pytest.mark.parametrize(("kernel", "arch", "shape"), diagonal(
+    [(k, a) for k in ("layers.cu", "verify.cu", "megakernel.cu") for a in ("sm_80", "sm_90")],
+    INT4_SHAPES))
+@compiled_ahead(lambda **p: [int4_build(**p)])
+def test_int4_kernels_compile(kernel, arch, shape, nvrtc_pool):
+    assert nvrtc_pool.cubin(*int4_build(kernel, arch, shape)).startswith(ELF_MAGIC)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("kernel", "arch", "shape"), diagonal([
     *[(k, a) for k in ("layers.cu", "attention.cu", "verify.cu") for a in ("sm_80", "sm_90")],
-    ("attention_sm90.cu", "sm_90a")])
-def test_int8_kv_cache_kernels_compile(kernel, arch, shape):
+    ("attention_sm90.cu", "sm_90a")], ["qwen3-0.6b", "qwen3-8b", "odd-tiny"]))
+@compiled_ahead(lambda kernel, arch, shape: [
+    (kernel, arch, kernel_defines(SHAPES[shape], "bf16", "int8"))])
+def test_int8_kv_cache_kernels_compile(kernel, arch, shape, nvrtc_pool):
     defines = kernel_defines(SHAPES[shape], "bf16", "int8")
     assert defines["QW_KV8"] == 1
-    assert compile_source(kernel, arch, defines).startswith(ELF_MAGIC)
+    assert nvrtc_pool.cubin(kernel, arch, defines).startswith(ELF_MAGIC)
 
 
 def test_narrow_weights_add_one_define():
@@ -585,20 +682,26 @@ def static_shared(cubin: bytes, kernel: str) -> int:
     raise AssertionError(f"no .nv.shared.{kernel} section")
 
 
+def _widest_plan(weights, bandwidth):
+    return plan_kernels(PRESETS["qwen3-32b"], weights, gpu_shape("sm_90", bandwidth=bandwidth))
+
+
 @needs_nvrtc
 @pytest.mark.parametrize(("weights", "split", "bandwidth"),
                          [("bf16", True, H100_BANDWIDTH), ("fp8", False, H100_BANDWIDTH),
                           ("fp8", False, H200_BANDWIDTH)])
-def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(weights, split,
-                                                                             bandwidth):
+@compiled_ahead(lambda weights, bandwidth, **_: [
+    ("megakernel.cu", "sm_90", dict(_widest_plan(weights, bandwidth).megakernel.defines))])
+def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(
+        weights, split, bandwidth, nvrtc_pool):
     # The layout gives the dynamic part all but MEGAKERNEL_STATIC_SHARED (whole rows) or
     # MEGAKERNEL_SPLIT_STATIC_SHARED (parts of rows); 32B's static part is the largest (its
     # attention groups of 8 heads; with parts of rows, its row table). On an H200 its FP8
     # rows take two 62 KB stages and 2,560-column warp segments.
-    plan = plan_kernels(PRESETS["qwen3-32b"], weights, gpu_shape("sm_90", bandwidth=bandwidth))
+    plan = _widest_plan(weights, bandwidth)
     assert plan.megakernel_layout.split is split
     assert plan.megakernel_layout.mma_seg == (2560 if bandwidth == H200_BANDWIDTH else 1024)
-    cubin = compile_source("megakernel.cu", "sm_90", dict(plan.megakernel.defines))
+    cubin = nvrtc_pool.cubin("megakernel.cu", "sm_90", dict(plan.megakernel.defines))
     static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
     assert 16 * 1024 < static_shared(cubin, "decode_megakernel") <= static
 
@@ -634,29 +737,39 @@ def test_the_megakernel_can_be_laid_out_for_less_shared_memory_than_the_gpu_has(
             plan_kernels(PRESETS["qwen3-8b"], "fp8", h100, megakernel_shared=wrong)
 
 
+def consumer_build(arch, name, consumer) -> Build:
+    plan = plan_kernels(PRESETS[name], "fp8", gpu_shape(arch), megakernel_consumer=consumer)
+    return "megakernel.cu", arch, dict(plan.megakernel.defines)
+
+
 @needs_nvrtc
-@pytest.mark.parametrize(("arch", "name"), [("sm_89", "qwen3-4b"), ("sm_90", "qwen3-14b")])
-def test_the_fp8_megakernel_compiles_with_either_consumer(arch, name):
-    config = PRESETS[name]
-    for consumer in ("auto", "fma"):
-        plan = plan_kernels(config, "fp8", gpu_shape(arch), megakernel_consumer=consumer)
-        assert compile_source("megakernel.cu", arch, dict(plan.megakernel.defines)).startswith(
-            ELF_MAGIC)
+@pytest.mark.parametrize(("arch", "name", "consumer"), [
+    ("sm_90", "qwen3-14b", "auto"), ("sm_90", "qwen3-14b", "fma"),
+    pytest.param("sm_89", "qwen3-4b", "auto", marks=COMPILE_MATRIX),
+    pytest.param("sm_89", "qwen3-4b", "fma", marks=COMPILE_MATRIX)])
+@compiled_ahead(lambda **p: [consumer_build(**p)])
+def test_the_fp8_megakernel_compiles_with_either_consumer(arch, name, consumer, nvrtc_pool):
+    assert nvrtc_pool.cubin(*consumer_build(arch, name, consumer)).startswith(ELF_MAGIC)
 
 
 def test_every_source_has_a_place_in_the_compile_order():
     assert set(COMPILE_ORDER) == set(KERNEL_FILES)
 
 
+def _timeline_plan(arch):
+    return plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape(arch), megakernel_timeline=64)
+
+
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_megakernel_timeline_build_compiles(arch):
-    config = PRESETS["qwen3-0.6b"]
-    plan = plan_kernels(config, "bf16", gpu_shape(arch), megakernel_timeline=64)
+@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=COMPILE_MATRIX), "sm_90"])
+@compiled_ahead(lambda arch: [("megakernel.cu", arch,
+                               dict(_timeline_plan(arch).megakernel.defines))])
+def test_the_megakernel_timeline_build_compiles(arch, nvrtc_pool):
+    plan = _timeline_plan(arch)
     assert dict(plan.megakernel.defines)["QW_MK_TIMELINE"] == 64
-    plain = plan_kernels(config, "bf16", gpu_shape(arch))
+    plain = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape(arch))
     assert "QW_MK_TIMELINE" not in dict(plain.megakernel.defines)
-    cubin = compile_source("megakernel.cu", arch, dict(plan.megakernel.defines))
+    cubin = nvrtc_pool.cubin("megakernel.cu", arch, dict(plan.megakernel.defines))
     assert cubin.startswith(ELF_MAGIC) and b"qw_timeline" in cubin
 
 
@@ -745,3 +858,4 @@ def test_capacity_planning_charges_the_kv_cache_and_little_more_per_position():
     engine = SimpleNamespace(config=config, kv_format="bf16", weight_format="bf16",
                              device=SimpleNamespace(mem_info=lambda: (free, 80 * 2**30)))
     assert CudaEngine._choose_capacity(engine, ctx, lambda _: None) == ctx
+

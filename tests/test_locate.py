@@ -134,6 +134,20 @@ def test_hub_id_not_in_the_cache_offline_says_how_to_get_it(hub_cache):
     assert "Org/Missing" in message
     assert "network" in message
     assert "--model DIR" in message
+    assert "unset HF_HUB_OFFLINE" in message
+
+
+def test_a_failed_download_names_hf_hub_offline_only_where_it_is_set(hub_cache, monkeypatch):
+    def no_network(repo_id, *, local_files_only=False, **_):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("cannot reach the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    with pytest.raises(ModelError) as caught:
+        resolve_model("Org/Missing")
+    assert "connect to the network" in str(caught.value)
+    assert "OFFLINE" not in str(caught.value)
 
 
 # --- download progress, as the chat's loading screen shows it ---------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from qwenchat.engine.cuda.probe import CudaProbe, GpuInfo
+import dataclasses
+
+from qwenchat.engine.cuda.probe import NO_DRIVER, CudaProbe, GpuInfo
 
 H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
 
@@ -25,3 +27,47 @@ def test_newer_driver_runs_older_nvrtc_code():
 def test_no_gpu_or_no_nvrtc_is_not_usable():
     assert not CudaProbe(driver_version="13.0", nvrtc_version=None, gpus=[H100]).usable
     assert not CudaProbe(driver_version="13.0", nvrtc_version="13.0", gpus=[]).usable
+
+
+def test_no_driver_is_the_one_problem_whatever_nvrtc_says():
+    for nvrtc in (None, "13.0"):
+        assert CudaProbe(driver_version=None, nvrtc_version=nvrtc).problems == [NO_DRIVER]
+
+
+def test_a_driver_without_a_gpu_says_so_without_nvrtc_advice():
+    assert CudaProbe(driver_version="13.0").problems == ["the driver reports no GPU"]
+
+
+def test_a_driver_without_nvrtc_names_the_library_once_and_the_extra_for_that_driver():
+    for driver, extra in (("13.0", "cu13"), ("12.8", "cu12")):
+        (problem,) = CudaProbe(driver_version=driver, nvrtc_version=None, gpus=[H100]).problems
+        assert problem.count("libnvrtc") == 1 and "NVRTC" in problem
+        assert problem.endswith(f"pip install 'qwenchat[{extra}]'")
+    (old,) = CudaProbe(driver_version="11.8", nvrtc_version=None, gpus=[H100]).problems
+    assert "update the NVIDIA driver" in old and "pip" not in old
+
+
+def cpu_notice(found: CudaProbe, monkeypatch) -> list[str]:
+    """What `--backend auto` says as it falls back to the CPU where the probe finds `found`."""
+    from qwenchat.engine import create_engine
+    from qwenchat.engine.cuda import probe as cuda_probe
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=1,
+                                 max_position_embeddings=64)
+    monkeypatch.setattr(cuda_probe, "probe", lambda: found)
+    said: list[str] = []
+    create_engine("auto", config, RandomWeights(config), ctx=16, notice=said.append).close()
+    return said
+
+
+def test_auto_without_a_driver_says_in_one_short_line_that_it_runs_on_the_cpu(monkeypatch):
+    (line,) = cpu_notice(CudaProbe(nvrtc_version=None), monkeypatch)
+    assert line == "no NVIDIA driver: running on the CPU (--backend cpu skips this note)"
+
+
+def test_auto_with_a_driver_but_no_nvrtc_says_what_to_install(monkeypatch):
+    (line,) = cpu_notice(CudaProbe(driver_version="13.0", gpus=[H100]), monkeypatch)
+    assert line.startswith("running on the CPU: ") and line.count("libnvrtc") == 1
+    assert line.endswith("pip install 'qwenchat[cu13]'") and len(line) < 120

@@ -26,6 +26,13 @@ def test_a_bad_flag_is_one_usage_line(flag):
         rope.parse_flag(flag)
 
 
+@pytest.mark.parametrize("flag", ["linear", "dynamic:2", "Llama3"])
+def test_another_rope_type_is_refused_naming_it(flag):
+    kind = flag.split(":")[0].lower()
+    with pytest.raises(UsageError, match=f"unsupported rope type '{kind}'.*YaRN"):
+        rope.parse_flag(flag)
+
+
 def test_yarn_on_qwen3_is_qwens_recipe_and_raises_the_limit():
     config = rope.with_flag(PRESETS["qwen3-8b"], "yarn")
     assert config.rope_scaling == rope.Yarn(factor=4.0, original_max_position_embeddings=32768)

@@ -17,7 +17,8 @@ from fake_engine import fake_model
 from textual import events
 from textual._xterm_parser import XTermParser
 from textual.command import CommandPalette
-from textual.widgets import Footer, OptionList
+from textual.geometry import Region
+from textual.widgets import Footer, Input, Markdown, OptionList, Switch
 from textual.widgets._toast import Toast
 
 from qwenchat.engine.reference import ReferenceEngine
@@ -37,7 +38,7 @@ from qwenchat.tui.screens.chats import ChatListScreen
 from qwenchat.tui.screens.error import ErrorScreen
 from qwenchat.tui.screens.help import HelpScreen
 from qwenchat.tui.screens.loading import LoadingScreen
-from qwenchat.tui.stats import kv_level, rate_text
+from qwenchat.tui.stats import RateMeter, kv_level, rate_text
 from qwenchat.tui.widgets.message import AssistantMessage, UserMessage
 from qwenchat.tui.widgets.notice import ChatNotice
 from qwenchat.tui.widgets.status import KVGauge
@@ -193,7 +194,10 @@ def test_second_turn_reuses_the_kv_cache_and_the_status_bar_says_so(tmp_path, ti
         assert stats.reused_tokens > 0
         numbers = str(screen.query_one("#numbers").render())
         assert f"{stats.reused_tokens} cached" in numbers and "TTFT" in numbers
-        assert "reference (NumPy, CPU)" in str(screen.query_one("#engine").render())
+        # (at 100 columns the engine label gives way to the numbers; hovering shows it whole)
+        engine_label = screen.query_one("#engine")
+        assert str(engine_label.render()) == "CPU · bf16"
+        assert "reference (NumPy, CPU) · bf16 weights" in str(engine_label.tooltip)
         # Once the background prefill has brought the cache to the history, the gauge says so.
         await until(pilot, lambda: not screen.chat.preparing)
         history = screen.chat.session.history_ids()
@@ -1393,6 +1397,115 @@ def test_command_palette_lists_every_action_and_each_runs(tmp_path, tiny_model_d
     drive(app, scenario)
 
 
+# ------------------------------------------------------------------ narrow terminals
+STREAMED = ("The fox is quick and the dog is lazy, so the fox jumps over the dog and runs off "
+            "into the woods where the other foxes live.")
+HELD_AT = 12  # tokens of STREAMED on screen while the reply is held
+
+
+@pytest.fixture
+def every_token_reported(monkeypatch):
+    """The session reports progress after every token, not every 0.1 s: a reply held part
+    way shows the numbers of its last token."""
+    monkeypatch.setattr("qwenchat.session.PROGRESS_INTERVAL_S", 0.0)
+
+
+async def hold_mid_reply(pilot, screen: ChatScreen) -> None:
+    """Send a message, then wait until the reply is held after HELD_AT tokens, every one of
+    them on screen and in the status bar."""
+    engine = screen.model.engine
+    await until(pilot, lambda: not screen.chat.preparing)
+    screen.prompt.load_text("Tell me about the fox")
+    await pilot.press("enter")
+    shown = screen.model.tokenizer.decode(engine.script[:HELD_AT])
+    await until(pilot, lambda: engine.holding.is_set())
+
+    def all_shown() -> bool:
+        reply = screen._reply
+        return (reply is not None and reply.stats is not None
+                and reply.stats.generated_tokens == HELD_AT
+                and screen.query_one(KVGauge).position == reply.stats.position
+                and replies(screen)[-1].query_one(Markdown).source == shown)
+
+    await until(pilot, all_shown)
+    await pilot.pause(0.1)
+
+
+def screen_rows(app: QwenchatApp) -> list[str]:
+    """The text on the terminal, row by row, as the user sees it (cut where it is cut)."""
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_while_a_reply_streams_the_status_bar_shows_live_speed_and_the_kv_position(
+        tmp_path, tiny_model_dir, every_token_reported, width):
+    model = fake_model(tiny_model_dir, STREAMED, hold_at=HELD_AT)
+    app = make_app(tmp_path, model)
+
+    async def scenario(pilot, screen):
+        await hold_mid_reply(pilot, screen)
+        bar = screen_rows(app)[screen.status.region.y]
+        gauge = screen.query_one(KVGauge)
+        assert "tok/s (avg " in bar and "● generating" in bar
+        assert f" {gauge.position:,}/{gauge.capacity:,}" in bar
+        assert "…" not in bar
+        model.engine.release.set()
+
+    drive(app, scenario, size=(width, 24))
+
+
+def test_the_status_bar_refits_when_the_terminal_is_resized(tmp_path, tiny_model_dir,
+                                                            every_token_reported):
+    model = fake_model(tiny_model_dir, STREAMED, hold_at=HELD_AT)
+    app = make_app(tmp_path, model)
+
+    async def scenario(pilot, screen):
+        await hold_mid_reply(pilot, screen)
+        wide = screen_rows(app)[screen.status.region.y]
+        assert "fake engine · Fake GPU 9000 · bf16 weights" in wide and "TTFT" in wide
+        await pilot.resize_terminal(70, 24)
+        await pilot.pause(0.1)
+        narrow = screen_rows(app)[screen.status.region.y]
+        assert "TTFT" not in narrow and "tok/s (avg " in narrow and "…" not in narrow
+        await pilot.resize_terminal(160, 40)
+        await pilot.pause(0.1)
+        assert screen_rows(app)[screen.status.region.y] == wide.ljust(160)[:160]
+        model.engine.release.set()
+
+    drive(app, scenario, size=(160, 40))
+
+
+def test_the_footer_shows_f1_help_at_80_columns_while_a_reply_streams(
+        tmp_path, tiny_model_dir, every_token_reported):
+    model = fake_model(tiny_model_dir, STREAMED, hold_at=HELD_AT)
+    app = make_app(tmp_path, model)
+
+    async def scenario(pilot, screen):
+        await hold_mid_reply(pilot, screen)
+        footer = screen_rows(app)[screen.query_one(Footer).region.y]
+        assert "esc Stop" in footer and "f1 Help" in footer
+        model.engine.release.set()
+
+    drive(app, scenario, size=(80, 24))
+
+
+def test_every_sampler_field_is_on_screen_at_80x24(tmp_path, tiny_model_dir):
+    app = make_app(tmp_path, fake_model(tiny_model_dir, "Yes."))
+
+    async def scenario(pilot, screen):
+        await pilot.press("ctrl+s")
+        await pilot.pause(0.1)
+        panel = screen.sampler
+        assert panel.max_scroll_y == 0  # nothing below the fold
+        fields = list(panel.query(Input)) + list(panel.query(Switch))
+        assert len(fields) == 11
+        for field in fields:
+            assert field.region.area and panel.region.contains_region(field.region), field.id
+        assert Region(0, 0, 80, 24).contains_region(panel.region)
+
+    drive(app, scenario, size=(80, 24))
+
+
 # ---------------------------------------------------------------------- snapshot tests
 def frozen_session_clock(monkeypatch) -> None:
     """Every reading of the session's clock moves 1 ms on, so timings are the same each run."""
@@ -1431,6 +1544,25 @@ def test_snapshot_chat_with_thinking_markdown_and_code(snap_compare, tmp_path, t
         await pilot.pause(0.1)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40)],
+                         ids=["80x24", "100x30", "120x40"])
+def test_snapshot_a_reply_streaming(snap_compare, tmp_path, tiny_model_dir, monkeypatch,
+                                    every_token_reported, size):
+    frozen_session_clock(monkeypatch)
+    # The speed now is measured over the batches the UI happened to take: fixed here.
+    monkeypatch.setattr(RateMeter, "rate", property(lambda meter: 987.0))
+    model = fake_model(tiny_model_dir, STREAMED, hold_at=HELD_AT, capacity=256)
+    app = snapshot_app(tmp_path, model)
+
+    async def run_before(pilot) -> None:
+        await hold_mid_reply(pilot, await wait_for_chat(pilot))
+
+    try:
+        assert snap_compare(app, terminal_size=size, run_before=run_before)
+    finally:
+        model.engine.release.set()
 
 
 def test_snapshot_sampler_panel_with_an_inline_error(snap_compare, tmp_path, tiny_model_dir):

@@ -12,6 +12,18 @@ from qwenchat.tui.commands import HELP, Command, interpret
 from qwenchat.tui.feed import ReplyFeed
 from qwenchat.tui.settings import ChatSettings
 from qwenchat.tui.stats import RateMeter, kv_level, reply_summary, stats_from_dict
+from qwenchat.tui.status_layout import (
+    DEGRADE,
+    Piece,
+    activity_piece,
+    engine_piece,
+    fit,
+    gauge_piece,
+    idle_numbers,
+    line_width,
+    live_numbers,
+    short_device,
+)
 
 
 @pytest.mark.parametrize(("typed", "command"), [
@@ -166,6 +178,82 @@ def test_summary_line_has_tokens_speed_ttft_and_stop_reason():
                                                  (89, "warn"), (90, "full"), (100, "full")])
 def test_kv_levels(position, level):
     assert kv_level(position, 100) == level
+
+
+# A long reply streaming on an H100 with speculation on and YaRN: every piece the bar has.
+STREAMING = ReplyStats(prompt_tokens=30_000, reused_tokens=28_811, prefill_tokens=1_189,
+                       generated_tokens=1_543, ttft_s=0.356, decode_s=1.3, position=32_743,
+                       capacity=40_960, spec_proposed=900, spec_accepted=600)
+
+
+def streaming_bar() -> list[Piece]:
+    return [engine_piece("cuda (NVIDIA H100 80GB HBM3)", "NVIDIA H100 80GB HBM3", "fp8", "int8"),
+            activity_piece(STREAMING), *live_numbers(STREAMING, 1234.0),
+            gauge_piece(STREAMING.position, STREAMING.capacity, "YaRN ×4")]
+
+
+def shown(pieces: list[Piece], width: int) -> dict[str, str]:
+    chosen = fit(pieces, width)
+    return {piece.name: piece.forms[chosen[piece.name]] for piece in pieces}
+
+
+def test_the_status_bar_keeps_live_speed_and_the_kv_position_from_60_columns_up():
+    pieces = streaming_bar()
+    for width in range(60, 240):
+        texts = shown(pieces, width)
+        assert line_width(pieces, fit(pieces, width)) <= width
+        assert texts["rate"] == "1,234 tok/s (avg 1,186)"
+        assert "32,743/40,960" in texts["kv"]
+        assert texts["activity"] == "● generating"
+    assert shown(pieces, 240) == {piece.name: piece.forms[0] for piece in pieces}
+
+
+def test_the_status_bar_leaves_pieces_out_in_the_stated_order_and_for_good():
+    pieces = streaming_bar()
+    wide = line_width(pieces, fit(pieces, 10_000))
+    assert shown(pieces, wide - 1)["engine"] == "H100 · fp8 · int8 KV"  # the first to give way
+    left_out: list[str] = []
+    for width in range(wide, 0, -1):
+        out = [name for name, text in shown(pieces, width).items() if not text]
+        assert set(left_out) <= set(out)  # once out, out at every narrower width
+        left_out += [name for name in out if name not in left_out]
+    assert left_out == ["prompt", "ttft", "speculation", "engine"]
+    last_step = {name: i for i, name in enumerate(DEGRADE)}  # the step that leaves each out
+    assert left_out == sorted(left_out, key=last_step.get)
+
+
+def test_the_room_a_dropped_piece_frees_goes_to_the_pieces_still_shown():
+    pieces = streaming_bar()
+    assert shown(pieces, 100) == {
+        "engine": "H100 · fp8 · int8 KV", "activity": "● generating",
+        "rate": "1,234 tok/s (avg 1,186)", "ttft": "", "speculation": "", "prompt": "",
+        "kv": "KV ████████░░ 32,743/40,960 YaRN ×4"}
+    assert shown(pieces, 80) == {  # the engine label out: the gauge whole again
+        "engine": "", "activity": "● generating", "rate": "1,234 tok/s (avg 1,186)",
+        "ttft": "", "speculation": "", "prompt": "", "kv": "KV ████████░░ 32,743/40,960 YaRN ×4"}
+    for width in range(30, 200):  # no piece shown could be wider and still fit
+        chosen = fit(pieces, width)
+        for piece in pieces:
+            if chosen[piece.name] and piece.forms[chosen[piece.name]]:
+                wider = {**chosen, piece.name: chosen[piece.name] - 1}
+                assert line_width(pieces, wider) > width, (width, piece.name)
+
+
+def test_a_status_bar_that_fits_is_shown_whole():
+    pieces = [engine_piece("reference (NumPy, CPU)", "CPU", "bf16", "bf16"),
+              activity_piece(None), *idle_numbers(None), gauge_piece(12, 4096, "")]
+    width = line_width(pieces, fit(pieces, 10_000))
+    assert width == len(" reference (NumPy, CPU) · bf16 weights  KV ░░░░░░░░░░ 12/4,096 ")
+    assert shown(pieces, width)["engine"] == "reference (NumPy, CPU) · bf16 weights"
+    assert shown(pieces, width - 1)["engine"] == "CPU · bf16"
+
+
+@pytest.mark.parametrize(("device", "short"), [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+    ("NVIDIA H200 NVL", "H200"), ("CPU", "CPU")])
+def test_the_short_engine_label_names_the_gpu_model(device, short):
+    assert short_device(device) == short
 
 
 def test_last_code_block_finds_the_last_fence_even_if_unclosed():

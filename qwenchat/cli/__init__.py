@@ -29,48 +29,60 @@ app = typer.Typer(
     cls=_ChatByDefault,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: Rich's tables leave the descriptions 20 columns of an 80-column terminal and
+    # show a <bool> type beside flags that take no value.
+    rich_markup_mode=None,
     help="Chat with Qwen3 models in the terminal, on your own NVIDIA GPU or on the CPU. "
     "With no command, opens the chat.",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model directory or Hugging Face "
-                                       "hub id.", envvar="QWENCHAT_MODEL")]
-BackendOpt = Annotated[str, typer.Option("--backend", "-b",
+                                       "hub id.", envvar="QWENCHAT_MODEL", metavar="MODEL")]
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", metavar="auto|cuda|cpu",
                                          help="auto (GPU if usable, else CPU), cuda or cpu.")]
-# Defaults that are not values go through show_default: typer escapes them for Rich, which
-# would take "[default: ...]" written into a help text for a style tag and drop it.
-CtxOpt = Annotated[int | None, typer.Option("--ctx", help="KV-cache size in tokens.",
+# Defaults that are not values go through show_default, which help shows in parentheses.
+CtxOpt = Annotated[int | None, typer.Option("--ctx", metavar="TOKENS",
+                                            help="KV-cache size in tokens.",
                                             show_default="the model's maximum")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
-DeviceOpt = Annotated[int, typer.Option("--device", help="GPU index (see qwenchat info).")]
+DeviceOpt = Annotated[int, typer.Option("--device", metavar="N",
+                                        help="GPU index (see qwenchat info).")]
 DecodeOpt = Annotated[str, typer.Option(
-    "--decode", help="CUDA decode path: auto (the megakernel where the GPU and model allow "
+    "--decode", metavar="auto|megakernel|layered",
+    help="CUDA decode path: auto (the megakernel where the GPU and model allow "
     "it, else layered), megakernel (many whole steps per cooperative launch) or layered "
     "(a CUDA graph of per-op kernels).")]
 QuantizeOpt = Annotated[str, typer.Option(
-    "--quantize", help="none, fp8 or int4: quantize the linear layers at load time, to FP8 "
+    "--quantize", metavar="none|fp8|int4",
+    help="none, fp8 or int4: quantize the linear layers at load time, to FP8 "
     "(Qwen's 128 x 128-block recipe), halving the bytes a decode step reads, or to 4 bits "
     "(round to nearest, groups of 128, zero points: about a third of bf16's bytes). FP8 "
     "and AWQ checkpoints always run in their own format.")]
 KvCacheOpt = Annotated[str, typer.Option(
-    "--kv-cache", help="bf16 or int8: how keys and values are cached; int8 keeps 8-bit codes "
+    "--kv-cache", metavar="bf16|int8",
+    help="bf16 or int8: how keys and values are cached; int8 keeps 8-bit codes "
     "and a scale a head and token: about half the bytes, so nearly twice the context in the "
     "same memory and faster decode deep into a long conversation.")]
 RopeScalingOpt = Annotated[str | None, typer.Option(
-    "--rope-scaling", help="yarn, yarn:FACTOR or yarn:FACTOR:ORIGINAL: YaRN, Qwen's recipe for "
+    "--rope-scaling", metavar="yarn[:F[:ORIG]]|none",
+    help="yarn, yarn:FACTOR or yarn:FACTOR:ORIGINAL: YaRN, Qwen's recipe for "
     "contexts past the 32,768 positions the models were trained on (factor 4 reaches 131,072; "
     "the default --ctx rises to factor x original); none turns a config.json's scaling off.",
     show_default="as config.json says")]
-SpeculateOpt = Annotated[str, typer.Option(
-    "--speculate", help="off, or ngram: propose the tokens that followed the context's tail "
+SpeculateOpt = Annotated[str | None, typer.Option(
+    "--speculate", metavar="off|ngram",
+    help="off, or ngram: propose the tokens that followed the context's tail "
     "where it occurred before (prompt lookup) and verify several a step; the reply is the "
-    "same, faster where it repeats its context at length (see the README for when it pays).")]
+    "same, faster where it repeats its context at length (see the README for when it pays).",
+    show_default="off")]
 DraftOpt = Annotated[str | None, typer.Option(
-    "--draft", help="A smaller model of the same family (directory or hub id, e.g. "
+    "--draft", metavar="MODEL",
+    help="A smaller model of the same family (directory or hub id, e.g. "
     "Qwen/Qwen3-0.6B) that proposes tokens for the model to verify several a step "
-    "(speculative decoding).")]
-SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
+    "(speculative decoding); not with --speculate.")]
+SystemOpt = Annotated[str | None, typer.Option("--system", "-s", metavar="TEXT",
+                                               help="System prompt.")]
 ThinkOpt = Annotated[bool, typer.Option("--think/--no-think", help="Let the model think first.")]
 
 # Sampling flags, shared by `ask` and `chat`; None means "the mode's recommended value".
@@ -160,23 +172,26 @@ def chat(
     quantize: QuantizeOpt = "none",
     kv_cache: KvCacheOpt = "bf16",
     rope_scaling: RopeScalingOpt = None,
-    speculate: SpeculateOpt = "off",
+    speculate: SpeculateOpt = None,
     draft: DraftOpt = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep nothing: the chat "
                                              "lives in memory only.")] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Chat interactively (the default command): streaming replies, live sampler, history."""
+    """Chat in the terminal (the default command). Replies stream in; the sampler can be
+    changed while they do; chats are kept."""
     overrides = sampling_overrides(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, max_tokens=max_tokens)
 
     def action() -> int:
+        from qwenchat.engine.speculate import speculate_flag
         from qwenchat.tui.options import ChatOptions, check_chat_options, require_terminal
 
+        mode = speculate_flag(speculate, draft)
         options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
-                              quantize, speculate, draft, history=not no_history,
+                              quantize, mode, draft, history=not no_history,
                               debug=debug, kv_cache=kv_cache, rope_scaling=rope_scaling)
         check_chat_options(options)
         require_terminal()
@@ -189,7 +204,8 @@ def chat(
 
 @app.command()
 def ask(
-    prompt: Annotated[str | None, typer.Argument(help="The question. Read from stdin too "
+    prompt: Annotated[str | None, typer.Argument(metavar="[PROMPT]",
+                                                 help="The question. Read from stdin too "
                                                       "(stdin first, then this).")] = None,
     model: ModelOpt = "Qwen/Qwen3-0.6B",
     backend: BackendOpt = "auto",
@@ -215,7 +231,7 @@ def ask(
     quantize: QuantizeOpt = "none",
     kv_cache: KvCacheOpt = "bf16",
     rope_scaling: RopeScalingOpt = None,
-    speculate: SpeculateOpt = "off",
+    speculate: SpeculateOpt = None,
     draft: DraftOpt = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -227,11 +243,13 @@ def ask(
 
     def action() -> int:
         from qwenchat.ask import AskOptions, check_overrides, combine_prompt, run_ask
+        from qwenchat.engine.speculate import speculate_flag
 
         check_overrides(overrides)
+        mode = speculate_flag(speculate, draft)
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
-                             verbose, ctx, overrides, device, decode, quantize, speculate,
+                             verbose, ctx, overrides, device, decode, quantize, mode,
                              draft, kv_cache=kv_cache, rope_scaling=rope_scaling)
         return run_ask(options)
 
@@ -244,18 +262,19 @@ def info(
         "--compile", help="Compile the GPU kernels of a model (--model, or --config) into the "
         "cache now, so its first run starts without compiling.")] = False,
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="With --compile: model directory or hub id.",
-        show_default="Qwen/Qwen3-0.6B")] = None,
+        "--model", "-m", metavar="MODEL", help="With --compile: model directory or hub id.",
+        show_default="$QWENCHAT_MODEL, else Qwen/Qwen3-0.6B")] = None,
     config: Annotated[str | None, typer.Option(
-        "--config", help="With --compile: a known size (qwen3-0.6b ... qwen3-32b) or a "
+        "--config", metavar="SIZE|FILE",
+        help="With --compile: a known size (qwen3-0.6b ... qwen3-32b) or a "
         "config.json file, instead of a model.")] = None,
     quantize: QuantizeOpt = "none",
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
     debug: DebugOpt = False,
 ) -> None:
-    """Show versions, GPU, driver and NVRTC, and where models and caches live; or, with
-    --compile, fill the kernel cache for a model."""
+    """Show versions, the GPU, driver and NVRTC, and where files live. With --compile, fill
+    the kernel cache for a model instead."""
 
     def action() -> int:
         if compile_:
@@ -265,6 +284,7 @@ def info(
                              "--compile")
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
         from qwenchat.info import gather
 
@@ -273,8 +293,8 @@ def info(
             table = Table(title=title, title_justify="left", show_header=False, box=None)
             table.add_column(style="bold")
             table.add_column(overflow="fold")
-            for key, value in rows:
-                table.add_row(key, value)
+            for key, value in rows:  # as Text: Rich would take "[cu13]" for markup and drop it
+                table.add_row(Text(key), Text(value))
             console.print(table)
             console.print()
         return 0
@@ -300,11 +320,13 @@ def _precompile(model: str | None, config: str | None, quantize: str, device: in
 @app.command()
 def bench(
     config: Annotated[str | None, typer.Option(
-        "--config", help="Random weights of a known size (qwen3-0.6b, qwen3-1.7b, qwen3-4b, "
+        "--config", metavar="SIZE|FILE",
+        help="Random weights of a known size (qwen3-0.6b, qwen3-1.7b, qwen3-4b, "
         "qwen3-8b, qwen3-14b, qwen3-32b) or of a config.json file.",
         show_default="qwen3-0.6b")] = None,
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="Bench a real checkpoint: model directory or hub id.")] = None,
+        "--model", "-m", metavar="MODEL",
+        help="Bench a real checkpoint: model directory or hub id.")] = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
@@ -312,12 +334,14 @@ def bench(
     kv_cache: KvCacheOpt = "bf16",
     rope_scaling: RopeScalingOpt = None,
     ctx: Annotated[int | None, typer.Option(
-        "--ctx", help="KV-cache size in tokens.",
+        "--ctx", metavar="TOKENS", help="KV-cache size in tokens.",
         show_default="room for the largest position and prompt, within the model's maximum")
     ] = None,
     positions: Annotated[str, typer.Option(
+        metavar="N,N,...",
         help="Decode at these cache positions (comma-separated).")] = "1,1024,4096,16384,32768",
     prompts: Annotated[str, typer.Option(
+        metavar="N,N,...",
         help="Prefill prompts of these lengths (comma-separated).")] = "512,4096",
     after: Annotated[int, typer.Option(
         "--after", help="Prefill each prompt after this many cached tokens, as a chat's later "
@@ -338,7 +362,8 @@ def bench(
         "draft.")] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Measure prefill, time to first token and decode speed against the bandwidth ceiling."""
+    """Measure prefill, time to first token and decode speed. Each decode rate is set beside
+    the memory-bandwidth ceiling."""
 
     def action() -> int:
         from qwenchat.bench import BenchOptions, BenchSettings, parse_sizes, run_bench

@@ -40,6 +40,18 @@ def check_speculate(mode: str, draft: str | None = None) -> None:
                          "give one of them")
 
 
+def speculate_flag(given: str | None, draft: str | None) -> str:
+    """The speculation mode from the command line's --speculate (None where not given: off)
+    and --draft: `--speculate off` beside a draft contradicts it, a usage error as any other
+    mode beside one is (check_speculate)."""
+    if given == "off" and draft is not None:
+        raise UsageError("--draft proposes tokens and --speculate off turns speculation off: "
+                         "give one of them")
+    mode = "off" if given is None else given
+    check_speculate(mode, draft)
+    return mode
+
+
 def cannot_verify(engine: Engine) -> str:
     """Why speculation stays off on `engine`, or "" where it verifies proposals."""
     if engine.can_speculate:

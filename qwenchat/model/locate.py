@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -75,9 +76,18 @@ def _from_hub(repo_id: str, progress: DownloadProgress | None = None,
 
 
 def _offline_message(repo_id: str, flag: str = "--model") -> str:
+    fetch = "connect to the network"
+    if switch := _offline_switch():
+        fetch = f"unset {switch} and {fetch}"
     return (f"{repo_id} is not in the Hugging Face cache and cannot be downloaded now: "
-            "connect to the network (and unset HF_HUB_OFFLINE) to fetch it once, "
-            f"or pass {flag} DIR with a local copy")
+            f"{fetch} to fetch it once, or pass {flag} DIR with a local copy")
+
+
+def _offline_switch() -> str | None:
+    """The environment variable that keeps huggingface_hub offline, where one is set (read
+    as huggingface_hub.constants reads it)."""
+    name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    return name if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") else None
 
 
 def download_bars(report: DownloadProgress,

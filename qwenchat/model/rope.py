@@ -130,6 +130,9 @@ def parse_flag(flag: str) -> tuple[float, int | None] | None:
         return None
     usage = (f"--rope-scaling takes yarn, yarn:FACTOR or yarn:FACTOR:ORIGINAL (e.g. yarn:4 or "
              f"yarn:4:32768) or none; got {flag!r}")
+    if parts[0].isidentifier() and parts[0] != "yarn":  # a rope type: linear, dynamic, llama3
+        raise UsageError(f"--rope-scaling: unsupported rope type {parts[0]!r}; qwenchat runs "
+                         "YaRN (yarn, yarn:FACTOR or yarn:FACTOR:ORIGINAL) or none")
     if parts[0] != "yarn" or len(parts) > 3:
         raise UsageError(usage)
     try:

@@ -14,29 +14,62 @@ class GpuInfo:
     sm_count: int
 
 
+NO_DRIVER = "no NVIDIA driver found"  # the usual CPU-only machine: nothing to fix
+
+
 @dataclass
 class CudaProbe:
-    driver_version: str | None = None
+    driver_version: str | None = None  # None: no NVIDIA driver (libcuda) on this machine
     nvrtc_version: str | None = None
     gpus: list[GpuInfo] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    import_error: str | None = None  # why cuda-python cannot be imported
+    driver_error: str | None = None  # why a driver that is there cannot start
 
     @property
     def usable(self) -> bool:
         return bool(self.gpus) and self.nvrtc_version is not None and not self.mismatch
 
     @property
+    def problems(self) -> list[str]:
+        """What keeps the CUDA backend from running: the first cause, in one line with its fix
+        (NVRTC is advised on only where a driver and a GPU are there to run what it builds)."""
+        if self.import_error is not None:
+            return [f"cuda-python is not importable ({self.import_error}); pip install "
+                    "cuda-python"]
+        if self.driver_version is None:
+            return [NO_DRIVER]
+        if self.driver_error is not None:
+            return [f"the NVIDIA driver cannot start ({self.driver_error})"]
+        if not self.gpus:
+            return ["the driver reports no GPU"]
+        if self.nvrtc_version is None:
+            return [f"no NVRTC (libnvrtc, the CUDA compiler) for the CUDA "
+                    f"{self.driver_version} driver: {self._nvrtc_fix()}"]
+        return [self.mismatch] if self.mismatch else []
+
+    @property
     def mismatch(self) -> str | None:
         """Why NVRTC's CUDA version cannot run on this driver, with the install that fixes it."""
         if not self.driver_version or not self.nvrtc_version:
             return None
-        driver_major = int(self.driver_version.split(".")[0])
         nvrtc_major = int(self.nvrtc_version.split(".")[0])
-        if nvrtc_major <= driver_major:
+        if nvrtc_major <= self._driver_major():
             return None
+        fix = self._nvrtc_fix()
+        if fix.startswith("pip"):
+            fix += " (or update the NVIDIA driver)"
         return (f"NVRTC {self.nvrtc_version} builds CUDA {nvrtc_major} code but the driver runs "
-                f"CUDA {self.driver_version}: pip install 'qwenchat[cu{driver_major}]' "
-                "(or update the NVIDIA driver)")
+                f"CUDA {self.driver_version}: {fix}")
+
+    def _driver_major(self) -> int:
+        return int((self.driver_version or "0").split(".")[0])
+
+    def _nvrtc_fix(self) -> str:
+        """The install that gives NVRTC for this driver (a newer driver runs older code)."""
+        major = self._driver_major()
+        if major < 12:
+            return "update the NVIDIA driver to CUDA 12 or newer"
+        return f"pip install 'qwenchat[cu{min(major, 13)}]'"
 
 
 def _version(number: int) -> str:
@@ -49,25 +82,30 @@ def probe() -> CudaProbe:
     try:
         from cuda.bindings import driver, nvrtc
     except Exception as exc:
-        result.problems.append(f"cuda-python is not importable ({exc}); pip install cuda-python")
+        result.import_error = str(exc)
         return result
     try:
         (err, major, minor) = nvrtc.nvrtcVersion()
         if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
             result.nvrtc_version = f"{major}.{minor}"
-    except Exception as exc:
-        result.problems.append(f"NVRTC not found ({_first_line(exc)}); pip install "
-                               "'qwenchat[cu13]' (or 'qwenchat[cu12]' for a CUDA 12 driver)")
+    except Exception:  # libnvrtc not found: `problems` says what to install for the driver
+        pass
+    try:
+        # Answered by libcuda before cuInit: this fails only where there is no driver at all.
+        err, version = driver.cuDriverGetVersion()
+    except Exception:
+        return result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return result
+    result.driver_version = _version(version)
     try:
         (err,) = driver.cuInit(0)
     except Exception as exc:
-        result.problems.append(f"no NVIDIA driver ({_first_line(exc)})")
+        result.driver_error = _first_line(exc)
         return result
     if err != driver.CUresult.CUDA_SUCCESS:
-        result.problems.append(f"cuInit failed: {err.name}")
+        result.driver_error = f"cuInit returned {err.name}"
         return result
-    err, version = driver.cuDriverGetVersion()
-    result.driver_version = _version(version)
     err, count = driver.cuDeviceGetCount()
     attr = driver.CUdevice_attribute
     for index in range(count if err == driver.CUresult.CUDA_SUCCESS else 0):
@@ -81,10 +119,6 @@ def probe() -> CudaProbe:
         _, memory = driver.cuDeviceTotalMem(dev)
         result.gpus.append(GpuInfo(index, name.split(b"\0", 1)[0].decode(errors="replace"),
                                    (cc_major, cc_minor), int(memory), sms))
-    if not result.gpus:
-        result.problems.append("the driver reports no GPU")
-    if result.mismatch:
-        result.problems.append(result.mismatch)
     return result
 
 

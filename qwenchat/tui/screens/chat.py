@@ -103,6 +103,9 @@ class ActiveReply:
 
 class ChatScreen(Screen[None]):
     AUTO_FOCUS = "#prompt"
+    # From this height the sampler panel spaces its rows out (qwenchat.tcss).
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]] | None] = [(0, "-short"),
+                                                                    (36, "-tall")]
     # The tooltips are what /help says about each key.
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", id="stop",
@@ -116,7 +119,9 @@ class ChatScreen(Screen[None]):
                 tooltip="show or hide the sampler panel"),
         Binding("ctrl+t", "toggle_thinking", "Think", id="thinking",
                 tooltip="thinking on or off, with the mode's recommended values"),
-        Binding("ctrl+n", "new_chat", "New", id="new_chat", tooltip="start a new chat"),
+        # (out of the footer, so that F1 fits it at 80 columns while a reply streams)
+        Binding("ctrl+n", "new_chat", "New", show=False, id="new_chat",
+                tooltip="start a new chat"),
         Binding("ctrl+o", "chat_list", "Chats", id="chats",
                 tooltip="chat list: open, rename, delete"),
         Binding("f3", "copy_reply", "Copy reply", show=False, id="copy_reply",

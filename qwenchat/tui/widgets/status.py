@@ -1,8 +1,12 @@
-"""The status bar: engine and GPU, live speed and timings, prompt reuse, and the KV gauge."""
+"""The status bar: engine and GPU, live speed and timings, prompt reuse, and the KV gauge,
+fitted to its width by priority (qwenchat/tui/status_layout.py) as it changes."""
 
 from __future__ import annotations
 
+import sys
+
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.reactive import reactive
@@ -10,9 +14,20 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from qwenchat.session import ReplyStats
-from qwenchat.tui.stats import kv_level, rate_text, speculation_text, ttft_text
-
-GAUGE_CELLS = 10
+from qwenchat.tui.stats import kv_level
+from qwenchat.tui.status_layout import (
+    GAUGE_CELLS,
+    GAUGE_FORMS,
+    Piece,
+    activity_piece,
+    engine_piece,
+    fit,
+    gauge_piece,
+    gauge_text,
+    idle_numbers,
+    joined,
+    live_numbers,
+)
 
 
 class KVGauge(Widget):
@@ -21,17 +36,12 @@ class KVGauge(Widget):
     position: reactive[int] = reactive(0, layout=True)  # the text's width changes
     capacity: reactive[int] = reactive(1, layout=True)
     note: reactive[str] = reactive("", layout=True)  # the RoPE scaling in force (rope.py)
+    cells: reactive[int] = reactive(GAUGE_CELLS, layout=True)  # fewer, or none, when narrow
+    show_note: reactive[bool] = reactive(True, layout=True)
 
     def render(self) -> Text:
-        used = min(1.0, self.position / self.capacity) if self.capacity else 0.0
-        filled = round(used * GAUGE_CELLS)
-        bar = Text("KV ")
-        bar.append("█" * filled, style="bold")
-        bar.append("░" * (GAUGE_CELLS - filled), style="dim")
-        bar.append(f" {self.position:,}/{self.capacity:,}")
-        if self.note:
-            bar.append(f" {self.note}", style="dim")
-        return bar
+        return gauge_text(self.position, self.capacity, self.cells,
+                          self.note if self.show_note else "")
 
     def watch_position(self) -> None:
         self._set_level()
@@ -49,11 +59,11 @@ class StatusBar(Horizontal):
     def __init__(self, engine: str, device: str, weights: str = "bf16", kv: str = "bf16",
                  id: str | None = None, rope_note: str = ""):
         super().__init__(id=id)
-        label = f"{engine} · {device}" if device not in engine else engine
-        label += f" · {weights} weights"
-        if kv != "bf16":  # (the usual cache goes unsaid)
-            label += f" · {kv} KV cache"
-        self._engine = Static(label, id="engine", markup=False)
+        self._engine_piece = engine_piece(engine, device, weights, kv)
+        self._activity_piece = activity_piece(None)
+        self._number_pieces: list[Piece] = []
+        self._engine = Static(self._engine_piece.forms[0], id="engine", markup=False)
+        self._engine.tooltip = self._engine_piece.forms[0]  # the whole label, however narrow
         self._activity = Static("", id="activity", markup=False)
         self._numbers = Static("", id="numbers", markup=False)
         self._gauge = KVGauge(id="kv")
@@ -67,45 +77,40 @@ class StatusBar(Horizontal):
 
     def live(self, stats: ReplyStats, rate_now: float | None, stopping: bool) -> None:
         """While a reply streams: speed now and on average, TTFT, prompt reuse."""
-        numbers = (f"{rate_text(rate_now)} tok/s (avg {rate_text(stats.decode_tok_s)})"
-                   f" · {self._common(stats)}")
-        if stopping:
-            activity = "■ stopping"
-        elif stats.generated_tokens:
-            activity = "● generating"
-        elif 0 < stats.prefill_done < stats.prefill_tokens:  # a long prompt, part way
-            # (the footer already says Esc stops it: the bar keeps its room for the numbers)
-            activity = f"● reading the prompt {stats.prefill_done:,}/{stats.prefill_tokens:,}"
-            prefill_rate = stats.prefill_done / stats.prefill_s if stats.prefill_s > 0 else None
-            numbers = f"prefill {rate_text(prefill_rate)} tok/s · {self._common(stats)}"
-        else:
-            activity = "● reading the prompt"
-        self._show(activity, numbers)
+        self._activity_piece = activity_piece(stats, stopping)
+        self._number_pieces = live_numbers(stats, rate_now)
         self.gauge(stats.position or stats.prompt_tokens, stats.capacity)
 
     def idle(self, stats: ReplyStats | None, position: int, capacity: int) -> None:
         """Between replies: the last reply's numbers, and the cache as it is now."""
-        numbers = ""
-        if stats is not None:
-            numbers = f"{rate_text(stats.decode_tok_s)} tok/s · {self._common(stats)}"
-        self._show("", numbers)
+        self._activity_piece = activity_piece(None)
+        self._number_pieces = idle_numbers(stats)
         self.gauge(position, capacity)
 
     def starting(self) -> None:
-        self._show("● reading the prompt", "")
+        self._activity_piece = activity_piece(ReplyStats())
+        self._number_pieces = []
+        self._refit()
 
     def gauge(self, position: int, capacity: int) -> None:
         self._gauge.capacity = max(capacity, 1)
         self._gauge.position = position
+        self._refit()
 
-    def _show(self, activity: str, numbers: str) -> None:
-        self._activity.update(activity)
-        self._activity.display = bool(activity)
-        self._numbers.update(numbers)
+    def on_resize(self, event: events.Resize) -> None:
+        self._refit()
 
-    @staticmethod
-    def _common(stats: ReplyStats) -> str:
-        # (speculation's figures before the prompt's, which a narrow bar cuts first)
-        speculation = speculation_text(stats)
-        return (f"TTFT {ttft_text(stats)} · " + (f"{speculation} · " if speculation else "")
-                + f"prompt {stats.prefill_tokens:,} new + {stats.reused_tokens:,} cached")
+    def _refit(self) -> None:
+        """Show every piece in the widest form the bar's width allows (before the first
+        layout the width is unknown: all of them whole)."""
+        gauge = self._gauge
+        pieces = [self._engine_piece, self._activity_piece, *self._number_pieces,
+                  gauge_piece(gauge.position, gauge.capacity, gauge.note)]
+        chosen = fit(pieces, self.size.width or sys.maxsize)
+        for widget, static in (("engine", self._engine), ("activity", self._activity),
+                               ("numbers", self._numbers)):
+            text = joined(pieces, chosen, widget)
+            static.update(text)
+            if static is not self._numbers:
+                static.display = bool(text)
+        gauge.cells, gauge.show_note = GAUGE_FORMS[chosen["kv"]]
