@@ -230,11 +230,25 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
         gemm_tile<BN, EPI>(map_a, map_b, b_rows, c, M, N, K, up_row, ldc);                     \
     }
 
-GEMM90(gemm90_store_128, 128, STORE_F32)  // Q/K/V (fp32 out)
-GEMM90(gemm90_store_256, 256, STORE_F32)
-GEMM90(gemm90_add_128, 128, ADD_F32)  // o_proj, down_proj into the fp32 residual stream
-GEMM90(gemm90_add_256, 256, ADD_F32)
+// QW_PART n (0-4) builds one of the five products alone (part 0 with the split-K sums): the
+// host compiles them as five programs on five threads, since ptxas takes each wgmma
+// instantiation on its own; without it, all of them (engine.py SM90_PARTS).
+#if QW_IN_PART(0)
 GEMM90(gemm90_swiglu, 256, SWIGLU_BF16)  // gate/up, SwiGLU applied: down_proj's bf16 input
+#endif
+#if QW_IN_PART(1)
+GEMM90(gemm90_store_128, 128, STORE_F32)  // Q/K/V (fp32 out)
+#endif
+#if QW_IN_PART(2)
+GEMM90(gemm90_store_256, 256, STORE_F32)
+#endif
+#if QW_IN_PART(3)
+GEMM90(gemm90_add_128, 128, ADD_F32)  // o_proj, down_proj into the fp32 residual stream
+#endif
+#if QW_IN_PART(4)
+GEMM90(gemm90_add_256, 256, ADD_F32)
+#endif
+#if QW_IN_PART(0)
 
 // Split K's sums: C (rows ldc apart) = or += (add) the `splits` partial products parts[z]
 // (M x N each, in the order of z: the same bits run after run). Grid-stride over M x N.
@@ -267,3 +281,4 @@ extern "C" __global__ void __launch_bounds__(256)
         act[m * ldc + f] = f32_to_bf16(silu(gate) * up);
     }
 }
+#endif  // QW_IN_PART(0)

@@ -3,6 +3,13 @@
 // and its fences. Inline PTX, like common.cuh, so NVRTC needs no CUDA header.
 #pragma once
 
+// A source whose kernels compile as several programs (QW_PART n: the n-th part alone, so that
+// ptxas takes them on several threads; engine.py SM90_PARTS) or as one (no QW_PART: all).
+#ifndef QW_PART
+#define QW_PART -1
+#endif
+#define QW_IN_PART(n) (QW_PART < 0 || QW_PART == (n))
+
 // A CUtensorMap, passed by value as a __grid_constant__ parameter (opaque to the kernel).
 struct __align__(64) TensorMap {
     unsigned long long opaque[16];

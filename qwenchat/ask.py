@@ -95,9 +95,12 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     model = open_model(options.model, tokenizer_in_background=True)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
     config = rope.with_flag(model.config, options.rope_scaling)
+    # A seeded answer is the same cold or warm: it waits for the megakernel's compile.
+    later = "seed" not in options.overrides
     engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
                            device=options.device, notice=say, decode=options.decode,
-                           quantize=options.quantize, kv_cache=options.kv_cache)
+                           quantize=options.quantize, kv_cache=options.kv_cache,
+                           megakernel_later=later)
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
     speculate, notice = speculation_asked(options.speculate, options.draft, engine)
@@ -106,7 +109,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     proposer = None
     if speculate and options.draft:
         proposer = open_draft(options.draft, model, engine, options.backend, options.device,
-                              options.decode, options.quantize, say)
+                              options.decode, options.quantize, say, megakernel_later=later)
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think, speculate=speculate,
                           proposer=proposer)

@@ -69,3 +69,26 @@ def test_ask_with_speculation_on_an_engine_that_cannot_verify_says_so_once_and_a
     [line] = err.getvalue().splitlines()
     assert "--speculate ngram: the fake engine backend does not verify proposals" in line
     assert out.getvalue().startswith("Short answer")
+
+
+@pytest.mark.parametrize(("overrides", "later"), [({}, True), ({"seed": 7}, False)])
+def test_ask_answers_before_the_megakernel_compiles_unless_a_seed_asks_for_the_same_draws(
+        monkeypatch, tiny_model_dir, overrides, later):
+    # (the CUDA engine decodes a cold first reply on the per-op graph with megakernel_later;
+    # a seeded answer must not depend on whether the kernel cache was warm)
+    from fake_engine import fake_model
+
+    import qwenchat.ask as ask
+
+    model = fake_model(tiny_model_dir, "Short answer here.")
+    asked: list[bool] = []
+
+    def engine(*args, megakernel_later=False, **kwargs):
+        asked.append(megakernel_later)
+        return model.engine
+
+    monkeypatch.setattr(ask, "create_engine", engine)
+    options = ask.AskOptions("Question?", str(tiny_model_dir), backend="cpu",
+                             overrides={"max_tokens": 8, **overrides})
+    assert ask.run_ask(options, io.StringIO(), io.StringIO()) == 0
+    assert asked == [later]

@@ -194,6 +194,38 @@ def test_auto_decode_is_the_megakernel_and_gives_the_graphs_greedy_tokens(model_
     assert outputs["megakernel"] == outputs["layered"]
 
 
+def test_a_cold_start_answers_on_the_graph_then_takes_the_megakernel_once_compiled(
+        model_dir, tmp_path, monkeypatch):
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # an empty kernel cache
+    model = open_model_dir(model_dir)
+    notices: list[str] = []
+    cold = CudaEngine(model.config, model.checkpoint, notice=notices.append,
+                      megakernel_later=True)
+    assert cold.decode == "layered" and cold.megakernel_pending is not None
+    assert any("megakernel in the background" in line for line in notices)
+    prompt = [int(i) for i in np.random.default_rng(9).integers(0, 400, 40)]
+
+    def greedy(engine) -> list[int]:
+        engine.truncate(0)
+        engine.prefill(prompt)
+        params = LiveParams(SamplingParams(temperature=0.0, max_tokens=24))
+        return list(engine.generate(GenerateRequest(params, frozenset(), seed=0)))
+
+    first = greedy(cold)
+    cold.megakernel_pending.wait(timeout=300)
+    assert cold.decode == "layered"  # (a reply in progress keeps its path)
+    second = greedy(cold)
+    assert cold.decode == "megakernel" and cold.megakernel_pending is None
+    assert second == first
+    warm = CudaEngine(model.config, model.checkpoint, megakernel_later=True)
+    assert warm.decode == "megakernel" and warm.megakernel_pending is None
+    assert greedy(warm) == first
+    for engine in (cold, warm):
+        engine.close()
+
+
 def test_the_megakernel_refuses_key_value_rows_shorter_than_a_cache_line(tiny_model_dir):
     gpu_engine, _ = engines(tiny_model_dir, decode="auto")  # head_dim 16
     assert gpu_engine.decode == "layered"

@@ -27,7 +27,13 @@ from qwenchat.engine.cuda.compiler import (
     kernel_defines,
     usable_cpus,
 )
-from qwenchat.engine.cuda.engine import COMPILE_ORDER, SM90_KERNELS, plan_kernels
+from qwenchat.engine.cuda.engine import (
+    COMPILE_ORDER,
+    SM90_KERNELS,
+    SM90_PARTS,
+    kernel_names,
+    plan_kernels,
+)
 from qwenchat.engine.cuda.megakernel import (
     MEGAKERNEL_SPLIT_STATIC_SHARED,
     MEGAKERNEL_STATIC_SHARED,
@@ -505,13 +511,42 @@ def test_a_hopper_run_compiles_the_megakernel_first_and_no_portable_gemm():
     plan = plan_kernels(config, "bf16", gpu_shape("sm_90"))
     assert plan.decode == "megakernel" and plan.hopper_gemm and plan.hopper_attention
     assert _sources(plan) == [
-        ("megakernel.cu", "sm_90"), ("gemm_sm90.cu", "sm_90a"), ("attention.cu", "sm_90"),
+        ("megakernel.cu", "sm_90"), *[("gemm_sm90.cu", "sm_90a")] * 5, ("attention.cu", "sm_90"),
         ("sampling.cu", "sm_90"), ("attention_sm90.cu", "sm_90a"), ("verify.cu", "sm_90"),
         ("layers.cu", "sm_90")]
     assert plan.builds[0] == plan.megakernel
     assert dict(plan.megakernel.defines) == {
         **plan.megakernel_layout.defines(config), "QW_MK_SKIP": 0}
-    assert dict(plan.builds[1].defines) == kernel_defines(config)
+    assert [dict(build.defines) for build in plan.builds[1:6]] == [
+        {**kernel_defines(config), "QW_PART": part} for part in range(5)]
+
+
+def gemm_part_build(source, weights, part) -> Build:
+    defines = kernel_defines(PRESETS["qwen3-0.6b"], weights)
+    return source, "sm_90a", defines if part is None else {**defines, "QW_PART": part}
+
+
+def exported(cubin: bytes, names) -> set[str]:
+    """The names among `names` that an ELF cubin's symbol table holds."""
+    return {name for name in names if b"\0" + name.encode() + b"\0" in cubin}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("source", "weights"), [("gemm_sm90.cu", "bf16"),
+                                                 ("gemm_fp8_sm90.cu", "fp8")])
+@compiled_ahead(lambda source, weights: [gemm_part_build(source, weights, part)
+                                         for part in (None, *range(len(SM90_PARTS[source])))])
+def test_each_hopper_gemm_part_holds_its_kernels_and_together_they_are_the_whole(
+        source, weights, nvrtc_pool):
+    names = SM90_KERNELS[source]
+    whole = nvrtc_pool.cubin(*gemm_part_build(source, weights, None))
+    assert exported(whole, names) == set(names)
+    parts = SM90_PARTS[source]
+    for part, held in enumerate(parts):
+        cubin = nvrtc_pool.cubin(*gemm_part_build(source, weights, part))
+        assert exported(cubin, names) == set(held), part
+        assert kernel_names(KernelBuild.of(*gemm_part_build(source, weights, part))) == held
+    assert sorted(name for held in parts for name in held) == sorted(names)
 
 
 def test_a_layered_run_compiles_no_megakernel():
@@ -859,3 +894,54 @@ def test_capacity_planning_charges_the_kv_cache_and_little_more_per_position():
                              device=SimpleNamespace(mem_info=lambda: (free, 80 * 2**30)))
     assert CudaEngine._choose_capacity(engine, ctx, lambda _: None) == ctx
 
+
+# ------------------------------------------------------------ compiles in a process of their own
+@needs_nvrtc
+def test_a_detached_compile_stores_the_cubin_one_by_one_compiling_gives(src, tmp_path):
+    cache = KernelCache(tmp_path / "cubins", src)
+    build = KernelBuild.of("tiny.cu", "sm_90", TINY_DEFINES)
+    assert cache.cached(build) is None
+    job = cache.start_detached(build)
+    cubin = job.wait(timeout=120)
+    assert cubin == compile_source("tiny.cu", "sm_90", TINY_DEFINES, source_dir=src)
+    assert cache.cached(build) == cubin and job.poll() == cubin
+
+
+@needs_nvrtc
+def test_a_detached_compile_that_fails_says_why_in_one_line(src, tmp_path):
+    cache = KernelCache(tmp_path / "cubins", src)
+    job = cache.start_detached(KernelBuild.of("broken.cu", "sm_90", TINY_DEFINES))
+    with pytest.raises(KernelCompileError) as caught:
+        job.wait(timeout=120)
+    message = str(caught.value)
+    assert "broken.cu for sm_90 did not compile (exit 1)" in message
+    assert "undefined_name" in message and "\n" not in message
+    assert cache.size_bytes() == 0
+
+
+# A process that starts a detached compile of one real kernel and exits at once.
+_LEAVER = """
+import sys
+from pathlib import Path
+from qwenchat.engine.cuda.compiler import KernelBuild, KernelCache, kernel_defines
+from qwenchat.model.presets import PRESETS
+build = KernelBuild.of("sampling.cu", "sm_90", kernel_defines(PRESETS["qwen3-0.6b"]))
+KernelCache(Path(sys.argv[1])).start_detached(build)
+"""
+
+
+@needs_nvrtc
+def test_a_detached_compile_outlives_the_process_that_started_it(tmp_path):
+    import subprocess
+    import sys
+
+    cache_dir = tmp_path / "cubins"
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", _LEAVER, str(cache_dir)], check=True, timeout=120)
+    build = KernelBuild.of("sampling.cu", "sm_90", kernel_defines(PRESETS["qwen3-0.6b"]))
+    cache = KernelCache(cache_dir)
+    while cache.cached(build) is None:
+        assert time.perf_counter() - started < 120, "the detached compile never stored its cubin"
+        time.sleep(0.05)
+    assert cache.cached(build) == compile_source("sampling.cu", "sm_90",
+                                                 kernel_defines(PRESETS["qwen3-0.6b"]))

@@ -54,12 +54,14 @@ def create_engine(
     quantize: str = "none",
     progress: Callable[[str], None] | None = None,
     kv_cache: str = "bf16",
+    megakernel_later: bool = False,
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`.
     `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does), "int4" in
     4 bits (an AWQ checkpoint always does); `kv_cache` "int8" keeps keys and values in 8 bits
     (qwenchat/model/kv_cache.py). `progress` gets a line as
-    each GPU kernel compile ends (the first run for a model)."""
+    each GPU kernel compile ends (the first run for a model). `megakernel_later` lets a first
+    run answer before the decode megakernel has compiled (CudaEngine)."""
     check_engine_flags(backend, ctx, device, decode, quantize, kv_cache)
     rope.check_context(config, ctx)
     if backend in ("auto", "cuda") and device > 0:
@@ -67,7 +69,8 @@ def create_engine(
     weights = with_quantization(weights, quantize)
     if backend in ("auto", "cuda"):
         try:
-            return _cuda_engine(config, weights, ctx, device, notice, decode, progress, kv_cache)
+            return _cuda_engine(config, weights, ctx, device, notice, decode, progress, kv_cache,
+                                megakernel_later)
         except BackendUnavailable as why:
             if backend == "cuda":
                 raise BackendUnavailable(f"--backend cuda: {why}; use --backend cpu") from None
@@ -99,7 +102,8 @@ def _check_device(device: int) -> None:
 
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,
                  notice: Callable[[str], None], decode: str,
-                 progress: Callable[[str], None] | None, kv_cache: str = "bf16") -> Engine:
+                 progress: Callable[[str], None] | None, kv_cache: str = "bf16",
+                 megakernel_later: bool = False) -> Engine:
     from qwenchat.engine.cuda.probe import probe
 
     found = probe()
@@ -108,4 +112,4 @@ def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, de
     from qwenchat.engine.cuda.engine import CudaEngine
 
     return CudaEngine(config, weights, ctx, device, notice, decode, progress=progress,
-                      kv_cache=kv_cache)
+                      kv_cache=kv_cache, megakernel_later=megakernel_later)

@@ -181,10 +181,12 @@ class DraftProposer:
 
 def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: int,
                decode: str, quantize: str, notice: Callable[[str], None],
-               progress: Callable[[str], None] | None = None) -> DraftProposer:
+               progress: Callable[[str], None] | None = None,
+               megakernel_later: bool = True) -> DraftProposer:
     """The draft model `spec` (--draft) as a proposer for `model`, run by an engine on the same
     backend and device with room for `engine`'s context; refused in one line unless its
-    tokenizer is the model's."""
+    tokenizer is the model's. `megakernel_later` as for create_engine (False where a seeded
+    reply must not depend on whether the kernel cache was warm)."""
     from qwenchat.engine import create_engine
     from qwenchat.model.loader import open_model
 
@@ -198,5 +200,5 @@ def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: in
         config = dataclasses.replace(config, rope_scaling=engine.config.rope_scaling)
     draft_engine = create_engine(backend, config, draft.checkpoint, engine.capacity,
                                  device=device, notice=notice, decode=decode,
-                                 quantize=quantize)
+                                 quantize=quantize, megakernel_later=megakernel_later)
     return DraftProposer(draft_engine, model.config.vocab_size)

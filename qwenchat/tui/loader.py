@@ -90,7 +90,7 @@ def model_loader(options: ChatOptions) -> Loader:
         engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
                                options.device, notice=engine_message, decode=options.decode,
                                quantize=options.quantize, progress=progress,
-                               kv_cache=options.kv_cache)
+                               kv_cache=options.kv_cache, megakernel_later=True)
         proposer = None
         try:
             tokenizer, eos_ids = model.tokenizer, model.eos_ids

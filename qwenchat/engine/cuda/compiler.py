@@ -50,8 +50,14 @@ class KernelBuild:
     def of(cls, source: str, arch: str, defines: Defines) -> KernelBuild:
         return cls(source, arch, tuple(sorted(defines.items())))
 
+    @property
+    def name(self) -> str:
+        """The source, and its part where it compiles as several programs (QW_PART)."""
+        part = dict(self.defines).get("QW_PART")
+        return self.source if part is None else f"{self.source}[{part}]"
+
     def __str__(self) -> str:
-        return f"{self.source} for {self.arch}"
+        return f"{self.name} for {self.arch}"
 
 
 class KernelCompileError(QwenchatError):
@@ -198,6 +204,17 @@ class KernelCache:
         compile, `progress` a line as each compile ends."""
         return Compilation(self, list(builds), announce, progress, workers)
 
+    def cached(self, build: KernelBuild) -> bytes | None:
+        """The build's cubin where the cache holds a valid one, else None (nothing compiles)."""
+        options = compile_options(build.arch, dict(build.defines))
+        return _read_entry(self.directory /
+                           f"{_key(build.source, options, _read_sources(self.source_dir))}.cubin")
+
+    def start_detached(self, build: KernelBuild) -> DetachedCompile:
+        """Compile `build` into this cache in a process of its own that outlives this one: a
+        short run (`ask`) can answer without it and still leave the cubin for the next."""
+        return DetachedCompile(self, build)
+
     def _store(self, path: Path, cubin: bytes) -> None:
         """Write atomically; a cache that cannot be written only costs a compile next time."""
         tmp = None
@@ -283,8 +300,8 @@ class Compilation:
         self._cache._store(path, cubin)
         with self._lock:
             self.compiled[build] = time.perf_counter() - started
-            left = [b.source for b in self.to_compile if b not in self.compiled]
-            line = (f"compiled {build.source} in {self.compiled[build]:.1f} s "
+            left = [b.name for b in self.to_compile if b not in self.compiled]
+            line = (f"compiled {build.name} in {self.compiled[build]:.1f} s "
                     f"({len(self.compiled)} of {len(self.to_compile)}"
                     + (f"; to go: {', '.join(left)}" if left else "") + ")")
         if self._progress is not None:
@@ -304,6 +321,56 @@ class Compilation:
     def cancel(self) -> None:
         for future in self._futures.values():
             future.cancel()
+
+
+class DetachedCompile:
+    """One build compiling into the cache in a child process (`python -m
+    qwenchat.engine.cuda.compiler`), in a session of its own so that Ctrl+C on the parent does
+    not stop it; the parent polls for the cubin and never waits for the child at exit."""
+
+    def __init__(self, cache: KernelCache, build: KernelBuild) -> None:
+        import subprocess
+        import sys
+
+        self._cache, self.build = cache, build
+        self.started = time.perf_counter()
+        # the child's stderr: its error, if it fails (closed with this object)
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115
+        job = {"source": build.source, "arch": build.arch, "defines": list(build.defines),
+               "directory": str(cache.directory),
+               "source_dir": None if cache.source_dir is None else str(cache.source_dir)}
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "qwenchat.engine.cuda.compiler", json.dumps(job)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+            start_new_session=True)
+
+    def poll(self) -> bytes | None:
+        """The cubin once the child has stored it, None while it compiles; a failed compile
+        raises KernelCompileError with the child's one-line reason."""
+        code = self._child.poll()
+        if code is None:
+            return None
+        cubin = self._cache.cached(self.build)
+        if cubin is not None:
+            return cubin
+        self._log.seek(0)
+        lines = self._log.read().decode(errors="replace").strip().splitlines()
+        raise KernelCompileError(f"{self.build} did not compile (exit {code}): "
+                                 f"{lines[-1] if lines else 'no message'}")
+
+    def wait(self, timeout: float | None = None) -> bytes:
+        """The cubin, waiting for the child (tests and tools)."""
+        self._child.wait(timeout)
+        cubin = self.poll()
+        assert cubin is not None
+        return cubin
+
+
+def _compile_job(job: Mapping[str, Any]) -> None:
+    """The child of DetachedCompile: one build into the cache (a cached one is left as is)."""
+    source_dir = Path(job["source_dir"]) if job["source_dir"] else None
+    cache = KernelCache(Path(job["directory"]), source_dir)
+    cache.load(job["source"], job["arch"], {name: value for name, value in job["defines"]})
 
 
 def _key(name: str, options: list[str], sources: Mapping[str, str]) -> str:
@@ -329,3 +396,13 @@ def _read_entry(path: Path) -> bytes | None:
             or data[len(_MAGIC):_HEADER_SIZE] != hashlib.sha256(payload).digest()):
         return None
     return payload
+
+
+if __name__ == "__main__":  # DetachedCompile's child
+    import sys
+
+    try:
+        _compile_job(json.loads(sys.argv[1]))
+    except QwenchatError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(1)

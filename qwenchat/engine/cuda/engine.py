@@ -75,11 +75,28 @@ KERNELS = {
 }
 # Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs, for
 # bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
-SM90_KERNELS = {"gemm_sm90.cu": ("gemm90_store_128", "gemm90_store_256", "gemm90_add_128",
-                                 "gemm90_add_256", "gemm90_swiglu", "splitk_sum",
-                                 "splitk_swiglu"),
-                "gemm_fp8_sm90.cu": GEMM_FP8_KERNELS,
+# The Hopper GEMMs compile as one program a product (QW_PART n, sm90.cuh), longest first: ptxas
+# takes each wgmma instantiation on its own, so five programs on five threads cost about the
+# longest one instead of their sum (gemm_sm90.cu 4.9 s whole on the H100 host: it bounded a
+# first run's compiles once the megakernel compiled in the background; docs/perf.md).
+SM90_PARTS = {
+    "gemm_sm90.cu": (("gemm90_swiglu", "splitk_sum", "splitk_swiglu"), ("gemm90_store_128",),
+                     ("gemm90_store_256",), ("gemm90_add_128",), ("gemm90_add_256",)),
+    "gemm_fp8_sm90.cu": (("gemm_fp8_swiglu", "quantize_rows_e4m3"), ("gemm_fp8_store_128",),
+                         ("gemm_fp8_store_256",), ("gemm_fp8_add_128",), ("gemm_fp8_add_256",)),
+}
+SM90_KERNELS = {**{source: tuple(name for part in parts for name in part)
+                   for source, parts in SM90_PARTS.items()},
                 "attention_sm90.cu": ("attn_prefill90",)}
+
+
+def kernel_names(build: KernelBuild) -> tuple[str, ...] | None:
+    """The kernels a build's cubin holds (its part's, for a QW_PART build); None for the
+    megakernel, which _setup_megakernel loads."""
+    part = dict(build.defines).get("QW_PART")
+    if part is not None:
+        return SM90_PARTS[build.source][int(part)]
+    return KERNELS.get(build.source) or SM90_KERNELS.get(build.source)
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
 # builds start in this order, so the longest never waits behind the short ones.
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "gemm_fp8_sm90.cu", "attention.cu", "sampling.cu",
@@ -107,14 +124,18 @@ def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_
     """The cubins a run uses, longest compile first: layers.cu, attention.cu and sampling.cu
     always; gemm.cu only where gemm_sm90.cu does not run the products; the Hopper sources
     (for sm_90a) where they run, gemm_fp8_sm90.cu instead of gemm_sm90.cu where FP8 weights
-    meet e4m3 activations (`fp8_gemm`); the megakernel where it decodes."""
+    meet e4m3 activations (`fp8_gemm`), each GEMM as a program a product (SM90_PARTS); the
+    megakernel where it decodes."""
     defines = kernel_defines(config, weight_format, kv_format)
     builds = [KernelBuild.of(source, arch, defines) for source in KERNELS
               if not (source == "gemm.cu" and hopper_gemm)]
     wanted = {"gemm_sm90.cu": hopper_gemm and not fp8_gemm, "gemm_fp8_sm90.cu": fp8_gemm,
               "attention_sm90.cu": hopper_attention}
-    builds += [KernelBuild.of(source, "sm_90a", defines) for source in SM90_KERNELS
-               if wanted[source]]
+    for source in SM90_KERNELS:
+        if wanted[source]:
+            parts = range(len(SM90_PARTS[source])) if source in SM90_PARTS else [None]
+            builds += [KernelBuild.of(source, "sm_90a", defines if part is None
+                                      else {**defines, "QW_PART": part}) for part in parts]
     if megakernel is not None:
         builds.append(megakernel)
     return sorted(builds, key=lambda build: COMPILE_ORDER.index(build.source))
@@ -254,6 +275,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         megakernel_rows: str = "auto",
         kv_cache: str = "bf16",
         fp8_activations: str = "auto",
+        megakernel_later: bool = False,
     ):
         """`notice` gets what the user should know (a kernel compile starting, a fallback);
         `progress` a line as each kernel compile ends. `megakernel_timeline` > 0 builds a
@@ -263,7 +285,10 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         `megakernel_rows` forces whole rows or parts of rows in its stages (plan_kernels);
         `kv_cache` "int8" keeps keys and values as int8 rows and their scales (kv8.cuh);
         `fp8_activations` "bf16" keeps FP8 weights' prefill off the e4m3 tensor cores
-        (plan_kernels)."""
+        (plan_kernels). `megakernel_later` (with `decode` "auto"): where the megakernel is not
+        in the kernel cache yet, compile it in a process of its own and decode with the per-op
+        graph until a reply starts after it is ready, so a first answer does not wait for the
+        longest compile (`ask`, the chat; a benchmark waits for it)."""
         if kv_cache not in KV_CACHE_CHOICES:
             raise QwenchatError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}; "
                                 f"got {kv_cache!r}")
@@ -307,15 +332,25 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # False leaves the prefill's attention kernels out (its output is then stale): only
         # for `qwenchat bench`, which times a prefill with and without them.
         self.prefill_attention = True
-        # The kernels compile on worker threads while the weights upload.
-        compilation = KernelCache().start(plan.builds, announce=notice, progress=progress)
+        # The kernels compile on worker threads while the weights upload; a megakernel to be
+        # ready later compiles in a process of its own (megakernel_later).
+        cache, builds = KernelCache(), plan.builds
+        self.megakernel_pending = None
+        if (megakernel_later and decode == "auto" and plan.megakernel is not None
+                and cache.cached(plan.megakernel) is None):
+            builds = [build for build in builds if build != plan.megakernel]
+            self.megakernel_pending = cache.start_detached(plan.megakernel)
+            self.decode = "layered"
+            notice("compiling the decode megakernel in the background (once per model and "
+                   "GPU): decoding layer by layer until it is ready")
+        compilation = cache.start(builds, announce=notice, progress=progress)
         try:
             self._upload(weights)
             super().__init__(self._choose_capacity(ctx, notice))
             self._allocate_state()
             self._load_kernels(compilation)
             self._draw_weights()  # random weights, drawn on the device
-            if plan.megakernel is not None:
+            if plan.megakernel is not None and self.megakernel_pending is None:
                 self._setup_megakernel(compilation.cubin(plan.megakernel))
         except BaseException:
             compilation.cancel()
@@ -342,7 +377,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         """The modules of every build but the megakernel's, as their compiles end."""
         self.k: dict[str, rt.Kernel] = {}
         for build, cubin in compilation.wait().items():
-            names = KERNELS.get(build.source) or SM90_KERNELS.get(build.source)
+            names = kernel_names(build)
             if names is None:  # the megakernel: _setup_megakernel loads it
                 continue
             module = rt.Module(cubin)
@@ -581,11 +616,28 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
 
     def _begin_reply(self, request: GenerateRequest) -> None:
         self.device.make_current()
+        self._adopt_megakernel()
         self._reset_sampling_state()
         self._request = request
         self._reply_counts: Counter[int] = Counter()  # (the device's counts, for verify)
         if self.decode == "megakernel":
             self._megakernel_begin(request)
+
+    def _adopt_megakernel(self) -> None:
+        """Between replies: decode in the megakernel from now on where its background compile
+        (megakernel_later) has ended; a compile that failed is raised once, and the per-op
+        graph goes on decoding."""
+        if self.megakernel_pending is None:
+            return
+        try:
+            cubin = self.megakernel_pending.poll()
+        except BaseException:
+            self.megakernel_pending = None
+            raise
+        if cubin is not None:
+            self.megakernel_pending = None
+            self._setup_megakernel(cubin)
+            self.decode = "megakernel"
 
     def _end_reply(self) -> None:
         if self.decode == "megakernel":
