@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,13 @@ def require_transformers():
 
 
 def hf_model(directory: Path):
+    """The class config.json names (Qwen3ForCausalLM or Qwen3MoeForCausalLM), every weight read
+    from the checkpoint (none left at transformers' random initialisation)."""
     torch, transformers = require_transformers()
-    model = transformers.Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    architecture = json.loads((directory / "config.json").read_text())["architectures"][0]
+    model, loading = getattr(transformers, architecture).from_pretrained(
+        directory, dtype=torch.float32, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
     return model.eval()
 
 

@@ -436,7 +436,7 @@ def test_cli_refuses_a_directory_without_config_in_one_line(model_dir, tmp_path)
     assert_one_line_error(result, str((model_dir / "config.json").resolve()))
 
 
-def test_cli_refuses_a_mixture_of_experts_config_in_one_line(model_dir, tmp_path):
+def test_cli_refuses_experts_in_a_dense_qwen3_config_in_one_line(model_dir, tmp_path):
     raw = json.loads((model_dir / "config.json").read_text())
     raw.update(num_experts=8, num_experts_per_tok=2)
     (model_dir / "config.json").write_text(json.dumps(raw))

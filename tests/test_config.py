@@ -1,5 +1,6 @@
-"""Qwen3Config: published configs parse to the presets, and everything outside dense Qwen3 is
-refused with a message that names the field and its value."""
+"""Qwen3Config: published configs parse to the presets, Qwen3-MoE configs to their experts, and
+everything outside the Qwen3 family is refused with a message that names the field and its
+value."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from tiny_model import tiny_config
+from tiny_model import tiny_config, tiny_moe_config
 
 from qwenchat.errors import ModelError
 from qwenchat.model.config import Qwen3Config
@@ -134,11 +135,12 @@ def test_num_key_value_heads_absent_means_one_per_query_head():
 @pytest.mark.parametrize(
     ("overrides", "field", "value"),
     [
-        ({"architectures": ["Qwen3MoeForCausalLM"]}, "architectures", "Qwen3MoeForCausalLM"),
+        ({"architectures": ["Qwen3MoeForCausalLM"]}, "model_type", "qwen3_moe"),
+        ({"model_type": "qwen3_moe"}, "architectures", "Qwen3ForCausalLM"),
         ({"architectures": ["LlamaForCausalLM"]}, "architectures", "LlamaForCausalLM"),
+        ({"architectures": "Qwen3ForCausalLM"}, "architectures", "Qwen3ForCausalLM"),
         ({"model_type": "qwen2"}, "model_type", "qwen2"),
-        ({"model_type": "qwen3_moe", "architectures": None}, "model_type", "qwen3_moe"),
-        ({"num_experts": 128, "num_experts_per_tok": 8}, "num_experts", "128"),
+        ({"num_experts": 128, "num_experts_per_tok": 8}, "num_experts", "qwen3_moe"),
         ({"moe_intermediate_size": 768}, "moe_intermediate_size", "768"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling", "linear"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}},
@@ -160,7 +162,7 @@ def test_num_key_value_heads_absent_means_one_per_query_head():
         ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
     ],
 )
-def test_config_outside_dense_qwen3_is_refused_naming_field_and_value(overrides, field, value):
+def test_config_outside_qwen3_is_refused_naming_field_and_value(overrides, field, value):
     assert_names(refusal(overrides), field, value)
 
 
@@ -276,3 +278,113 @@ def test_parameter_count_is_the_sum_of_tensor_sizes(name):
 
 def test_kv_cache_of_qwen3_0_6b_takes_114688_bytes_per_position_in_bf16():
     assert PRESETS["qwen3-0.6b"].kv_bytes_per_position(2) == 114_688
+
+
+# --- mixture of experts ----------------------------------------------------------------------
+
+# Qwen/Qwen3-30B-A3B's config.json, as published.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def moe_refusal(overrides: dict) -> str:
+    with pytest.raises(ModelError) as caught:
+        Qwen3Config.from_dict(tiny_moe_config(**overrides), source=SOURCE)
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_qwen3_30b_a3b_parses_with_every_layer_sparse():
+    config = Qwen3Config.from_dict(QWEN3_30B_A3B)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.norm_topk_prob) == (128, 8, 768, True)
+    assert config.is_moe and all(config.sparse_layer(n) for n in range(48))
+
+
+def test_qwen3_30b_a3b_has_30_5_billion_parameters_and_3_3_billion_active():
+    config = Qwen3Config.from_dict(QWEN3_30B_A3B)
+    assert config.parameter_count() == 30_532_122_624
+    assert config.active_parameter_count() == 3_353_032_704
+    assert config.parameter_count() == sum(math.prod(s) for s in config.tensor_shapes().values())
+
+
+def test_qwen3_30b_a3b_names_a_router_and_128_experts_a_layer():
+    shapes = Qwen3Config.from_dict(QWEN3_30B_A3B).tensor_shapes()
+    assert shapes["model.layers.47.mlp.gate.weight"] == (128, 2048)
+    assert shapes["model.layers.0.mlp.experts.127.gate_proj.weight"] == (768, 2048)
+    assert shapes["model.layers.0.mlp.experts.0.down_proj.weight"] == (2048, 768)
+    assert "model.layers.0.mlp.gate_proj.weight" not in shapes
+    assert "model.layers.0.mlp.experts.128.up_proj.weight" not in shapes
+
+
+def test_mlp_only_layers_and_sparse_step_make_dense_layers_of_intermediate_size():
+    config = Qwen3Config.from_dict(tiny_moe_config(num_hidden_layers=6, decoder_sparse_step=2,
+                                                   mlp_only_layers=[3]))
+    assert [config.sparse_layer(n) for n in range(6)] == [False, True, False, False, False,
+                                                          True]
+    shapes = config.tensor_shapes()
+    assert shapes["model.layers.3.mlp.down_proj.weight"] == (64, 96)
+    assert shapes["model.layers.5.mlp.experts.4.down_proj.weight"] == (64, 48)
+    assert config.parameter_count() == sum(math.prod(s) for s in shapes.values())
+
+
+def test_moe_fields_left_out_take_transformers_defaults():
+    raw = tiny_moe_config()
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                 "intermediate_size", "tie_word_embeddings"):
+        del raw[name]
+    config = Qwen3Config.from_dict(raw)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.norm_topk_prob, config.decoder_sparse_step, config.mlp_only_layers,
+            config.intermediate_size, config.tie_word_embeddings) == (
+        128, 8, 768, False, 1, (), 6144, False)
+
+
+def test_a_dense_config_has_no_experts():
+    config = PRESETS["qwen3-8b"]
+    assert not config.is_moe and not any(config.sparse_layer(n) for n in range(36))
+    assert config.active_parameter_count() == config.parameter_count()
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    ({"num_experts_per_tok": 6}, ["num_experts_per_tok", "6", "num_experts", "5"]),
+    ({"num_experts": 0}, ["num_experts", "0"]),
+    ({"num_experts": -4}, ["num_experts", "-4"]),
+    ({"num_experts_per_tok": 0}, ["num_experts_per_tok", "0"]),
+    ({"moe_intermediate_size": 0}, ["moe_intermediate_size", "0"]),
+    ({"moe_intermediate_size": 47.5}, ["moe_intermediate_size", "47.5"]),
+    ({"decoder_sparse_step": 0}, ["decoder_sparse_step", "0"]),
+    ({"decoder_sparse_step": "2"}, ["decoder_sparse_step"]),
+    ({"norm_topk_prob": "yes"}, ["norm_topk_prob", "yes"]),
+    ({"mlp_only_layers": [3]}, ["mlp_only_layers", "3", "num_hidden_layers"]),
+    ({"mlp_only_layers": [-1]}, ["mlp_only_layers", "-1"]),
+    ({"mlp_only_layers": ["one"]}, ["mlp_only_layers", "one"]),
+    ({"mlp_only_layers": 1}, ["mlp_only_layers", "1"]),
+    ({"intermediate_size": 0}, ["intermediate_size", "0"]),
+])
+def test_an_expert_field_the_engines_cannot_run_is_refused_naming_it(overrides, words):
+    assert_names(moe_refusal(overrides), *words)
+
+
+@pytest.mark.parametrize("quantization", [
+    {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+     "weight_block_size": [128, 128]},
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+     "version": "gemm"},
+])
+def test_fp8_and_awq_moe_checkpoints_are_refused_as_not_supported_yet(quantization):
+    message = moe_refusal({"quantization_config": quantization})
+    assert_names(message, "quantization_config.quant_method", quantization["quant_method"])
+    assert "not supported for mixture-of-experts models yet" in message

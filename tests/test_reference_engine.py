@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_compare import hf_logits, relative_error, require_transformers
-from tiny_model import write_tiny_model
+from tiny_model import write_tiny_model, write_tiny_moe_model
 
 from qwenchat.engine.base import GenerateRequest, StopReason
 from qwenchat.engine.reference import ReferenceEngine
@@ -21,12 +21,29 @@ SHAPES = {
     "sharded-f16-mha": dict(dtype="F16", shards=3, num_attention_heads=4,
                             num_key_value_heads=4, num_hidden_layers=3),
 }
+# Mixtures of experts (Qwen3MoeForCausalLM), compared with transformers the same way.
+MOE_SHAPES = {
+    # TINY_MOE: 3 of 5 experts, renormalised, layer 1 of 3 dense (mlp_only_layers), untied.
+    "moe-top3-of-5-normalised-bf16": dict(),
+    # Every second layer sparse (decoder_sparse_step), weights as the softmax gives them, tied,
+    # odd head counts.
+    "moe-top3-of-5-raw-f32-every-second-layer": dict(
+        dtype="F32", norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
+        num_hidden_layers=4, tie_word_embeddings=True, hidden_size=40, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=24, intermediate_size=72, moe_intermediate_size=24),
+    # One expert a token (its weight 1 once renormalised), sharded.
+    "moe-top1-of-7-sharded-f16": dict(dtype="F16", shards=3, num_experts=7,
+                                      num_experts_per_tok=1, mlp_only_layers=[0]),
+}
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+@pytest.fixture(scope="module", params=[*SHAPES, *MOE_SHAPES])
 def model_dir(request, tmp_path_factory, tiny_tokenizer):
-    return write_tiny_model(tmp_path_factory.mktemp(request.param) / "m",
-                            tokenizer=tiny_tokenizer, **SHAPES[request.param])
+    directory = tmp_path_factory.mktemp(request.param) / "m"
+    if request.param in MOE_SHAPES:
+        return write_tiny_moe_model(directory, tokenizer=tiny_tokenizer,
+                                    **MOE_SHAPES[request.param])
+    return write_tiny_model(directory, tokenizer=tiny_tokenizer, **SHAPES[request.param])
 
 
 def engine_for(directory, ctx=None) -> ReferenceEngine:

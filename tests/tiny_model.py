@@ -94,6 +94,19 @@ def tiny_config(**overrides) -> dict:
     return raw
 
 
+# A tiny Qwen3-MoE: 5 experts, 3 a token (neither a power of two), layer 1 of 3 dense
+# (mlp_only_layers), experts narrower than the dense MLP, untied (transformers' default for
+# qwen3_moe).
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_hidden_layers": 3, "num_experts": 5, "num_experts_per_tok": 3,
+            "moe_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [1], "tie_word_embeddings": False}
+
+
+def tiny_moe_config(**overrides) -> dict:
+    return tiny_config(**{**TINY_MOE, **overrides})
+
+
 def random_tensors(config: Qwen3Config, seed: int = 0) -> dict[str, np.ndarray]:
     """float32 weights scaled so activations stay O(1) and logits are well separated."""
     rng = np.random.default_rng(seed)
@@ -263,6 +276,11 @@ def write_tiny_model(
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return directory
+
+
+def write_tiny_moe_model(directory: Path, **overrides) -> Path:
+    """A complete mixture-of-experts model directory (TINY_MOE, changed by `overrides`)."""
+    return write_tiny_model(directory, **{**TINY_MOE, **overrides})
 
 
 def write_edited_model(directory: Path, tokenizer, dtype: str, edit) -> Path:

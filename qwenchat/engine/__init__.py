@@ -73,7 +73,8 @@ def create_engine(
                                 megakernel_later)
         except BackendUnavailable as why:
             if backend == "cuda":
-                raise BackendUnavailable(f"--backend cuda: {why}; use --backend cpu") from None
+                fix = "" if str(why).endswith("use --backend cpu") else "; use --backend cpu"
+                raise BackendUnavailable(f"--backend cuda: {why}{fix}") from None
             notice(_fallback_notice(str(why)))
     from qwenchat.engine.reference import ReferenceEngine
 

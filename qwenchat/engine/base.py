@@ -237,7 +237,7 @@ class CacheBookkeeping:
         # (a draft model's step against the model's; prompt lookup's proposals cost nothing)
         draft = getattr(proposer, "parameters", None)
         adapt = AdaptiveK(SPECULATE_MOST, 0.0 if draft is None
-                          else draft_cost(draft, self.config.parameter_count()))
+                          else draft_cost(draft, self.config.active_parameter_count()))
         while True:
             params = request.params.current
             if stop := self._stop_before(request, params, step):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,77 @@ from qwenchat.sampling.sampler import sample_token
 from qwenchat.sampling.speculative import verify
 
 ATTENTION_SCORE_BUDGET = 32 * 1024 * 1024  # float32 scores held at once while attending
+# What a linear layer's input goes through first: nothing, or FP8 activations' rounding.
+LinearInput = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class DenseMLP:
+    """SwiGLU: down(silu(gate(h)) * up(h))."""
+
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+
+    @classmethod
+    def load(cls, checkpoint: WeightSource, prefix: str) -> DenseMLP:
+        t = checkpoint.float32
+        return cls(t(prefix + "gate_proj.weight"), t(prefix + "up_proj.weight"),
+                   t(prefix + "down_proj.weight"))
+
+    def __call__(self, h: np.ndarray, into: LinearInput) -> np.ndarray:
+        return into(silu(h @ self.gate.T) * (h @ self.up.T)) @ self.down.T
+
+
+@dataclass
+class SparseMoE:
+    """A mixture of experts as transformers' Qwen3MoeSparseMoeBlock computes it: the router
+    picks `top_k` experts a token, and the token's output is their SwiGLU MLPs' outputs
+    weighted by its routing weights (route).
+
+    The experts stay in the checkpoint's own bytes (memory-mapped) and are widened to float32
+    as tokens pick them: a token uses top_k of them, and Qwen3-30B-A3B's 6,144 (128 in each of
+    48 layers) widened all at once would take 116 GB."""
+
+    router: np.ndarray  # (experts, hidden)
+    checkpoint: WeightSource
+    prefix: str  # "model.layers.{i}.mlp."
+    top_k: int
+    norm_topk_prob: bool
+
+    @classmethod
+    def load(cls, checkpoint: WeightSource, prefix: str, config: Qwen3Config) -> SparseMoE:
+        return cls(checkpoint.float32(prefix + "gate.weight"), checkpoint, prefix,
+                   config.num_experts_per_tok, config.norm_topk_prob)
+
+    def expert(self, e: int) -> DenseMLP:
+        return DenseMLP.load(self.checkpoint, f"{self.prefix}experts.{e}.")
+
+    def __call__(self, h: np.ndarray, into: LinearInput) -> np.ndarray:
+        weights, chosen = route(h @ self.router.T, self.top_k, self.norm_topk_prob)
+        out = np.zeros_like(h)
+        # Expert by expert, each over all the tokens routed to it (in increasing expert order,
+        # as transformers adds them up). A token picks an expert at most once, so `tokens`
+        # holds no repeats and += adds each row once.
+        for e in np.unique(chosen):
+            tokens, slot = np.nonzero(chosen == e)
+            out[tokens] += self.expert(int(e))(h[tokens], into) * weights[tokens, slot, None]
+        return out
+
+
+def route(logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' Qwen3MoeTopKRouter: the softmax of the router's logits (tokens x experts)
+    in float32, its `top_k` largest a token, divided by their sum when `norm_topk_prob`.
+    Returns (weights, experts), each (tokens, top_k), largest first. Equal probabilities go to
+    the lower expert number (torch.topk does not promise an order among ties; they need
+    bit-equal float32 probabilities, which real activations do not give)."""
+    scores = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    scores /= scores.sum(axis=-1, keepdims=True)
+    chosen = np.argsort(-scores, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(scores, chosen, axis=-1)
+    if norm_topk_prob:
+        weights /= weights.sum(axis=-1, keepdims=True)
+    return weights, chosen
 
 
 @dataclass
@@ -30,12 +101,10 @@ class LayerWeights:
     q_norm: np.ndarray
     k_norm: np.ndarray
     post_norm: np.ndarray
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
+    mlp: DenseMLP | SparseMoE
 
     @classmethod
-    def load(cls, checkpoint: WeightSource, index: int) -> LayerWeights:
+    def load(cls, checkpoint: WeightSource, config: Qwen3Config, index: int) -> LayerWeights:
         p = f"model.layers.{index}."
         t = checkpoint.float32
         return cls(
@@ -47,9 +116,8 @@ class LayerWeights:
             q_norm=t(p + "self_attn.q_norm.weight"),
             k_norm=t(p + "self_attn.k_norm.weight"),
             post_norm=t(p + "post_attention_layernorm.weight"),
-            gate=t(p + "mlp.gate_proj.weight"),
-            up=t(p + "mlp.up_proj.weight"),
-            down=t(p + "mlp.down_proj.weight"),
+            mlp=(SparseMoE.load(checkpoint, p + "mlp.", config) if config.sparse_layer(index)
+                 else DenseMLP.load(checkpoint, p + "mlp.")),
         )
 
 
@@ -100,7 +168,8 @@ class ReferenceEngine(CacheBookkeeping):
         # tensor cores take it (fp8.quantize_activations); the LM head keeps its input.
         self.linear_input = fp8.quantize_activations if fp8_activations else _unchanged
         self.embed = checkpoint.float32("model.embed_tokens.weight")
-        self.layers = [LayerWeights.load(checkpoint, i) for i in range(config.num_hidden_layers)]
+        self.layers = [LayerWeights.load(checkpoint, config, i)
+                       for i in range(config.num_hidden_layers)]
         self.final_norm = checkpoint.float32("model.norm.weight")
         head = checkpoint.lm_head_name()
         tied = head == "model.embed_tokens.weight"
@@ -176,7 +245,7 @@ class ReferenceEngine(CacheBookkeeping):
             self._v[index, :, start : start + count] = cached(v, self.kv_format).transpose(1, 0, 2)
             x = x + into(self._attend(index, q, start)) @ w.o.T
             h = into(rms_norm(x, w.post_norm, cfg.rms_norm_eps))
-            x = x + into(silu(h @ w.gate.T) * (h @ w.up.T)) @ w.down.T
+            x = x + w.mlp(h, into)
         self._tokens.extend(ids)
         rows = x if all_positions else x[-1:]
         return rms_norm(rows, self.final_norm, cfg.rms_norm_eps) @ self.lm_head.T

@@ -124,9 +124,9 @@ class DraftProposer:
 
     @property
     def parameters(self) -> int:
-        """The draft's parameters: what a proposed token costs, against the model's
-        (AdaptiveK)."""
-        return self.engine.config.parameter_count()
+        """The draft's parameters a token uses: what a proposed token costs, against the
+        model's (AdaptiveK)."""
+        return self.engine.config.active_parameter_count()
 
     def start(self, context: Sequence[int]) -> None:
         self.context, self.reply, self.counts = list(context), [], Counter()

@@ -1,4 +1,5 @@
-"""The dense Qwen3 architecture as one typed dataclass, read and checked from config.json."""
+"""The Qwen3 architecture (dense, and the mixture-of-experts Qwen3-MoE) as one typed dataclass,
+read and checked from config.json."""
 
 from __future__ import annotations
 
@@ -12,12 +13,30 @@ from qwenchat.errors import ModelError
 from qwenchat.model import awq, fp8
 from qwenchat.model.rope import Yarn
 
-ARCHITECTURE = "Qwen3ForCausalLM"
+# model_type -> the one architecture config.json may name with it.
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# transformers' Qwen3MoeConfig defaults, for a qwen3_moe config.json that leaves a field out.
+MOE_DEFAULTS: dict[str, Any] = {"num_experts": 128, "num_experts_per_tok": 8,
+                                "moe_intermediate_size": 768, "norm_topk_prob": False,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                "intermediate_size": 6144, "tie_word_embeddings": False}
+MOE_SIZES = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "decoder_sparse_step")
 
 
 def parameters_text(n: int) -> str:
     """A parameter count as people write it: 8.19B, 596.0M."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def parameters_summary(config: Qwen3Config) -> str:
+    """The count as /info shows it: "8.19B parameters", or for a mixture of experts "30.53B
+    parameters (3.35B active a token; 128 experts, 8 a token)"."""
+    text = f"{parameters_text(config.parameter_count())} parameters"
+    if config.is_moe:
+        text += (f" ({parameters_text(config.active_parameter_count())} active a token; "
+                 f"{config.num_experts} experts, {config.num_experts_per_tok} a token)")
+    return text
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,15 @@ class Qwen3Config:
     # YaRN from config.json's rope_scaling / rope_parameters or --rope-scaling (rope.py); None:
     # plain RoPE.
     rope_scaling: Yarn | None = None
+    # Mixture of experts (Qwen3MoeForCausalLM); the defaults describe a dense model. A sparse
+    # layer's MLP routes each token to num_experts_per_tok of num_experts SwiGLU MLPs of
+    # moe_intermediate_size (sparse_layer says which layers are sparse).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def trained_positions(self) -> int:
@@ -69,16 +97,43 @@ class Qwen3Config:
         """Query heads that share one key/value head (grouped-query attention)."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts, decided as transformers'
+        Qwen3MoeDecoderLayer does; the other layers have a dense MLP of intermediate_size."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> int:
+        return sum(self.sparse_layer(n) for n in range(self.num_hidden_layers))
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return self.sparse_layers > 0
+
     def kv_bytes_per_position(self, bytes_per_value: int = 2) -> int:
         return self.num_hidden_layers * 2 * self.kv_size * bytes_per_value
 
     def parameter_count(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
-        per_layer += 2 * h + 2 * self.head_dim
+        """Every parameter, all experts included."""
+        h = self.hidden_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        norms = 2 * h + 2 * self.head_dim
+        dense_mlp = 3 * h * self.intermediate_size
+        sparse_mlp = self.num_experts * (h + 3 * h * self.moe_intermediate_size)  # router, experts
+        dense_layers = self.num_hidden_layers - self.sparse_layers
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_hidden_layers * per_layer + embed + head + h
+        return (self.num_hidden_layers * (attention + norms) + dense_layers * dense_mlp
+                + self.sparse_layers * sparse_mlp + embed + head + h)
+
+    def active_parameter_count(self) -> int:
+        """The parameters one token uses: all but the experts it is not routed to (the
+        embedding counted whole, as Qwen counts Qwen3-30B-A3B's 3.3B)."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return (self.parameter_count()
+                - self.sparse_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this shape must hold, by its Hugging Face name."""
@@ -94,6 +149,14 @@ class Qwen3Config:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
+            if self.sparse_layer(n):
+                m = self.moe_intermediate_size
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)  # the router
+                for e in range(self.num_experts):
+                    shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (m, h)
+                    shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (m, h)
+                    shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, m)
+                continue
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
             shapes[p + "mlp.up_proj.weight"] = (i, h)
             shapes[p + "mlp.down_proj.weight"] = (h, i)
@@ -105,6 +168,10 @@ class Qwen3Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> Qwen3Config:
         _refuse_unsupported(raw, source)
+        moe = raw["model_type"] == "qwen3_moe"
+        if moe:
+            raw = {**raw, **{name: default for name, default in MOE_DEFAULTS.items()
+                             if raw.get(name) is None}}
         values: dict[str, Any] = {}
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads"):
@@ -138,8 +205,15 @@ class Qwen3Config:
         if theta is not None:
             values["rope_theta"] = theta
         values["rope_scaling"] = _rope_scaling(raw, source)
+        if moe:
+            values.update(_experts(raw, values["num_hidden_layers"], source))
         config = cls(**values)
         config._check_sizes(source)
+        if config.is_moe and config.quantization is not None:
+            raise ModelError(f"{source}: unsupported quantization_config.quant_method="
+                             f"{json.dumps(raw['quantization_config'].get('quant_method'))} "
+                             "(FP8 and AWQ checkpoints are not supported for mixture-of-experts "
+                             "models yet; use the model's bf16 release)")
         return config
 
     @classmethod
@@ -156,6 +230,8 @@ class Qwen3Config:
 
     def _check_sizes(self, source: str) -> None:
         for f in fields(self):
+            if f.name in MOE_SIZES:  # (0 in a dense config; _experts checks a qwen3_moe one's)
+                continue
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
                 raise ModelError(f"{source}: {f.name} must be positive, got {value}")
@@ -170,6 +246,33 @@ class Qwen3Config:
             value = getattr(self, name)
             if not value > 0:
                 raise ModelError(f"{source}: {name} must be positive, got {value}")
+
+
+def _experts(raw: dict[str, Any], layers: int, source: str) -> dict[str, Any]:
+    """A qwen3_moe config's expert fields, each checked, in one line naming the field."""
+    values: dict[str, Any] = {}
+    for name in MOE_SIZES:
+        values[name] = _integer(raw[name], name, source)
+        if values[name] <= 0:
+            raise ModelError(f"{source}: {name} must be positive, got {values[name]}")
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise ModelError(f"{source}: num_experts_per_tok ({values['num_experts_per_tok']}) is "
+                         f"more than num_experts ({values['num_experts']}); a token goes to "
+                         f"that many different experts, so at most {values['num_experts']}")
+    if not isinstance(raw["norm_topk_prob"], bool):
+        raise ModelError(f"{source}: norm_topk_prob={json.dumps(raw['norm_topk_prob'])} must be "
+                         "true or false")
+    values["norm_topk_prob"] = raw["norm_topk_prob"]
+    dense = raw["mlp_only_layers"]
+    if not isinstance(dense, list):
+        raise ModelError(f"{source}: mlp_only_layers={json.dumps(dense)} must be a list of "
+                         "layer numbers")
+    for layer in dense:
+        if _integer(layer, "mlp_only_layers", source) not in range(layers):
+            raise ModelError(f"{source}: mlp_only_layers names layer {json.dumps(layer)}, but "
+                             f"num_hidden_layers is {layers} (layers 0 to {layers - 1})")
+    values["mlp_only_layers"] = tuple(sorted({int(layer) for layer in dense}))
+    return values
 
 
 def _integer(value: Any, name: str, source: str) -> int:
@@ -278,19 +381,27 @@ def _awq(spec: dict[str, Any], refuse: Callable[[str, str], ModelError]) -> str:
 
 
 def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:
-    """Name the first field that puts this config outside the dense Qwen3 family."""
+    """Name the first field that puts this config outside the Qwen3 family (dense and MoE)."""
 
     def refuse(field: str, value: Any, why: str) -> ModelError:
         return ModelError(f"{source}: unsupported {field}={json.dumps(value)} ({why})")
 
-    archs = raw.get("architectures")
-    if archs is not None and archs != [ARCHITECTURE]:
-        raise refuse("architectures", archs, f"qwenchat runs dense {ARCHITECTURE} models only")
-    if raw.get("model_type") != "qwen3":
-        raise refuse("model_type", raw.get("model_type"), "expected \"qwen3\"")
-    for moe_field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-        if raw.get(moe_field):
-            raise refuse(moe_field, raw[moe_field], "mixture-of-experts models are not supported")
+    archs, model_type = raw.get("architectures"), raw.get("model_type")
+    known = " and ".join(ARCHITECTURES.values())
+    if archs is not None and not (isinstance(archs, list) and len(archs) == 1
+                                  and archs[0] in ARCHITECTURES.values()):
+        raise refuse("architectures", archs, f"qwenchat runs {known} models only")
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+        raise refuse("model_type", model_type, "expected \"qwen3\" or \"qwen3_moe\"")
+    if archs is not None and archs != [ARCHITECTURES[model_type]]:
+        wanted = next(t for t, arch in ARCHITECTURES.items() if [arch] == archs)
+        raise refuse("model_type", model_type, f"architectures {json.dumps(archs)} needs "
+                     f"model_type {json.dumps(wanted)}")
+    if model_type == "qwen3":
+        for moe_field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if raw.get(moe_field):
+                raise refuse(moe_field, raw[moe_field], "a dense \"qwen3\" config has no "
+                             "experts; mixture-of-experts models are model_type \"qwen3_moe\"")
     if raw.get("use_sliding_window"):
         raise refuse("use_sliding_window", raw["use_sliding_window"], "sliding-window attention")
     layer_types = raw.get("layer_types")

@@ -10,7 +10,7 @@ from pathlib import Path
 from qwenchat.engine import Engine, create_engine
 from qwenchat.engine.speculate import DraftProposer, open_draft
 from qwenchat.model import rope
-from qwenchat.model.config import parameters_text
+from qwenchat.model.config import parameters_summary
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Tokenizer
 from qwenchat.tui.options import ChatOptions
@@ -109,11 +109,11 @@ def model_loader(options: ChatOptions) -> Loader:
 
 
 def _engine_text(engine: Engine) -> str:
-    """Its parameters, backend and device, weight format, and (where the engine counts them)
-    the GPU memory of its weights and KV cache."""
+    """Its parameters (and a mixture of experts' active ones), backend and device, weight
+    format, and (where the engine counts them) the GPU memory of its weights and KV cache."""
     cfg = engine.config
     device = getattr(engine, "device_name", None)
-    text = (f"{parameters_text(cfg.parameter_count())} parameters, {engine.name}"
+    text = (f"{parameters_summary(cfg)}, {engine.name}"
             f"{f' on {device}' if device else ''}, {engine.weight_format} weights"
             f"{'' if engine.kv_format == 'bf16' else f', {engine.kv_format} KV cache'}")
     weights, cache = getattr(engine, "weight_bytes", None), getattr(engine, "kv_bytes", None)

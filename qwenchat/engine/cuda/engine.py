@@ -106,15 +106,19 @@ MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and frag
 
 
 def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str | None:
-    """Why the kernels cannot run this shape, or None (they need 16-byte aligned rows: 8 bf16
-    values, 16 FP8 ones; int4 rows are whole groups of 128)."""
+    """Why the kernels cannot run this model, or None: a mixture of experts (no kernels route
+    tokens yet), or a shape off their grid (they need 16-byte aligned rows: 8 bf16 values, 16
+    FP8 ones; int4 rows are whole groups of 128)."""
+    if config.is_moe:
+        return "mixture-of-experts models run on the CPU reference engine for now"
     if config.head_dim not in (16, 32, 64, 128, 256):
-        return f"head_dim {config.head_dim} (the CUDA kernels need 16, 32, 64, 128 or 256)"
+        return (f"this model's head_dim {config.head_dim} (the CUDA kernels need 16, 32, 64, "
+                "128 or 256)")
     multiple = {"fp8": 16, "int4": 128}.get(weight_format, 8)
     for name in ("hidden_size", "intermediate_size"):
         if getattr(config, name) % multiple:
-            return (f"{name} {getattr(config, name)} (the CUDA kernels need a multiple of "
-                    f"{multiple} for {weight_format} weights)")
+            return (f"this model's {name} {getattr(config, name)} (the CUDA kernels need a "
+                    f"multiple of {multiple} for {weight_format} weights)")
     return None
 
 
@@ -240,6 +244,9 @@ def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
                     ) -> tuple[str, KernelPlan, Compilation]:
     """Fill the kernel cache with every cubin a run of this model would build on GPU `device`
     (`qwenchat info --compile`): (the GPU's name, the plan, the finished compilation)."""
+    reason = unsupported_reason(config, weight_format)
+    if reason:
+        raise QwenchatError(f"the CUDA engine does not run this model: {reason}")
     gpu = rt.Device(device)
     try:
         plan = plan_kernels(config, weight_format, gpu, decode)
@@ -310,7 +317,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self.kv_format = kv_cache
         reason = unsupported_reason(config, self.weight_format)
         if reason:
-            raise BackendUnavailable(f"this model's {reason}; use --backend cpu")
+            raise BackendUnavailable(f"{reason}; use --backend cpu")
         self.config = config
         self.device = rt.Device(device)
         self.device_name = self.device.name
