@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -315,6 +316,58 @@ def _precompile(model: str | None, config: str | None, quantize: str, device: in
     summary = precompile(CompileOptions(model, config, quantize, device, decode), say)
     typer.echo(summary)
     return 0
+
+
+@app.command(name="eval")
+def eval_(
+    file: Annotated[Path, typer.Argument(
+        help="A text file, or a .jsonl of chats ({\"messages\": [...]} a line).")],
+    model: ModelOpt = "Qwen/Qwen3-0.6B",
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = 0,
+    decode: DecodeOpt = "auto",
+    quantize: QuantizeOpt = "none",
+    kv_cache: KvCacheOpt = "bf16",
+    rope_scaling: RopeScalingOpt = None,
+    fp8_activations: Annotated[str, typer.Option(
+        "--fp8-activations", metavar="auto|e4m3|bf16",
+        help="FP8 weights' prefill on e4m3 activations (auto: where the GPU has FP8 tensor "
+        "cores; e4m3 also has the CPU engine round them so) or on bf16 ones.")] = "auto",
+    window: Annotated[int, typer.Option(
+        "--window", metavar="TOKENS", help="Tokens a window holds.")] = 512,
+    stride: Annotated[int | None, typer.Option(
+        "--stride", metavar="TOKENS", help="Tokens between windows' starts; each token is "
+        "scored once.", show_default="half the window")] = None,
+    ctx: Annotated[int | None, typer.Option(
+        "--ctx", metavar="TOKENS", help="KV-cache size in tokens.",
+        show_default="the window")] = None,
+    path: Annotated[str, typer.Option(
+        "--path", metavar="prefill|decode", help="Score each window in one prefill, or token "
+        "by token through the decode step (reference engine).")] = "prefill",
+    base: Annotated[str | None, typer.Option(
+        "--base", metavar="bf16|cpu|FILE", help="Compare with the same model unquantized "
+        "(bf16), the CPU reference engine (cpu) or logits saved by --save-logits: KL "
+        "divergence, top-1 agreement, change in perplexity.")] = None,
+    save_logits: Annotated[Path | None, typer.Option(
+        "--save-logits", metavar="FILE", help="Save this run's top-k log probabilities (an "
+        ".npz), to be a later run's --base.")] = None,
+    top_k: Annotated[int, typer.Option(
+        "--top-k", metavar="K", help="Ids a saved position keeps.")] = 32,
+    limit: Annotated[int | None, typer.Option(
+        "--limit", metavar="TOKENS", help="Score at most this many tokens.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Score a text: perplexity, and KL divergence against a base."""
+
+    def action() -> int:
+        from qwenchat.eval import EvalOptions, run_eval
+
+        return run_eval(EvalOptions(file, model, backend, device, decode, quantize, kv_cache,
+                                    rope_scaling, fp8_activations, window, stride, ctx, path,
+                                    base, save_logits, top_k, limit, as_json))
+
+    run_guarded(action, debug)
 
 
 @app.command()

@@ -55,13 +55,16 @@ def create_engine(
     progress: Callable[[str], None] | None = None,
     kv_cache: str = "bf16",
     megakernel_later: bool = False,
+    fp8_activations: str = "auto",
 ) -> Engine:
     """The engine for `backend`; `auto` falls back to the CPU and says why through `notice`.
     `quantize` "fp8" runs the linear layers in FP8 (an FP8 checkpoint always does), "int4" in
     4 bits (an AWQ checkpoint always does); `kv_cache` "int8" keeps keys and values in 8 bits
     (qwenchat/model/kv_cache.py). `progress` gets a line as
     each GPU kernel compile ends (the first run for a model). `megakernel_later` lets a first
-    run answer before the decode megakernel has compiled (CudaEngine)."""
+    run answer before the decode megakernel has compiled (CudaEngine). `fp8_activations`:
+    FP8 weights' prefill on e4m3 activations ("auto", where the GPU has FP8 tensor cores;
+    "e4m3" also has the reference engine round them so) or bf16 ones ("bf16")."""
     check_engine_flags(backend, ctx, device, decode, quantize, kv_cache)
     rope.check_context(config, ctx)
     if backend in ("auto", "cuda") and device > 0:
@@ -70,7 +73,7 @@ def create_engine(
     if backend in ("auto", "cuda"):
         try:
             return _cuda_engine(config, weights, ctx, device, notice, decode, progress, kv_cache,
-                                megakernel_later)
+                                megakernel_later, fp8_activations)
         except BackendUnavailable as why:
             if backend == "cuda":
                 fix = "" if str(why).endswith("use --backend cpu") else "; use --backend cpu"
@@ -78,7 +81,8 @@ def create_engine(
             notice(_fallback_notice(str(why)))
     from qwenchat.engine.reference import ReferenceEngine
 
-    return ReferenceEngine(config, weights, ctx, kv_cache=kv_cache)
+    return ReferenceEngine(config, weights, ctx, kv_cache=kv_cache,
+                           fp8_activations=fp8_activations == "e4m3")
 
 
 def _fallback_notice(why: str) -> str:
@@ -104,7 +108,7 @@ def _check_device(device: int) -> None:
 def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, device: int,
                  notice: Callable[[str], None], decode: str,
                  progress: Callable[[str], None] | None, kv_cache: str = "bf16",
-                 megakernel_later: bool = False) -> Engine:
+                 megakernel_later: bool = False, fp8_activations: str = "auto") -> Engine:
     from qwenchat.engine.cuda.probe import probe
 
     found = probe()
@@ -113,4 +117,5 @@ def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, de
     from qwenchat.engine.cuda.engine import CudaEngine
 
     return CudaEngine(config, weights, ctx, device, notice, decode, progress=progress,
-                      kv_cache=kv_cache, megakernel_later=megakernel_later)
+                      kv_cache=kv_cache, megakernel_later=megakernel_later,
+                      fp8_activations=fp8_activations)
