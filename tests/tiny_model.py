@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from qwenchat.model import awq, fp8
+from qwenchat.model.checkpoint import TensorOut
+from qwenchat.model.checkpoint import write_safetensors as write_to
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import f32_to_bf16_bits, f32_to_e4m3
 
@@ -140,22 +141,12 @@ def encode_tensor(array: np.ndarray, dtype: str) -> bytes:
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray],
                       dtype: str | dict[str, str]) -> None:
     """One file; `dtype` is every tensor's, or a dtype per tensor name."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    blobs, offset = [], 0
+    out = []
     for name, array in tensors.items():
         kind = dtype if isinstance(dtype, str) else dtype[name]
         blob = encode_tensor(array, kind)
-        header[name] = {"dtype": kind, "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with path.open("wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for blob in blobs:
-            handle.write(blob)
+        out.append(TensorOut(name, kind, tuple(array.shape), len(blob), lambda b=blob: b))
+    write_to(path, out)
 
 
 FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",

@@ -321,7 +321,7 @@ def _precompile(model: str | None, config: str | None, quantize: str, device: in
 @app.command(name="eval")
 def eval_(
     file: Annotated[Path, typer.Argument(
-        help="A text file, or a .jsonl of chats ({\"messages\": [...]} a line).")],
+        metavar="FILE", help="A text file, or a .jsonl of chats ({\"messages\": [...]} a line).")],
     model: ModelOpt = "Qwen/Qwen3-0.6B",
     backend: BackendOpt = "auto",
     device: DeviceOpt = 0,
@@ -366,6 +366,27 @@ def eval_(
         return run_eval(EvalOptions(file, model, backend, device, decode, quantize, kv_cache,
                                     rope_scaling, fp8_activations, window, stride, ctx, path,
                                     base, save_logits, top_k, limit, as_json))
+
+    run_guarded(action, debug)
+
+
+@app.command()
+def quantize(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", help="Model directory or Hugging Face hub id (bf16, f16 or f32).")],
+    out: Annotated[Path, typer.Argument(
+        metavar="OUT", help="A new directory for the quantized checkpoint.")],
+    to: Annotated[str, typer.Option(
+        "--to", metavar="int4|fp8", help="int4: 4-bit groups of 128 in AutoAWQ's layout (as "
+        "--quantize int4 makes them); fp8: Qwen's FP8 blocks (as --quantize fp8).")] = "int4",
+    debug: DebugOpt = False,
+) -> None:
+    """Write a checkpoint's linear layers in 4 bits or FP8, once."""
+
+    def action() -> int:
+        from qwenchat.quantize import run_quantize
+
+        return run_quantize(model, out, to)
 
     run_guarded(action, debug)
 

@@ -12,9 +12,10 @@ import contextlib
 import json
 import mmap
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -289,6 +290,41 @@ def _index_entries(directory: Path) -> dict[str, TensorEntry]:
     raise ModelError(
         f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}; qwenchat needs safetensors weights"
     )
+
+
+@dataclass(frozen=True)
+class TensorOut:
+    """A tensor to write: its header entry, and what makes its bytes when their turn comes
+    (so that a large file is written one tensor at a time)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    data: Callable[[], bytes]
+
+
+def write_safetensors(path: Path, tensors: Sequence[TensorOut],
+                      before_each: Callable[[TensorOut], None] = lambda _: None) -> None:
+    """One safetensors file: the header (padded to 8 bytes), then each tensor's bytes in
+    order, each checked against the size its header entry gave."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for t in tensors:
+            before_each(t)
+            data = t.data()
+            if len(data) != t.nbytes:
+                raise AssertionError(f"{t.name}: {len(data)} bytes where {t.nbytes} were set")
+            handle.write(data)
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
