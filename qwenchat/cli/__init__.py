@@ -379,6 +379,12 @@ def quantize(
     to: Annotated[str, typer.Option(
         "--to", metavar="int4|fp8", help="int4: 4-bit groups of 128 in AutoAWQ's layout (as "
         "--quantize int4 makes them); fp8: Qwen's FP8 blocks (as --quantize fp8).")] = "int4",
+    calibrate: Annotated[Path | None, typer.Option(
+        "--calibrate", metavar="FILE", help="With --to int4: choose activation-aware scales "
+        "(AWQ's recipe) from this text (or .jsonl of chats), run through the model on the "
+        "CPU.")] = None,
+    calibrate_tokens: Annotated[int, typer.Option(
+        "--calibrate-tokens", metavar="N", help="Tokens of the calibration text used.")] = 512,
     debug: DebugOpt = False,
 ) -> None:
     """Write a checkpoint's linear layers in 4 bits or FP8, once."""
@@ -386,7 +392,8 @@ def quantize(
     def action() -> int:
         from qwenchat.quantize import run_quantize
 
-        return run_quantize(model, out, to)
+        return run_quantize(model, out, to, calibrate_file=calibrate,
+                            calibrate_tokens=calibrate_tokens)
 
     run_guarded(action, debug)
 

@@ -167,6 +167,9 @@ class ReferenceEngine(CacheBookkeeping):
         # Every linear layer's input as e4m3 codes and a scale a token and 128 columns, as FP8
         # tensor cores take it (fp8.quantize_activations); the LM head keeps its input.
         self.linear_input = fp8.quantize_activations if fp8_activations else _unchanged
+        # observe(layer, "qkv" | "o" | "mlp", x): the inputs of a layer's linear layers as they
+        # are computed (`qwenchat quantize --calibrate` collects them); None: nothing watches.
+        self.observe: Callable[[int, str, np.ndarray], None] | None = None
         self.embed = checkpoint.float32("model.embed_tokens.weight")
         self.layers = [LayerWeights.load(checkpoint, config, i)
                        for i in range(config.num_hidden_layers)]
@@ -236,6 +239,8 @@ class ReferenceEngine(CacheBookkeeping):
         into = self.linear_input
         for index, w in enumerate(self.layers):
             h = into(rms_norm(x, w.input_norm, cfg.rms_norm_eps))
+            if self.observe is not None:
+                self.observe(index, "qkv", h)
             q = (h @ w.q.T).reshape(count, cfg.num_attention_heads, cfg.head_dim)
             k = (h @ w.k.T).reshape(count, cfg.num_key_value_heads, cfg.head_dim)
             v = (h @ w.v.T).reshape(count, cfg.num_key_value_heads, cfg.head_dim)
@@ -243,8 +248,13 @@ class ReferenceEngine(CacheBookkeeping):
             k = apply_rope(rms_norm(k, w.k_norm, cfg.rms_norm_eps), cos, sin)
             self._k[index, :, start : start + count] = cached(k, self.kv_format).transpose(1, 0, 2)
             self._v[index, :, start : start + count] = cached(v, self.kv_format).transpose(1, 0, 2)
-            x = x + into(self._attend(index, q, start)) @ w.o.T
+            attended = into(self._attend(index, q, start))
+            if self.observe is not None:
+                self.observe(index, "o", attended)
+            x = x + attended @ w.o.T
             h = into(rms_norm(x, w.post_norm, cfg.rms_norm_eps))
+            if self.observe is not None:
+                self.observe(index, "mlp", h)
             x = x + w.mlp(h, into)
         self._tokens.extend(ids)
         rows = x if all_positions else x[-1:]
