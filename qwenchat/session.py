@@ -181,6 +181,21 @@ class ChatSession:
                 self.messages.pop()  # a failed turn leaves no half-turn behind
             raise
 
+    def complete(self, text: str, cancel: threading.Event | None = None,
+                 sent_at: float | None = None) -> Iterator[Event]:
+        """Continue `text` as it is, with no chat template (a plain completion); the reply
+        stays out of the history, and the KV cache is reused as for a turn."""
+        if not text:
+            raise UsageError("the prompt is empty: give some text to continue")
+        check_text(text, "the prompt")
+        ids = self._encoder.encode(text)
+        if len(ids) >= self.engine.capacity:
+            raise ContextFullError(
+                f"the prompt is {len(ids)} tokens but the context holds "
+                f"{self.engine.capacity}: shorten it, or raise --ctx")
+        yield from self._stream(ids, cancel or threading.Event(), now(), sent_at,
+                                parse_thinking=False, keep=False)
+
     def regenerate(self, cancel: threading.Event | None = None) -> Iterator[Event]:
         """Drop the last reply and answer the last user message again."""
         if self.messages and self.messages[-1].role == "assistant":
@@ -244,11 +259,17 @@ class ChatSession:
 
     def _reply(self, cancel: threading.Event, sent_at: float | None = None) -> Iterator[Event]:
         began = now()
-        started = began if sent_at is None else sent_at  # TTFT counts from the send
         ids, dropped = self._fit_prompt()
         if dropped:
             yield TurnsDropped(dropped, f"dropped the {dropped} oldest turn(s) to fit the "
                                         f"{self.engine.capacity}-token context")
+        yield from self._stream(ids, cancel, began, sent_at, self.thinking, keep=True)
+
+    def _stream(self, ids: list[int], cancel: threading.Event, began: float,
+                sent_at: float | None, parse_thinking: bool, keep: bool) -> Iterator[Event]:
+        """Prefill what of `ids` the cache lacks and stream the reply; `keep`: the reply joins
+        the history."""
+        started = began if sent_at is None else sent_at  # TTFT counts from the send
         cached = self.engine.tokens
         common = shared_prefix_length(cached, ids)
         common = min(common, len(ids) - 1)  # at least one token must run to give logits
@@ -262,7 +283,7 @@ class ChatSession:
                                   speculate=self.speculate, proposer=self.proposer)
         self._request = request
         reply = Reply(stats=stats)
-        splitter = ThinkSplitter(self.tokenizer, self.thinking)
+        splitter = ThinkSplitter(self.tokenizer, parse_thinking)
         first_at = last_report = 0.0
         finished = False
         try:
@@ -300,7 +321,8 @@ class ChatSession:
             _count_speculation(stats, self.engine)
             self._request = None
             reply.thinking = reply.thinking.rstrip("\n")
-            self.messages.append(Message("assistant", reply.answer))
+            if keep:
+                self.messages.append(Message("assistant", reply.answer))
             self.last_reply = reply
         yield Progress(stats, final=True)
 

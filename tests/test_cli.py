@@ -382,7 +382,8 @@ def test_help_keeps_the_defaults_that_are_not_values(command, defaults):
         assert default in text, text
 
 
-@pytest.mark.parametrize("command", ["ask", "chat", "bench", "info", "eval", "quantize"])
+@pytest.mark.parametrize("command", ["ask", "chat", "bench", "info", "eval", "quantize",
+                                     "serve"])
 def test_help_at_80_columns_reads_whole_phrases_and_flags_show_no_value_type(command):
     text = qwenchat(command, "--help", env={"COLUMNS": "80"}).stdout
     assert "Show tracebacks on errors." in text  # not cut into a 20-column strip
@@ -392,7 +393,7 @@ def test_help_at_80_columns_reads_whole_phrases_and_flags_show_no_value_type(com
 
 def test_root_help_gives_each_command_a_whole_summary_line():
     lines = qwenchat("--help", env={"COLUMNS": "80"}).stdout.splitlines()
-    for command in ("chat", "ask", "info", "bench", "eval", "quantize"):
+    for command in ("chat", "ask", "info", "bench", "eval", "quantize", "serve"):
         (line,) = [line for line in lines if line.split()[:1] == [command]]
         assert line.rstrip().endswith(".") and "..." not in line
 

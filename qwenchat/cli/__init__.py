@@ -258,6 +258,39 @@ def ask(
 
 
 @app.command()
+def serve(
+    model: ModelOpt = "Qwen/Qwen3-0.6B",
+    backend: BackendOpt = "auto",
+    ctx: CtxOpt = None,
+    device: DeviceOpt = 0,
+    decode: DecodeOpt = "auto",
+    quantize: QuantizeOpt = "none",
+    kv_cache: KvCacheOpt = "bf16",
+    rope_scaling: RopeScalingOpt = None,
+    host: Annotated[str, typer.Option("--host", metavar="ADDRESS",
+                                      help="Address to listen on (0.0.0.0: every "
+                                      "interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", metavar="PORT",
+                                      help="TCP port to listen on.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", metavar="KEY", envvar="QWENCHAT_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every request but /health.",
+        show_default="none: no key needed")] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API. Chat and plain completions,
+    streamed or not, one reply at a time: other requests queue."""
+
+    def action() -> int:
+        from qwenchat.serve import ServeOptions, run_serve
+
+        return run_serve(ServeOptions(model, backend, ctx, device, decode, quantize, kv_cache,
+                                      rope_scaling, host, port, api_key or None))
+
+    run_guarded(action, debug)
+
+
+@app.command()
 def info(
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Compile the GPU kernels of a model (--model, or --config) into the "

@@ -1,0 +1,345 @@
+"""`qwenchat serve`: the OpenAI API on the reference engine and a scripted one, in-process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fake_engine import fake_model
+from openai import OpenAI
+
+import qwenchat.serve as serve
+from qwenchat.ask import AskOptions, run_ask
+from qwenchat.engine import create_engine
+from qwenchat.model.loader import open_model
+from qwenchat.serve import QUEUE_HEADER, ServedModel, StopMatcher, build_app, listen
+
+
+class Running:
+    """A server on a free port, in a background thread."""
+
+    def __init__(self, model: ServedModel, api_key: str | None = None):
+        self.lines: list[str] = []
+        self.model = model
+        app, self.service = build_app(model, api_key, self.lines.append)
+        sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def client(self, key: str = "none") -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=20)
+
+    def post(self, path: str, body: object, **kwargs) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(self.url + path, content=content, timeout=20, **kwargs)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+        self.service.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model = open_model(str(tiny_model_dir))
+    engine = create_engine("cpu", model.config, model.checkpoint)
+    running = Running(ServedModel(("tiny", str(tiny_model_dir)), model.directory, engine,
+                                  model.tokenizer, model.eos_ids))
+    yield running
+    running.stop()
+
+
+def scripted(model_dir, text: str, api_key: str | None = None, **engine_options) -> Running:
+    loaded = fake_model(model_dir, text, **engine_options)
+    return Running(ServedModel(("tiny",), model_dir, loaded.engine, loaded.tokenizer,
+                               loaded.eos_ids), api_key)
+
+
+@pytest.fixture
+def scripted_server(tiny_model_dir):
+    started: list[Running] = []
+
+    def start(text: str, **options) -> Running:
+        started.append(scripted(tiny_model_dir, text, **options))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+HELLO = [{"role": "user", "content": "Hello, how are you?"}]
+
+
+def test_chat_answers_with_usage_and_streams_the_same_reply(tiny):
+    client = tiny.client()
+    whole = client.chat.completions.create(model="tiny", messages=HELLO, seed=3, max_tokens=12)
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    usage = whole.usage
+    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=HELLO, seed=3, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert any("POST /v1/chat/completions 200" in line and "TTFT" in line
+               for line in tiny.lines)
+
+
+def test_a_seeded_reply_is_the_one_ask_gives(tiny, tiny_model_dir):
+    out = io.StringIO()
+    options = AskOptions("Tell me about foxes.", str(tiny_model_dir), backend="cpu",
+                         overrides={"seed": 1234, "max_tokens": 24})
+    assert run_ask(options, out, io.StringIO()) == 0
+    reply = tiny.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me about foxes."}],
+        seed=1234, max_tokens=24)
+    assert reply.choices[0].message.content == out.getvalue()[:-1]
+
+
+def test_completion_continues_the_prompt_streamed_or_not(tiny):
+    client = tiny.client()
+    whole = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=8,
+                                      temperature=0)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert 0 < whole.usage.completion_tokens <= 8
+    streamed = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=8,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+
+
+def test_models_and_health(tiny):
+    assert [m.id for m in tiny.client().models.list()] == ["tiny"]
+    health = httpx.get(tiny.url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_a_prompt_that_extends_the_last_reuses_its_cache(tiny):
+    client = tiny.client()
+    first = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=6)
+    follow = [*HELLO, {"role": "assistant", "content": first.choices[0].message.content},
+              {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="tiny", messages=follow, max_tokens=6)
+    reused = int(tiny.lines[-1].split(" · in ")[1].split("(")[1].split(" ")[0])
+    # (all but the generation prompt: the template renders an earlier reply without the
+    # empty think block its generation prompt began with)
+    assert reused >= first.usage.prompt_tokens - 8
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_thinking_comes_apart_from_the_answer_when_asked_for(scripted_server, think):
+    text = "<think>Let me think.</think>The answer." if think else "The answer."
+    client = scripted_server(text).client()
+    extra = {"chat_template_kwargs": {"enable_thinking": think}}
+    whole = client.chat.completions.create(model="tiny", messages=HELLO, extra_body=extra)
+    message = whole.choices[0].message
+    assert message.content == "The answer."
+    assert getattr(message, "reasoning_content", None) == ("Let me think." if think else None)
+    chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, stream=True,
+                                                 extra_body=extra))
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == "The answer."
+    assert reasoning == ("Let me think." if think else "")
+
+
+def test_every_sampling_parameter_reaches_the_engine(scripted_server):
+    running = scripted_server("Fine, thanks.")
+    openai_ones = dict(temperature=0.5, top_p=0.9, presence_penalty=0.5,
+                       frequency_penalty=-0.5, seed=99)
+    extra = dict(top_k=7, min_p=0.05, repetition_penalty=1.1)
+    reply = running.client().chat.completions.create(
+        model="tiny", messages=HELLO, max_completion_tokens=3, n=1, **openai_ones,
+        extra_body={**extra, "max_tokens": 50})  # max_completion_tokens wins
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+    seen = running.model.engine.seen[-1]
+    values = {**openai_ones, **extra}
+    assert {name: getattr(seen, name) for name in values} == values
+
+
+@pytest.mark.parametrize("stop", ["is 4", ["nothing", "is 4"]])
+def test_a_stop_string_cuts_the_reply_before_it(scripted_server, stop):
+    client = scripted_server("The answer is 42. Done.", eos=False).client()
+    whole = client.chat.completions.create(model="tiny", messages=HELLO, stop=stop,
+                                           max_tokens=50)
+    assert whole.choices[0].message.content == "The answer "
+    assert whole.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, stop=stop,
+                                                 max_tokens=50, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The answer "
+
+
+def test_stop_matcher_holds_back_only_what_could_begin_a_stop():
+    matcher = StopMatcher(["END"])
+    assert matcher.push("abc E") == "abc "
+    assert matcher.push("x") == "Ex"
+    assert matcher.push("yE") == "y"
+    assert matcher.push("N") == ""
+    assert matcher.push("Dtail") == "" and matcher.stopped
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "tiny"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": HELLO, "n": 2}, "n"),
+    ({"messages": HELLO, "temperature": 3}, "temperature"),
+    ({"messages": HELLO, "top_p": 0}, "top_p"),
+    ({"messages": HELLO, "seed": -1}, "seed"),
+    ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
+    ({"messages": HELLO, "stop": 5}, "stop"),
+    ({"messages": HELLO, "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "word " * 700}]}, "messages"),
+])
+def test_a_bad_chat_request_is_a_400_naming_the_parameter(tiny, body, param):
+    assert error_of(tiny.post("/v1/chat/completions", body), 400)["param"] == param
+
+
+def test_bad_json_unknown_paths_models_and_big_bodies_get_json_errors(tiny, monkeypatch):
+    assert error_of(tiny.post("/v1/chat/completions", b"{not json"), 400)
+    assert error_of(tiny.post("/v1/completions", {"prompt": ""}), 400)["param"] == "prompt"
+    assert error_of(httpx.get(tiny.url + "/v1/nothing"), 404)
+    unknown = tiny.post("/v1/chat/completions", {"model": "gpt-9", "messages": HELLO})
+    assert error_of(unknown, 404)["code"] == "model_not_found"
+    monkeypatch.setattr(serve, "MAX_BODY_BYTES", 1000)
+    big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+    assert error_of(tiny.post("/v1/chat/completions", big), 413)
+
+
+def test_an_engine_failure_is_a_500_and_the_next_request_works(scripted_server, monkeypatch):
+    running = scripted_server("Fine.")
+    engine = running.model.engine
+
+    def broken(ids):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(engine, "prefill", broken)
+    error = error_of(running.post("/v1/chat/completions", {"messages": HELLO}), 500)
+    assert "the device fell over" in error["message"]
+    monkeypatch.undo()
+    assert running.post("/v1/chat/completions", {"messages": HELLO}).status_code == 200
+
+
+def test_an_api_key_is_required_when_set(tiny_model_dir):
+    running = scripted(tiny_model_dir, "Fine.", api_key="sekret")
+    try:
+        assert error_of(running.post("/v1/chat/completions", {"messages": HELLO}), 401)
+        wrong = running.post("/v1/chat/completions", {"messages": HELLO},
+                             headers={"authorization": "Bearer nope"})
+        assert error_of(wrong, 401)["code"] == "invalid_api_key"
+        reply = running.client("sekret").chat.completions.create(model="tiny", messages=HELLO)
+        assert reply.choices[0].message.content == "Fine."
+        assert httpx.get(running.url + "/health").status_code == 200
+    finally:
+        running.stop()
+
+
+def test_eight_clients_at_once_are_answered_in_order_none_lost(scripted_server):
+    running = scripted_server("One two three four five.", hold_at=0)
+    engine = running.model.engine
+    results: dict[int, tuple[int, str, float]] = {}
+
+    def ask(i: int) -> None:
+        response = running.post("/v1/chat/completions", {"messages": HELLO})
+        results[i] = (int(response.headers[QUEUE_HEADER]),
+                      response.json()["choices"][0]["message"]["content"], time.monotonic())
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while running.service.scheduler.pending < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        engine.release.set()  # each reply holds at its first step until released
+        time.sleep(0.005)
+    for thread in threads:
+        thread.join(5)
+    assert len(results) == 8
+    assert {text for _, text, _ in results.values()} == {"One two three four five."}
+    by_place = sorted(results.values())
+    assert [ahead for ahead, _, _ in by_place] == list(range(8))
+    finished = [at for _, _, at in by_place]
+    assert finished == sorted(finished)
+
+
+def test_a_client_gone_mid_stream_frees_the_server(scripted_server):
+    running = scripted_server("and on ", eos=False, rate=100)
+    body = {"messages": HELLO, "stream": True, "max_tokens": 100_000}
+    with httpx.stream("POST", running.url + "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert next(lines) == ""
+    began = time.monotonic()
+    reply = running.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 3})
+    assert reply.status_code == 200 and time.monotonic() - began < 2
+    assert any("client gone" in line for line in running.lines)
+
+
+SCRIPT = Path(sys.executable).parent / "qwenchat"
+
+
+def start_command(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([str(SCRIPT), "serve", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_the_command_serves_until_interrupted(tiny_model_dir):
+    process = start_command("-m", str(tiny_model_dir), "--backend", "cpu", "--port", "0")
+    try:
+        line = process.stderr.readline()
+        assert line.startswith("qwenchat: serving "), line + process.stderr.read()
+        url = line.split(" on ")[1].split()[0]
+        assert httpx.get(url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=10)
+    assert process.returncode == 130 and "Traceback" not in err  # as `ask` ends on Ctrl-C
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--port", "{busy}"], "pick another --port"),
+    (["-m", "/no/such/model"], "/no/such/model"),
+    (["--backend", "tpu"], "--backend must be one of"),
+])
+def test_a_startup_error_is_one_line_and_a_failing_exit(tiny_model_dir, args, needle):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        args = [a.replace("{busy}", port) for a in args]
+        process = start_command("-m", str(tiny_model_dir), "--backend", "cpu", *args)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qwenchat: error:") and needle in lines[0]
