@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from qwenchat import remote
 from qwenchat.engine import check_engine_flags, create_engine
 from qwenchat.engine.speculate import check_speculate, open_draft, speculation_asked
 from qwenchat.errors import UsageError
@@ -18,6 +19,7 @@ from qwenchat.model import rope
 from qwenchat.model.loader import open_model
 from qwenchat.model.locate import looks_like_path, resolve_model
 from qwenchat.model.tokenizer import check_text
+from qwenchat.remote import check_remote_flags
 from qwenchat.sampling.params import LiveParams, check_value, generation_defaults
 from qwenchat.session import ChatSession, Progress, ReplyStats, TextPiece, TurnsDropped
 
@@ -41,6 +43,8 @@ class AskOptions:
     draft: str | None = None  # a draft model's directory or hub id (speculative decoding)
     kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
     rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
+    url: str | None = None  # --backend openai: the server's address
+    api_key_env: str | None = None  # --backend openai: the variable holding its API key
 
 
 # Byte-order marks honoured on stdin: UTF-8's is dropped, UTF-16's (as Windows tools write)
@@ -83,6 +87,9 @@ def check_overrides(overrides: dict[str, Any]) -> None:
 
 def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     check_overrides(options.overrides)
+    check_remote_flags(options.backend, options.url, options.api_key_env)
+    if options.backend == remote.BACKEND:
+        return _ask_remote(options, out, err)
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize, options.kv_cache, options.rope_scaling)
     check_speculate(options.speculate, options.draft)
@@ -113,6 +120,34 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think, speculate=speculate,
                           proposer=proposer)
+    described = {"model": model.spec, "backend": engine.name, "weights": engine.weight_format,
+                 "kv_cache": engine.kv_format,
+                 "speculate": ("draft" if proposer else options.speculate) if speculate
+                 else "off", "draft": options.draft if proposer else None,
+                 "load_s": round(load_s, 4)}
+    return _answer(session, options, described, params.as_dict(), out, say)
+
+
+def _ask_remote(options: AskOptions, out: TextIO, err: TextIO) -> int:
+    """The same answer from a model on an OpenAI-compatible server: only the sampling flags
+    given are sent, so the server's defaults (the model's own) apply to the rest."""
+    server = remote.RemoteServer(options.url or "", options.api_key_env)
+    try:
+        params = generation_defaults(None, options.think).with_updates(**options.overrides)
+        session = remote.RemoteSession(server, options.model, LiveParams(params),
+                                       system=options.system, thinking=options.think,
+                                       send_fields=set(options.overrides))
+        described = {"model": options.model, "backend": remote.BACKEND, "url": server.url}
+        return _answer(session, options, described, dict(options.overrides), out,
+                       _stderr_line(err))
+    finally:
+        server.close()
+
+
+def _answer(session: ChatSession | remote.RemoteSession, options: AskOptions,
+            described: dict[str, Any], params: dict[str, Any], out: TextIO,
+            say: Callable[[str], None]) -> int:
+    """Stream the answer (or collect it for --json), then the summary if asked."""
     writer = _JsonCollector() if options.as_json else _StreamWriter(out, options.show_thinking)
     stats = ReplyStats()
     for event in session.send(options.prompt):
@@ -123,12 +158,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
         elif isinstance(event, Progress) and event.final:
             stats = event.stats
     if options.as_json:
-        record = {"model": model.spec, "backend": engine.name, "weights": engine.weight_format,
-                  "kv_cache": engine.kv_format,
-                  "speculate": ("draft" if proposer else options.speculate) if speculate
-                  else "off", "draft": options.draft if proposer else None,
-                  "load_s": round(load_s, 4),
-                  **writer.result(), **stats.as_dict(), "params": params.as_dict()}
+        record = {**described, **writer.result(), **stats.as_dict(), "params": params}
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
         writer.close()
@@ -143,12 +173,17 @@ def summary_line(stats: ReplyStats) -> str:
     ttft = f"{stats.ttft_s * 1000:.0f} ms" if stats.ttft_s is not None else "–"
     line = (f"{stats.generated_tokens} tokens · {rate} · TTFT {ttft} · prompt "
             f"{stats.prompt_tokens} tokens ({stats.reused_tokens} reused) · "
-            f"KV {stats.position}/{stats.capacity} · stop: {stats.stop_reason} · "
+            f"{kv_text(stats)} · stop: {stats.stop_reason} · "
             f"seed {stats.seed}")
     if stats.spec_proposed:
         line += (f" · speculation: {stats.spec_accepted}/{stats.spec_proposed} proposed "
                  f"tokens kept over {stats.spec_passes} passes")
     return line
+
+
+def kv_text(stats: ReplyStats) -> str:
+    """"KV 743/4096", or that a remote server does not say."""
+    return f"KV {stats.position}/{stats.capacity}" if stats.capacity else remote.KV_UNAVAILABLE
 
 
 def _stderr_line(err: TextIO) -> Callable[[str], None]:

@@ -49,7 +49,7 @@ class ReplyStats:
     ttft_s: float | None = None  # from send to the first reply token
     decode_s: float = 0.0  # from the first reply token to the last
     position: int = 0
-    capacity: int = 0
+    capacity: int = 0  # 0: not known (a remote server does not report its KV cache)
     stop_reason: str | None = None
     seed: int = 0
     # Speculative decoding (0 while off): target passes that verified proposals, tokens
@@ -134,33 +134,18 @@ class ThinkSplitter:
         return [TextPiece(text, self.kind)] if text else []
 
 
-class ChatSession:
-    def __init__(
-        self,
-        engine: Engine,
-        tokenizer: Tokenizer,
-        eos_ids: frozenset[int],
-        params: LiveParams,
-        system: str | None = None,
-        thinking: bool = False,
-        speculate: int = 0,
-        proposer: Proposer | None = None,
-    ):
-        self.engine = engine
-        # Speculative decoding: propose up to this many tokens a step (0: off), by `proposer`
-        # (None: prompt lookup).
-        self.speculate = speculate
-        self.proposer = proposer
-        self._request: GenerateRequest | None = None  # the reply's, while one streams
-        self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
+class Conversation:
+    """A chat's turns as both kinds of session keep them: the messages, the system prompt and
+    thinking mode, and what sending, regenerating and clearing do to them. A subclass streams
+    the reply (`_reply`): ChatSession on a local engine, remote.RemoteSession on a server."""
+
+    def __init__(self, params: LiveParams, system: str | None = None, thinking: bool = False):
         self.params = params
         self.system = system
         self.thinking = thinking
         self.messages: list[Message] = []
         self.first_in_context = 0  # index into messages of the oldest turn still rendered
         self.last_reply: Reply | None = None
-        self._encoder = PrefixReuse(tokenizer)  # each turn re-encodes only what is new
 
     def send(self, text: str, cancel: threading.Event | None = None,
              sent_at: float | None = None) -> Iterator[Event]:
@@ -181,6 +166,50 @@ class ChatSession:
                 self.messages.pop()  # a failed turn leaves no half-turn behind
             raise
 
+    def regenerate(self, cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Drop the last reply and answer the last user message again."""
+        if self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()
+        if not self.messages or self.messages[-1].role != "user":
+            raise UsageError("nothing to regenerate: send a message first")
+        text = self.messages.pop().content
+        yield from self.send(text, cancel)
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.first_in_context = 0
+
+    def context_messages(self) -> list[Message]:
+        system = [Message("system", self.system)] if self.system else []
+        return system + self.messages[self.first_in_context :]
+
+    def _reply(self, cancel: threading.Event, sent_at: float | None) -> Iterator[Event]:
+        raise NotImplementedError
+
+
+class ChatSession(Conversation):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        eos_ids: frozenset[int],
+        params: LiveParams,
+        system: str | None = None,
+        thinking: bool = False,
+        speculate: int = 0,
+        proposer: Proposer | None = None,
+    ):
+        self.engine = engine
+        # Speculative decoding: propose up to this many tokens a step (0: off), by `proposer`
+        # (None: prompt lookup).
+        self.speculate = speculate
+        self.proposer = proposer
+        self._request: GenerateRequest | None = None  # the reply's, while one streams
+        super().__init__(params, system, thinking)
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self._encoder = PrefixReuse(tokenizer)  # each turn re-encodes only what is new
+
     def complete(self, text: str, cancel: threading.Event | None = None,
                  sent_at: float | None = None) -> Iterator[Event]:
         """Continue `text` as it is, with no chat template (a plain completion); the reply
@@ -196,29 +225,12 @@ class ChatSession:
         yield from self._stream(ids, cancel or threading.Event(), now(), sent_at,
                                 parse_thinking=False, keep=False)
 
-    def regenerate(self, cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Drop the last reply and answer the last user message again."""
-        if self.messages and self.messages[-1].role == "assistant":
-            self.messages.pop()
-        if not self.messages or self.messages[-1].role != "user":
-            raise UsageError("nothing to regenerate: send a message first")
-        text = self.messages.pop().content
-        yield from self.send(text, cancel)
-
     def set_speculate(self, most: int) -> None:
         """Propose up to `most` tokens a step from now on (0: off), in a reply streaming now
         too (its next step)."""
         self.speculate = most
         if self._request is not None:
             self._request.speculate = most
-
-    def clear(self) -> None:
-        self.messages.clear()
-        self.first_in_context = 0
-
-    def context_messages(self) -> list[Message]:
-        system = [Message("system", self.system)] if self.system else []
-        return system + self.messages[self.first_in_context :]
 
     def history_ids(self) -> list[int]:
         """The tokens every next turn's prompt starts with: the conversation as the chat
@@ -278,7 +290,7 @@ class ChatSession:
         self.engine.truncate(common)
         yield from self._prefill(ids[common:], stats, began, cancel)
         current = self.params.current
-        stats.seed = current.seed if current.seed is not None else _fresh_seed()
+        stats.seed = current.seed if current.seed is not None else fresh_seed()
         request = GenerateRequest(self.params, self.eos_ids, stats.seed, cancel,
                                   speculate=self.speculate, proposer=self.proposer)
         self._request = request
@@ -394,5 +406,6 @@ def _append(reply: Reply, piece: TextPiece) -> None:
         reply.answer += piece.text
 
 
-def _fresh_seed() -> int:
+def fresh_seed() -> int:
+    """A seed for a reply the user gave none: drawn, and reported, so it can be replayed."""
     return int.from_bytes(os.urandom(8), "little") >> 1

@@ -553,8 +553,8 @@ def exported(cubin: bytes, names) -> set[str]:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(("source", "weights"), [("gemm_sm90.cu", "bf16"),
-                                                 ("gemm_fp8_sm90.cu", "fp8")])
+@pytest.mark.parametrize(("source", "weights"), [
+    ("gemm_sm90.cu", "bf16"), pytest.param("gemm_fp8_sm90.cu", "fp8", marks=COMPILE_MATRIX)])
 @compiled_ahead(lambda source, weights: [gemm_part_build(source, weights, part)
                                          for part in (None, *range(len(SM90_PARTS[source])))])
 def test_each_hopper_gemm_part_holds_its_kernels_and_together_they_are_the_whole(
@@ -745,7 +745,7 @@ def _widest_plan(weights, bandwidth):
 @needs_nvrtc
 @pytest.mark.parametrize(("weights", "split", "bandwidth"),
                          [("bf16", True, H100_BANDWIDTH), ("fp8", False, H100_BANDWIDTH),
-                          ("fp8", False, H200_BANDWIDTH)])
+                          pytest.param("fp8", False, H200_BANDWIDTH, marks=COMPILE_MATRIX)])
 @compiled_ahead(lambda weights, bandwidth, **_: [
     ("megakernel.cu", "sm_90", dict(_widest_plan(weights, bandwidth).megakernel.defines))])
 def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(
@@ -800,7 +800,7 @@ def consumer_build(arch, name, consumer) -> Build:
 
 @needs_nvrtc
 @pytest.mark.parametrize(("arch", "name", "consumer"), [
-    ("sm_90", "qwen3-14b", "auto"), ("sm_90", "qwen3-14b", "fma"),
+    ("sm_90", "qwen3-14b", "auto"), pytest.param("sm_90", "qwen3-14b", "fma", marks=COMPILE_MATRIX),
     pytest.param("sm_89", "qwen3-4b", "auto", marks=COMPILE_MATRIX),
     pytest.param("sm_89", "qwen3-4b", "fma", marks=COMPILE_MATRIX)])
 @compiled_ahead(lambda **p: [consumer_build(**p)])

@@ -42,6 +42,16 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model directory or
                                        "hub id.", envvar="QWENCHAT_MODEL", metavar="MODEL")]
 BackendOpt = Annotated[str, typer.Option("--backend", "-b", metavar="auto|cuda|cpu",
                                          help="auto (GPU if usable, else CPU), cuda or cpu.")]
+ClientBackendOpt = Annotated[str, typer.Option(
+    "--backend", "-b", metavar="auto|cuda|cpu|openai",
+    help="auto (GPU if usable, else CPU), cuda, cpu, or openai: the model -m names on the "
+    "OpenAI-compatible server at --url.")]
+UrlOpt = Annotated[str | None, typer.Option(
+    "--url", metavar="URL", help="With --backend openai: the server's address, e.g. "
+    "http://127.0.0.1:8000 (qwenchat serve, vLLM, llama-server...).")]
+ApiKeyEnvOpt = Annotated[str | None, typer.Option(
+    "--api-key-env", metavar="VAR", help="With --url: the environment variable that holds "
+    "the server's API key.")]
 # Defaults that are not values go through show_default, which help shows in parentheses.
 CtxOpt = Annotated[int | None, typer.Option("--ctx", metavar="TOKENS",
                                             help="KV-cache size in tokens.",
@@ -155,7 +165,9 @@ def root(
 @app.command()
 def chat(
     model: ModelOpt = "Qwen/Qwen3-0.6B",
-    backend: BackendOpt = "auto",
+    backend: ClientBackendOpt = "auto",
+    url: UrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
     system: SystemOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
@@ -193,7 +205,8 @@ def chat(
         mode = speculate_flag(speculate, draft)
         options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
                               quantize, mode, draft, history=not no_history,
-                              debug=debug, kv_cache=kv_cache, rope_scaling=rope_scaling)
+                              debug=debug, kv_cache=kv_cache, rope_scaling=rope_scaling,
+                              url=url, api_key_env=api_key_env)
         check_chat_options(options)
         require_terminal()
         from qwenchat.tui.app import run_chat  # Textual loads only once the flags are good
@@ -209,7 +222,9 @@ def ask(
                                                  help="The question. Read from stdin too "
                                                       "(stdin first, then this).")] = None,
     model: ModelOpt = "Qwen/Qwen3-0.6B",
-    backend: BackendOpt = "auto",
+    backend: ClientBackendOpt = "auto",
+    url: UrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
     system: SystemOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
@@ -251,7 +266,8 @@ def ask(
         text = combine_prompt(prompt, _read_stdin())
         options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
                              verbose, ctx, overrides, device, decode, quantize, mode,
-                             draft, kv_cache=kv_cache, rope_scaling=rope_scaling)
+                             draft, kv_cache=kv_cache, rope_scaling=rope_scaling, url=url,
+                             api_key_env=api_key_env)
         return run_ask(options)
 
     run_guarded(action, debug)
@@ -305,12 +321,21 @@ def info(
     quantize: QuantizeOpt = "none",
     device: DeviceOpt = 0,
     decode: DecodeOpt = "auto",
+    url: Annotated[str | None, typer.Option(
+        "--url", metavar="URL", help="List the models the OpenAI-compatible server at URL "
+        "serves instead.")] = None,
+    api_key_env: ApiKeyEnvOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Show versions, the GPU, driver and NVRTC, and where files live. With --compile, fill
-    the kernel cache for a model instead."""
+    the kernel cache for a model instead; with --url, list a server's models."""
 
     def action() -> int:
+        if url is not None or api_key_env is not None:
+            if compile_:
+                raise UsageError("--url lists a server's models; --compile fills the local "
+                                 "kernel cache: use one of them")
+            return _served_models(url, api_key_env)
         if compile_:
             return _precompile(model, config, quantize, device, decode)
         if model is not None or config is not None:
@@ -334,6 +359,20 @@ def info(
         return 0
 
     run_guarded(action, debug)
+
+
+def _served_models(url: str | None, api_key_env: str | None) -> int:
+    from qwenchat.remote import BACKEND, RemoteServer, check_remote_flags
+
+    check_remote_flags(BACKEND, url, api_key_env)
+    server = RemoteServer(url or "", api_key_env)
+    try:
+        models = server.models()
+    finally:
+        server.close()
+    for name in models:  # verbatim: plain lines, no markup
+        sys.stdout.write(f"{name}\n")
+    return 0
 
 
 def _precompile(model: str | None, config: str | None, quantize: str, device: int,

@@ -19,7 +19,7 @@ from textual.screen import Screen
 from qwenchat.errors import QwenchatError
 from qwenchat.store import ChatStore
 from qwenchat.tui.keys import read_alt_enter
-from qwenchat.tui.loader import LoadedModel, Loader, model_loader
+from qwenchat.tui.loader import ChatModel, Loader, model_loader
 from qwenchat.tui.options import ChatOptions
 from qwenchat.tui.screens.chat import PALETTE, ChatScreen
 from qwenchat.tui.screens.error import ErrorScreen
@@ -43,7 +43,7 @@ class QwenchatApp(App[int]):
         """The current step's progress has changed: the latest is in `_progress_text`."""
 
     class Loaded(Message):
-        def __init__(self, model: LoadedModel):
+        def __init__(self, model: ChatModel):
             super().__init__()
             self.model = model
 
@@ -71,7 +71,7 @@ class QwenchatApp(App[int]):
             history = ChatStore.default_path() if options.history else None
         self._history = history
         self.store: ChatStore | None = None
-        self.model: LoadedModel | None = None  # once loaded; closed on the way out
+        self.model: ChatModel | None = None  # once loaded; closed on the way out
         self.chat_screen: ChatScreen | None = None
         self._loading: LoadingScreen
         self.error_message: str | None = None  # why the app could not start

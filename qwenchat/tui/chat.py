@@ -14,9 +14,9 @@ from typing import Any
 from qwenchat.errors import QwenchatError, UsageError
 from qwenchat.model.tokenizer import Message
 from qwenchat.sampling.params import LiveParams
-from qwenchat.session import ChatSession, Event, Reply, ReplyStats
+from qwenchat.session import Event, Reply, ReplyStats
 from qwenchat.store import ChatRecord, ChatStore, StoredMessage
-from qwenchat.tui.loader import LoadedModel
+from qwenchat.tui.loader import ChatModel
 from qwenchat.tui.settings import ChatSettings
 
 TITLE_CHARS = 60
@@ -26,7 +26,7 @@ class Chat:
     def __init__(
         self,
         store: ChatStore,
-        model: LoadedModel,
+        model: ChatModel,
         settings: ChatSettings,
         system: str | None = None,
         record: ChatRecord | None = None,
@@ -38,10 +38,8 @@ class Chat:
         self.settings = settings
         self.record = record  # None until the first message: empty chats are not kept
         self.stored = list(stored or [])  # the history's rows, one per session message
-        self.session = ChatSession(model.engine, model.tokenizer, model.eos_ids,
-                                   LiveParams(settings.params), system=system,
-                                   thinking=settings.thinking, speculate=speculate,
-                                   proposer=model.proposer)
+        self.session = model.new_session(LiveParams(settings.params), system,
+                                         settings.thinking, speculate)
         self.session.messages = [Message(m.role, m.content) for m in self.stored]
         self._warn = warn
         self._last_warning = ""
@@ -51,7 +49,7 @@ class Chat:
         self.prepared_tokens = 0  # what the last background prefill added (reports, tests)
 
     @classmethod
-    def open(cls, store: ChatStore, model: LoadedModel, chat_id: int,
+    def open(cls, store: ChatStore, model: ChatModel, chat_id: int,
              warn: Callable[[str], None] = lambda _: None, speculate: int = 0) -> Chat:
         record = store.get_chat(chat_id)
         settings = ChatSettings.from_dict(model.directory, record.settings)

@@ -8,12 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwenchat.engine import Engine, create_engine
-from qwenchat.engine.speculate import DraftProposer, open_draft
+from qwenchat.engine.speculate import DraftProposer, cannot_verify, open_draft, speculation_asked
 from qwenchat.model import rope
 from qwenchat.model.config import parameters_summary
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Tokenizer
+from qwenchat.remote import BACKEND, KV_UNAVAILABLE, RemoteServer, RemoteSession
+from qwenchat.sampling.params import LiveParams
+from qwenchat.session import ChatSession
 from qwenchat.tui.options import ChatOptions
+from qwenchat.tui.status_layout import Piece, engine_piece, remote_piece
 
 Report = Callable[[str], None]
 
@@ -30,9 +34,35 @@ class LoadedModel:
     proposer: DraftProposer | None = None  # --draft: the draft model that proposes tokens
     draft_spec: str | None = None  # the draft as the user named it
 
+    kv_unavailable = ""  # (the KV gauge shows the engine's cache)
+    live_sampler = True  # a sampler change reaches the reply under way, at its next token
+
     @property
     def device_name(self) -> str:
         return getattr(self.engine, "device_name", "CPU")
+
+    def new_session(self, params: LiveParams, system: str | None, thinking: bool,
+                    speculate: int) -> ChatSession:
+        return ChatSession(self.engine, self.tokenizer, self.eos_ids, params, system=system,
+                           thinking=thinking, speculate=speculate, proposer=self.proposer)
+
+    def speculation(self, mode: str, draft: str | None) -> tuple[int, str]:
+        return speculation_asked(mode, draft, self.engine)
+
+    def cannot_verify(self) -> str:
+        return cannot_verify(self.engine)
+
+    def kv(self) -> tuple[int, int]:
+        """The KV cache's position and capacity now."""
+        return self.engine.position, self.engine.capacity
+
+    def status_piece(self) -> Piece:
+        engine = self.engine
+        return engine_piece(engine.name, self.device_name, engine.weight_format,
+                            engine.kv_format)
+
+    def rope_note(self) -> str:
+        return rope.gauge_note(self.engine.config)
 
     def describe(self) -> str:
         """/info: the model and the draft, each with its engine and (GPU) memory."""
@@ -51,13 +81,75 @@ class LoadedModel:
             self.proposer.close()
 
 
+@dataclass
+class RemoteModel:
+    """A model on an OpenAI-compatible server, offering the chat what LoadedModel does; its
+    cache, speculation and memory are the server's, so none of them shows here."""
+
+    spec: str  # the model's name on the server
+    server: RemoteServer
+    served: tuple[str, ...]  # what the server lists (/info)
+    directory: Path | None = None  # (the sampler starts from Qwen's presets)
+    kv_unavailable = KV_UNAVAILABLE
+    live_sampler = False  # a request's values are sent with it
+
+    def new_session(self, params: LiveParams, system: str | None, thinking: bool,
+                    speculate: int) -> RemoteSession:
+        return RemoteSession(self.server, self.spec, params, system=system, thinking=thinking)
+
+    def speculation(self, mode: str, draft: str | None) -> tuple[int, str]:
+        if mode == "off" and draft is None:
+            return 0, ""
+        return 0, f"{'--draft' if draft else '--speculate'}: a remote server speculates by " \
+                  "its own settings; asking without"
+
+    def cannot_verify(self) -> str:
+        return "speculation on a remote server is the server's own setting"
+
+    def kv(self) -> tuple[int, int]:
+        return 0, 0  # not known: the server does not report its cache
+
+    def status_piece(self) -> Piece:
+        return remote_piece(self.server.url, self.spec)
+
+    def rope_note(self) -> str:
+        return ""
+
+    def describe(self) -> str:
+        return (f"model {self.spec} on the OpenAI-compatible server at {self.server.url} "
+                f"(it serves: {', '.join(self.served) or 'none'}); its KV cache, speculation "
+                "and memory are the server's: the status bar shows the speed and TTFT seen "
+                "here, and sampler changes apply from the next request")
+
+    def close(self) -> None:
+        self.server.close()
+
+
 # A loader runs in a worker thread: `step` says what it starts doing now, `notice` reports
 # something the user should still see once the chat is open, `progress` how far the current
 # step has got (a download's bytes and files).
-Loader = Callable[[Report, Report, Report], LoadedModel]
+ChatModel = LoadedModel | RemoteModel  # what the chat runs on: an engine here, or a server
+Loader = Callable[[Report, Report, Report], ChatModel]
+
+
+def remote_loader(options: ChatOptions) -> Loader:
+    def load(step: Report, notice: Report, progress: Report) -> RemoteModel:
+        step(f"asking {options.url} for its models")
+        server = RemoteServer(options.url or "", options.api_key_env)
+        try:  # (a name it does not list may still be an alias it takes: the first turn tells)
+            served = tuple(server.models())
+        except BaseException:
+            server.close()
+            raise
+        return RemoteModel(options.model, server, served)
+
+    return load
 
 
 def model_loader(options: ChatOptions) -> Loader:
+    if options.backend == BACKEND:
+        return remote_loader(options)
+
     def load(step: Report, notice: Report, progress: Report) -> LoadedModel:
         if Path(options.model).expanduser().is_dir():
             step(f"reading {options.model}")

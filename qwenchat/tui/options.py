@@ -12,6 +12,7 @@ from qwenchat.engine import check_engine_flags
 from qwenchat.engine.speculate import check_speculate
 from qwenchat.errors import UsageError
 from qwenchat.model.locate import looks_like_path, resolve_model
+from qwenchat.remote import BACKEND, check_remote_flags
 
 
 @dataclass
@@ -31,11 +32,16 @@ class ChatOptions:
     debug: bool = False
     kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
     rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
+    url: str | None = None  # --backend openai: the server's address
+    api_key_env: str | None = None  # --backend openai: the variable holding its API key
 
 
 def check_chat_options(options: ChatOptions) -> None:
     """The same checks, and the same one-line errors, as `ask`: before the app starts."""
     check_overrides(options.overrides)
+    check_remote_flags(options.backend, options.url, options.api_key_env)
+    if options.backend == BACKEND:
+        return  # the model is the server's: nothing here to check
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize, options.kv_cache, options.rope_scaling)
     check_speculate(options.speculate, options.draft)

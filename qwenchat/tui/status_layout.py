@@ -92,6 +92,12 @@ def engine_piece(engine: str, device: str, weights: str, kv: str) -> Piece:
     return Piece("engine", "engine", (label, short, ""))
 
 
+def remote_piece(url: str, model: str) -> Piece:
+    """"Qwen3-0.6B on http://gpu-box:8000 (remote)", then "remote · Qwen3-0.6B"."""
+    host = re.sub(r"^https?://", "", url)
+    return Piece("engine", "engine", (f"{model} on {host} (remote)", f"remote · {model}", ""))
+
+
 def short_device(device: str) -> str:
     """The GPU's model without vendor, memory size and form factor: "NVIDIA H100 80GB HBM3",
     "NVIDIA A100-SXM4-80GB" -> "H100", "A100"; "NVIDIA GeForce RTX 4090" -> "RTX 4090"."""
@@ -148,7 +154,10 @@ def _reply_numbers(stats: ReplyStats) -> list[Piece]:
     ]
 
 
-def gauge_piece(position: int, capacity: int, note: str) -> Piece:
+def gauge_piece(position: int, capacity: int, note: str, unavailable: str = "") -> Piece:
+    """The KV gauge's forms; `unavailable`: what it says where the cache is not known."""
+    if unavailable:
+        return Piece("kv", "kv", (unavailable,) * len(GAUGE_FORMS))
     return Piece("kv", "kv", tuple(gauge_text(position, capacity, cells, note if with_note else "")
                                    .plain for cells, with_note in GAUGE_FORMS))
 

@@ -28,9 +28,8 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header, Static
 
-from qwenchat.engine.speculate import SPECULATE_MOST, cannot_verify, speculation_asked
+from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.errors import QwenchatError, UsageError
-from qwenchat.model import rope
 from qwenchat.sampling.params import parse_value
 from qwenchat.session import Event, ReplyStats
 from qwenchat.session import now as session_clock
@@ -39,7 +38,7 @@ from qwenchat.tui.chat import Chat
 from qwenchat.tui.clipboard import last_code_block, unsupported_reason
 from qwenchat.tui.commands import Command, interpret
 from qwenchat.tui.feed import ReplyFeed
-from qwenchat.tui.loader import LoadedModel
+from qwenchat.tui.loader import ChatModel
 from qwenchat.tui.options import ChatOptions
 from qwenchat.tui.quiet_gc import FullCollectionsDeferred
 from qwenchat.tui.screens.chats import ChatChoice, ChatListScreen
@@ -131,7 +130,7 @@ class ChatScreen(Screen[None]):
         Binding("f1", "help", "Help", id="help", tooltip="this help"),
     ]
 
-    def __init__(self, store: ChatStore, model: LoadedModel, options: ChatOptions,
+    def __init__(self, store: ChatStore, model: ChatModel, options: ChatOptions,
                  clock: Callable[[], float]):
         super().__init__()
         self.store = store
@@ -139,8 +138,8 @@ class ChatScreen(Screen[None]):
         self.clock = clock
         settings = ChatSettings(model.directory, options.think, dict(options.overrides))
         # (an engine that cannot verify proposals answers without: on_mount says so)
-        self.speculate, self._speculation_note = speculation_asked(
-            options.speculate, options.draft, model.engine)
+        self.speculate, self._speculation_note = model.speculation(options.speculate,
+                                                                   options.draft)
         self.chat = Chat(store, model, settings, options.system, warn=self._warn,
                          speculate=self.speculate)
         self.debug = options.debug
@@ -161,10 +160,8 @@ class ChatScreen(Screen[None]):
         self.prompt = PromptInput(id="prompt", placeholder="Message qwenchat · Enter sends · "
                                   "Ctrl+J new line · /help")
         self.sampler = SamplerPanel(id="sampler")
-        self.status = StatusBar(model.engine.name, model.device_name,
-                                model.engine.weight_format,
-                                model.engine.kv_format, id="status",
-                                rope_note=rope.gauge_note(model.engine.config))
+        self.status = StatusBar(model.status_piece(), id="status", rope_note=model.rope_note(),
+                                kv_unavailable=model.kv_unavailable)
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -222,8 +219,7 @@ class ChatScreen(Screen[None]):
             self._prepare_timer.stop()
             self._prepare_timer = None
         if not self.generating:
-            engine = self.model.engine
-            self.status.gauge(engine.position, engine.capacity)
+            self.status.gauge(*self.model.kv())
 
     async def _stop_preparing(self) -> None:
         """Wait (off the event loop) for the background prefill to finish its current step."""
@@ -584,7 +580,7 @@ class ChatScreen(Screen[None]):
             self.chat.set_param(command.param, command.value)
             self._show_settings()
             label = LABELS.get(command.param or "", command.param)
-            self.notify(f"{label} = {shown_value(command.value)}")
+            self.notify(f"{label} = {shown_value(command.value)}{self._sampler_reach()}")
         elif name == "reset":
             self.chat.reset_params(command.param)
             self._show_settings()
@@ -652,6 +648,15 @@ class ChatScreen(Screen[None]):
             return
         self.sampler.clear_error(event.name)
         self._show_settings()
+        if reach := self._sampler_reach():
+            self.notify(reach.removeprefix(" "), timeout=6)
+
+    def _sampler_reach(self) -> str:
+        """What a sampler change made during a reply that cannot take it says: a request
+        sent to a remote server keeps its values."""
+        if self._reply is None or self.model.live_sampler:
+            return ""
+        return " (from the next reply: a remote server's reply under way keeps its values)"
 
     @on(SamplerPanel.ThinkingSwitched)
     def _panel_thinking(self, event: SamplerPanel.ThinkingSwitched) -> None:
@@ -662,7 +667,7 @@ class ChatScreen(Screen[None]):
     def _panel_speculation(self, event: SamplerPanel.SpeculationSwitched) -> None:
         """Live, as the other controls: a reply streaming now speculates from its next step
         (the reply itself is the same either way)."""
-        if event.on and (why := cannot_verify(self.model.engine)):
+        if event.on and (why := self.model.cannot_verify()):
             self.notify(why, severity="warning", timeout=6)
             self._show_settings()
             return
@@ -685,12 +690,12 @@ class ChatScreen(Screen[None]):
 
     # ------------------------------------------------------------------------------ status
     def _status_idle(self, stats: ReplyStats | None) -> None:
-        engine = self.model.engine
-        self.status.idle(stats, engine.position, engine.capacity)
-        if engine.capacity and engine.position / engine.capacity >= KV_WARN:
+        position, capacity = self.model.kv()
+        self.status.idle(stats, position, capacity)
+        if capacity and position / capacity >= KV_WARN:
             if not self._warned_full:
                 self._warned_full = True
-                self.notify(f"the context is {engine.position / engine.capacity:.0%} full: the "
+                self.notify(f"the context is {position / capacity:.0%} full: the "
                             "oldest turns will be dropped to make room (/new starts afresh)",
                             severity="warning", timeout=8)
         else:

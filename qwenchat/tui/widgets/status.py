@@ -20,7 +20,6 @@ from qwenchat.tui.status_layout import (
     GAUGE_FORMS,
     Piece,
     activity_piece,
-    engine_piece,
     fit,
     gauge_piece,
     gauge_text,
@@ -38,8 +37,11 @@ class KVGauge(Widget):
     note: reactive[str] = reactive("", layout=True)  # the RoPE scaling in force (rope.py)
     cells: reactive[int] = reactive(GAUGE_CELLS, layout=True)  # fewer, or none, when narrow
     show_note: reactive[bool] = reactive(True, layout=True)
+    unavailable: reactive[str] = reactive("", layout=True)  # not known: says so instead
 
     def render(self) -> Text:
+        if self.unavailable:
+            return Text(self.unavailable, style="dim")
         return gauge_text(self.position, self.capacity, self.cells,
                           self.note if self.show_note else "")
 
@@ -56,10 +58,12 @@ class KVGauge(Widget):
 
 
 class StatusBar(Horizontal):
-    def __init__(self, engine: str, device: str, weights: str = "bf16", kv: str = "bf16",
-                 id: str | None = None, rope_note: str = ""):
+    def __init__(self, engine: Piece, id: str | None = None, rope_note: str = "",
+                 kv_unavailable: str = ""):
+        """`engine`: the label (status_layout's engine_piece or remote_piece);
+        `kv_unavailable`: what the gauge says where the KV cache is not known."""
         super().__init__(id=id)
-        self._engine_piece = engine_piece(engine, device, weights, kv)
+        self._engine_piece = engine
         self._activity_piece = activity_piece(None)
         self._number_pieces: list[Piece] = []
         self._engine = Static(self._engine_piece.forms[0], id="engine", markup=False)
@@ -68,6 +72,7 @@ class StatusBar(Horizontal):
         self._numbers = Static("", id="numbers", markup=False)
         self._gauge = KVGauge(id="kv")
         self._gauge.note = rope_note
+        self._gauge.unavailable = kv_unavailable
 
     def compose(self) -> ComposeResult:
         yield self._engine
@@ -105,7 +110,7 @@ class StatusBar(Horizontal):
         layout the width is unknown: all of them whole)."""
         gauge = self._gauge
         pieces = [self._engine_piece, self._activity_piece, *self._number_pieces,
-                  gauge_piece(gauge.position, gauge.capacity, gauge.note)]
+                  gauge_piece(gauge.position, gauge.capacity, gauge.note, gauge.unavailable)]
         chosen = fit(pieces, self.size.width or sys.maxsize)
         for widget, static in (("engine", self._engine), ("activity", self._activity),
                                ("numbers", self._numbers)):
