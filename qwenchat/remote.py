@@ -227,8 +227,8 @@ class RemoteSession(Conversation):
                         at = now()
                         if stats.ttft_s is None:
                             first_at, stats.ttft_s = at, at - started
-                        # Tokens as chunks until the usage at the end counts them (a server
-                        # may send several tokens a chunk: the live rate is then low).
+                        # Tokens as chunks until the usage at the end counts them (servers
+                        # send a chunk a token or so; one that sends more reads low here).
                         stats.generated_tokens += 1
                         stats.decode_s = at - first_at
                         piece = TextPiece(text, kind)
