@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from qwenchat.engine.base import Engine
+from qwenchat.engine.speculate import Proposer
 from qwenchat.errors import ContextFullError, QwenchatError, UsageError
 from qwenchat.model.tokenizer import Message, Tokenizer, check_text
 from qwenchat.sampling.params import (
@@ -61,6 +62,8 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    speculate: str = "off"  # --speculate, as for ask
+    draft: str | None = None  # --draft, as for ask
 
 
 @dataclass
@@ -72,6 +75,15 @@ class ServedModel:
     engine: Engine
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
+    speculate: int = 0  # tokens proposed a step at most (0: off), as ChatSession takes it
+    proposer: Proposer | None = None  # a draft model's (None: prompt lookup)
+
+    def session(self, params: SamplingParams, system: str | None = None,
+                thinking: bool = False) -> ChatSession:
+        """A session for one request, on the served engine (its KV cache carries over)."""
+        return ChatSession(self.engine, self.tokenizer, self.eos_ids, LiveParams(params),
+                           system=system, thinking=thinking, speculate=self.speculate,
+                           proposer=self.proposer)
 
 
 class ApiError(Exception):
@@ -522,8 +534,7 @@ class Service:
         self._check_length(len(model.tokenizer.encode_chat(context, thinking)))
 
         def run(cancel: threading.Event, started_at: float) -> Iterator[Event]:
-            session = ChatSession(model.engine, model.tokenizer, model.eos_ids,
-                                  LiveParams(params), system=system, thinking=thinking)
+            session = model.session(params, system, thinking)
             session.messages = messages[:-1]
             return session.send(messages[-1].content, cancel, sent_at=started_at)
 
@@ -537,9 +548,7 @@ class Service:
         self._check_length(len(model.tokenizer.encode(prompt)))
 
         def run(cancel: threading.Event, started_at: float) -> Iterator[Event]:
-            session = ChatSession(model.engine, model.tokenizer, model.eos_ids,
-                                  LiveParams(params))
-            return session.complete(prompt, cancel, sent_at=started_at)
+            return model.session(params).complete(prompt, cancel, sent_at=started_at)
 
         return await self._answer(call, run, stream, usage)
 
@@ -679,11 +688,13 @@ def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
     import uvicorn
 
     from qwenchat.engine import check_engine_flags, create_engine
+    from qwenchat.engine.speculate import check_speculate, open_draft, speculation_asked
     from qwenchat.model import rope
     from qwenchat.model.loader import open_model
 
     check_engine_flags(options.backend, options.ctx, options.device, options.decode,
                        options.quantize, options.kv_cache, options.rope_scaling)
+    check_speculate(options.speculate, options.draft)
 
     def say(message: str) -> None:
         err.write(f"qwenchat: {message}\n")
@@ -696,8 +707,16 @@ def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
     engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
                            device=options.device, notice=say, decode=options.decode,
                            quantize=options.quantize, kv_cache=options.kv_cache)
+    most, notice = speculation_asked(options.speculate, options.draft, engine)
+    if notice:
+        say(notice)
+    proposer = None
+    if most and options.draft:
+        proposer = open_draft(options.draft, model, engine, options.backend, options.device,
+                              options.decode, options.quantize, say, megakernel_later=False)
     names = tuple(dict.fromkeys((options.model, model.directory.name)))
-    served = ServedModel(names, model.directory, engine, model.tokenizer, model.eos_ids)
+    served = ServedModel(names, model.directory, engine, model.tokenizer, model.eos_ids, most,
+                         proposer)
     app, service = build_app(served, options.api_key, say)
     host, port = sock.getsockname()[:2]
     say(f"serving {names[0]} ({engine.name}, {engine.capacity}-token context) on "
@@ -708,5 +727,7 @@ def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
         server.run(sockets=[sock])
     finally:
         service.close()
+        if proposer is not None:
+            proposer.close()
         engine.close()
     return 0

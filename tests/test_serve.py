@@ -87,6 +87,30 @@ def test_a_seeded_reply_is_the_one_ask_gives(tiny, tiny_model_dir):
     assert reply.choices[0].message.content == out.getvalue()[:-1]
 
 
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_a_speculating_server_answers_as_a_plain_one(tiny, tiny_model_dir, mode):
+    # (prompt lookup, or the model as its own draft: every reply is the plain reply)
+    from qwenchat.engine.speculate import SPECULATE_MOST, open_draft
+
+    model = open_model(str(tiny_model_dir))
+    engine = create_engine("cpu", model.config, model.checkpoint)
+    proposer = (open_draft(str(tiny_model_dir), model, engine, "cpu", 0, "auto", "none",
+                           lambda _: None) if mode == "draft" else None)
+    speculating = Running(ServedModel(("tiny",), model.directory, engine, model.tokenizer,
+                                      model.eos_ids, SPECULATE_MOST, proposer))
+    try:
+        messages = [{"role": "user", "content": "Say the alphabet, twice: a b c d e f"}]
+        for request in (dict(temperature=0), dict(seed=99)):
+            plain = tiny.client().chat.completions.create(model="tiny", messages=messages,
+                                                          max_tokens=40, **request)
+            fast = speculating.client().chat.completions.create(model="tiny", messages=messages,
+                                                                max_tokens=40, **request)
+            assert fast.choices[0].message.content == plain.choices[0].message.content
+            assert engine.speculation.passes > 0  # (the last reply's: it did speculate)
+    finally:
+        speculating.stop()
+
+
 def test_completion_continues_the_prompt_streamed_or_not(tiny):
     client = tiny.client()
     whole = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=8,

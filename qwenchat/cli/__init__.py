@@ -292,16 +292,20 @@ def serve(
         "--api-key", metavar="KEY", envvar="QWENCHAT_API_KEY",
         help="Require 'Authorization: Bearer KEY' on every request but /health.",
         show_default="none: no key needed")] = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API. Chat and plain completions,
     streamed or not, one reply at a time: other requests queue."""
 
     def action() -> int:
+        from qwenchat.engine.speculate import speculate_flag
         from qwenchat.serve import ServeOptions, run_serve
 
+        mode = speculate_flag(speculate, draft)
         return run_serve(ServeOptions(model, backend, ctx, device, decode, quantize, kv_cache,
-                                      rope_scaling, host, port, api_key or None))
+                                      rope_scaling, host, port, api_key or None, mode, draft))
 
     run_guarded(action, debug)
 
