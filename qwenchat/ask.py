@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from qwenchat import remote
 from qwenchat.engine import check_engine_flags, create_engine
-from qwenchat.engine.speculate import check_speculate, open_draft, speculation_asked
+from qwenchat.engine.speculate import check_speculate, start_speculation
 from qwenchat.errors import UsageError
 from qwenchat.model import rope
 from qwenchat.model.loader import open_model
@@ -110,13 +110,9 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
                            megakernel_later=later)
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
-    speculate, notice = speculation_asked(options.speculate, options.draft, engine)
-    if notice:
-        say(notice)
-    proposer = None
-    if speculate and options.draft:
-        proposer = open_draft(options.draft, model, engine, options.backend, options.device,
-                              options.decode, options.quantize, say, megakernel_later=later)
+    speculate, proposer = start_speculation(options.speculate, options.draft, model, engine,
+                                            options.backend, options.device, options.decode,
+                                            options.quantize, say, megakernel_later=later)
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think, speculate=speculate,
                           proposer=proposer)

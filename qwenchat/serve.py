@@ -688,7 +688,7 @@ def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
     import uvicorn
 
     from qwenchat.engine import check_engine_flags, create_engine
-    from qwenchat.engine.speculate import check_speculate, open_draft, speculation_asked
+    from qwenchat.engine.speculate import check_speculate, start_speculation
     from qwenchat.model import rope
     from qwenchat.model.loader import open_model
 
@@ -703,17 +703,13 @@ def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
     sock = listen(options.host, options.port)
     model = open_model(options.model, tokenizer_in_background=True)
     config = rope.with_flag(model.config, options.rope_scaling)
-    # megakernel_later=False: a seeded reply is the one `ask --seed` gives from the first.
+    # (megakernel_later left False: a seeded reply is the one `ask --seed` gives from the first)
     engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
                            device=options.device, notice=say, decode=options.decode,
                            quantize=options.quantize, kv_cache=options.kv_cache)
-    most, notice = speculation_asked(options.speculate, options.draft, engine)
-    if notice:
-        say(notice)
-    proposer = None
-    if most and options.draft:
-        proposer = open_draft(options.draft, model, engine, options.backend, options.device,
-                              options.decode, options.quantize, say, megakernel_later=False)
+    most, proposer = start_speculation(options.speculate, options.draft, model, engine,
+                                       options.backend, options.device, options.decode,
+                                       options.quantize, say, megakernel_later=False)
     names = tuple(dict.fromkeys((options.model, model.directory.name)))
     served = ServedModel(names, model.directory, engine, model.tokenizer, model.eos_ids, most,
                          proposer)

@@ -202,3 +202,19 @@ def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: in
                                  device=device, notice=notice, decode=decode,
                                  quantize=quantize, megakernel_later=megakernel_later)
     return DraftProposer(draft_engine, model.config.vocab_size)
+
+
+def start_speculation(mode: str, draft: str | None, model: Model, engine: Engine, backend: str,
+                      device: int, decode: str, quantize: str,
+                      notice: Callable[[str], None], megakernel_later: bool = True
+                      ) -> tuple[int, DraftProposer | None]:
+    """What --speculate and --draft give a one-engine command (`ask`, `serve`): the tokens
+    proposed a step at most (0: off, with `notice` told why where asked of an engine that
+    cannot verify) and the draft's proposer (None: prompt lookup, or off)."""
+    most, why = speculation_asked(mode, draft, engine)
+    if why:
+        notice(why)
+    if not (most and draft):
+        return most, None
+    return most, open_draft(draft, model, engine, backend, device, decode, quantize, notice,
+                            megakernel_later=megakernel_later)
