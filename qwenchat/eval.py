@@ -31,6 +31,7 @@ from qwenchat.errors import QwenchatError, UsageError
 from qwenchat.model import rope
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Message, Tokenizer
+from qwenchat.progress import progress_bar
 
 PATHS = ("prefill", "decode")
 FP8_ACTIVATIONS = ("auto", "e4m3", "bf16")
@@ -324,7 +325,7 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
     started = time.perf_counter()
     stopped = False
     try:
-        with _progress(err, total) as advance:
+        with progress_bar(err, "scoring", total) as advance:
             for d, w in plan:
                 left = total - len(scores.nll)
                 if left <= 0:
@@ -379,36 +380,6 @@ def _score(scores: Scores, logp: np.ndarray, targets: np.ndarray, base_engine,
         scores.base_nll.extend((-target.astype(np.float64)).tolist())
         scores.kl.extend(kl_top(top_ids, top_logp, logp).tolist())
         scores.same_top1.extend((top_ids[:, 0] == logp.argmax(-1)).tolist())
-
-
-class _progress:
-    """A progress bar with an ETA on stderr, where stderr is a terminal."""
-
-    def __init__(self, err: TextIO, total: int):
-        self.err, self.total, self.bar = err, total, None
-
-    def __enter__(self):
-        if not self.err.isatty():
-            return lambda n: None
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        self.bar = Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("tokens"), TimeRemainingColumn(),
-                            console=Console(file=self.err), transient=True)
-        self.bar.start()
-        task = self.bar.add_task("eval", total=self.total)
-        return lambda n: self.bar.advance(task, n)
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _print_table(result: dict[str, Any], out: TextIO) -> None:

@@ -23,6 +23,7 @@ from qwenchat.model import awq, fp8
 from qwenchat.model.checkpoint import TensorOut, write_safetensors
 from qwenchat.model.floats import f32_to_bf16_bits
 from qwenchat.model.loader import open_model
+from qwenchat.progress import progress_bar
 
 TARGETS = ("int4", "fp8")
 AWQ_CONFIG = {"quant_method": "awq", "bits": awq.BITS, "group_size": awq.GROUP,
@@ -146,10 +147,9 @@ def run_quantize(model_spec: str, out: Path, to: str, err: TextIO = sys.stderr,
     os.umask(umask)
     partial.chmod(0o777 & ~umask)  # (mkdtemp's 0700 is for the temporary name only)
     try:
-        write_safetensors(partial / "model.safetensors", tensors,
-                          _progress(err, sum(t.nbytes for t in tensors)))
-        if err.isatty():
-            err.write("\r\x1b[2K")  # (the progress line goes)
+        with progress_bar(err, "writing", sum(t.nbytes for t in tensors), in_bytes=True) as bar:
+            write_safetensors(partial / "model.safetensors", tensors,
+                              lambda tensor: bar(tensor.nbytes))
         (partial / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
         for name in COPIED:
             if (model.directory / name).is_file():
@@ -172,19 +172,3 @@ def run_quantize(model_spec: str, out: Path, to: str, err: TextIO = sys.stderr,
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
-
-
-def _progress(err: TextIO, total: int):
-    """A callback per tensor: a line of progress on stderr, where it is a terminal."""
-    done = [0]
-    started = time.perf_counter()
-
-    def step(tensor: TensorOut) -> None:
-        if err.isatty():
-            seconds = time.perf_counter() - started
-            err.write(f"\r{done[0] / total:6.1%} of {total / 1e9:.2f} GB, {seconds:.0f} s: "
-                      f"{tensor.name[:48]:<48}")
-            err.flush()
-        done[0] += tensor.nbytes
-
-    return step

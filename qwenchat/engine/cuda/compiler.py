@@ -333,7 +333,6 @@ class DetachedCompile:
         import sys
 
         self._cache, self.build = cache, build
-        self.started = time.perf_counter()
         # the child's stderr: its error, if it fails (closed with this object)
         self._log = tempfile.TemporaryFile()  # noqa: SIM115
         job = {"source": build.source, "arch": build.arch, "defines": list(build.defines),
