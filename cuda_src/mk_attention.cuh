@@ -281,6 +281,10 @@ __device__ __forceinline__ void tc_keys(const unsigned char* kt, const unsigned 
 // group) in registers, and releases the stage when its own keys are done (no block barrier);
 // the producer warp refills it. At the end of the chunk the warps' states are merged in a
 // fixed order through shared memory (the producer's: empty).
+// The timeline's probe points (QW_TL_AT, tests/step_timeline.py --probe): 0 the first stage
+// of keys ready, 1 the new key and value appended, 2 the warp's keys done, 3 after the fence
+// that publishes the new row, 4 the warps' maxima and sums shared, 5 the outputs summed over
+// the warps, 6 the outputs written.
 __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consumed,
                                              const MegaLayer& L, int pos, const AttnGeom& g,
                                              unsigned tag, unsigned merge_base,
@@ -291,8 +295,15 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int part = lane % LPK, slot = lane / LPK;
     float* comb = vec_buf();  // [WARPS][G][HD]: the warps' scaled partial outputs
+    // (QW_MK_DEFER) the producer's refill after the block's last stage of keys waits until
+    // this phase's outputs are written: the merges' block barriers would otherwise wait for
+    // it (issuing a stage takes the producer ~1 µs), and the outputs are what o_proj waits for.
+    bool deferred = false;
     for (int item = blockIdx.x; item < qw::kv_heads * g.splits; item += gridDim.x) {
         const int kvh = item / g.splits, split = item % g.splits;
+        const bool last_item = item + static_cast<int>(gridDim.x) >= qw::kv_heads * g.splits;
+        const bool first_item = item == static_cast<int>(blockIdx.x);
+        (void)first_item;
         const int k_begin = split * g.chunk, keys = item_keys(g, len, item);
         const bool has_new = k_begin <= pos && pos < k_begin + keys;
         if (warp < G) {
@@ -312,7 +323,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             for (int j = 0; j < HD / 32; ++j) sh.v_new[lane + 32 * j] = got[j];
         }
         __syncthreads();
-        QW_TL_MARK_IF(item == static_cast<int>(blockIdx.x), INPUT);
+        QW_TL_MARK_IF(first_item, INPUT);
         if constexpr (qw::kv8) {  // the new rows' scales (warp 0: the key's, warp 1: the value's)
             if (has_new && warp < 2) {
                 const float* r = warp == 0 ? sh.k_new : sh.v_new;
@@ -363,6 +374,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             }
             return scale;
         };
+        QW_TL_AT(first_item, 1);
         float next_scale = stage_scale(0);
         float m[G], l[G], acc[G][DPL];  // (bf16 cache) lane's dims of every head
 #pragma unroll
@@ -389,7 +401,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             const unsigned char* stage = nullptr;
             if (warp != PRODUCER) {
                 stage = pipe_wait(consumed);
-                QW_TL_MARK_IF(item == static_cast<int>(blockIdx.x) && k0 == 0, WEIGHTS);
+                QW_TL_AT(first_item && k0 == 0, 0);
                 if (patch && threadIdx.x < HD) {  // the copy predates the new key
                     unsigned char* st = const_cast<unsigned char*>(stage);
                     if constexpr (qw::kv8) {
@@ -408,7 +420,8 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             const bf16_t* kt = reinterpret_cast<const bf16_t*>(stage);
             if (patch) __syncthreads();  // (every warp, the producer too, at this one barrier)
             if (warp == PRODUCER) {  // refills the stage once the consumers release it
-                pipe_produce(a, consumed);
+                if (QW_MK_DEFER && last_item && k0 + KEYS >= keys) deferred = true;
+                else pipe_produce(a, consumed);
                 continue;
             }
             if constexpr (TC_ATTN) {
@@ -506,7 +519,9 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         }
         // The new key and value are visible to the next steps' copies (on other SMs) before
         // anything this item publishes (merge_if_last fences too).
+        QW_TL_AT(first_item, 2);
         if (has_new && g.splits == 1 && threadIdx.x < HD) __threadfence();
+        QW_TL_AT(first_item, 3);
         // Merge the warps: the chunk's max and sum, then each warp's outputs scaled to it.
         if constexpr (TC_ATTN) {  // lanes g hold a key's share of l each
             const int g = lane >> 2, t = lane & 3;
@@ -527,6 +542,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             }
         }
         __syncthreads();
+        QW_TL_AT(first_item, 4);
         const auto warps_max = [&](int h) {
             float mx = QW_NEG_INF;
             for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
@@ -564,6 +580,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             sh.gl[h] = total;
         }
         __syncthreads();
+        QW_TL_AT(first_item, 5);
         for (int out = threadIdx.x; out < G * HD; out += THREADS) {
             const int h = out / HD, head = kvh * G + h, d = out % HD;
             float total = 0.f;
@@ -578,7 +595,9 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                 }
             }
         }
+        QW_TL_AT(first_item, 6);
         if (g.splits > 1) merge_if_last(a, kvh, g.splits, merge_base, tag + 1, sh);
+        if (deferred) pipe_produce(a, consumed);  // (the producer warp's)
         __syncthreads();
     }
     QW_TL_MARK(END);

@@ -15,6 +15,11 @@
 #ifndef QW_MK_SKIP
 #define QW_MK_SKIP 0
 #endif
+// 1: the attention phase defers its last refill until its outputs are written (mk_attention.cuh);
+// 0 keeps the producer's refill at each stage's release (experiments).
+#ifndef QW_MK_DEFER
+#define QW_MK_DEFER 1
+#endif
 // The most LM-head rows a block owns (the host passes ceil(vocab / blocks)).
 #ifndef QW_MK_LM_ROWS
 #define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)

@@ -58,20 +58,27 @@ __device__ __forceinline__ float2 take_pair(const tagged_t* src, const bf16_t* r
     return make_float2(value_of(w0), value_of(w1));
 }
 
-// The FP8 tensor-core consumer's input (stage_f16): a thread's pairs of a vector of
-// QW_MK_POLL_MIN or more pairs a thread are loaded QW_MK_POLL at a time, all issued before any
-// is checked, so that taking them costs a round trip to L2 a batch instead of one a pair.
-// H100: 8B FP8 +3.4%, 32B +5% (down's inputs: 12 and 25 pairs a thread); the bf16
-// consumers' vectors (stage_vector) lost 1-3% with it on 14B and 32B and keep one pair in
-// flight, as do shorter vectors (docs/perf.md, 2026-11-26). The defines are for experiments.
+// How many of a thread's pairs are loaded at once (all issued before any is checked, so that
+// taking them costs a round trip to L2 a batch instead of one a pair). The bf16 consumers'
+// vectors (stage_vector): up to three pairs a thread all at once (0.6B's and 1.7B's
+// projections' inputs, 4B's hidden-wide ones), longer ones a pair at a time (batches of four
+// lost 6% on 8B, 1-3% on 14B and 32B). The narrow consumers' (stage_f16): up to six pairs a
+// thread at once, and from QW_MK_POLL_MIN pairs a thread QW_MK_POLL at a time (H100: 8B FP8
+// +3.4%, 32B +5%, down's inputs of 12 and 25 pairs a thread). docs/perf.md, 2026-11-26 and
+// 2026-11-27. The defines are for experiments.
 #ifndef QW_MK_POLL
 #define QW_MK_POLL 4
 #endif
 #ifndef QW_MK_POLL_MIN
 #define QW_MK_POLL_MIN 8
 #endif
-__host__ __device__ constexpr int poll_batch(int K) {
-    return (K / 2 + THREADS - 1) / THREADS >= QW_MK_POLL_MIN ? QW_MK_POLL : 1;
+__host__ __device__ constexpr int pairs_per_thread(int K) { return (K / 2 + THREADS - 1) / THREADS; }
+__host__ __device__ constexpr int short_batch(int K, int most) {
+    return pairs_per_thread(K) <= most ? pairs_per_thread(K) : 1;
+}
+__host__ __device__ constexpr int vector_batch(int K) { return short_batch(K, 3); }  // stage_vector
+__host__ __device__ constexpr int poll_batch(int K) {  // stage_f16
+    return pairs_per_thread(K) >= QW_MK_POLL_MIN ? QW_MK_POLL : short_batch(K, 6);
 }
 
 // Pairs threadIdx.x + (q0 + b) THREADS, b < B, of a K-vector (those below K / 2): every first
@@ -157,12 +164,17 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
     // 128-byte lines).
     if constexpr (NORM) {
-        for_pairs<K, 1>(src, row, tag, wait, [&](int q, int i, float2 e) {
+        for_pairs<K, vector_batch(K)>(src, row, tag, wait, [&](int q, int i, float2 e) {
             ss += e.x * e.x + e.y * e.y;
             *reinterpret_cast<float2*>(buf + 2 * i) =
                 make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
         });
-    } else {
+    } else if constexpr (vector_batch(K) > 1) {
+        for_pairs<K, vector_batch(K)>(src, row, tag, wait, [&](int, int i, float2 e) {
+            *reinterpret_cast<float2*>(buf + 2 * i) = e;
+            ss += e.x * e.x + e.y * e.y;
+        });
+    } else {  // (a loop, not for_pairs' unrolled one: 8B's down phase spilled with that)
         for (int i = threadIdx.x; i < K / 2; i += THREADS) {
             const float2 e = take_pair(src, row, i, tag, wait);
             *reinterpret_cast<float2*>(buf + 2 * i) = e;
@@ -626,7 +638,10 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     const int seg = warp % NSEG, group = warp / NSEG;
     int lo, hi;
     block_range(n_rows, lo, hi);
-    if (warp == PRODUCER) {  // refills the phase's stages as the consumers release them
+    // The producer refills the phase's stages as the consumers release them. (It takes part in
+    // the input: left out of it, so that it could refill meanwhile, the step measured 6-14%
+    // slower, docs/perf.md 2026-11-27.)
+    if (warp == PRODUCER) {
         for (int r0 = lo; r0 < hi; r0 += PER) pipe_produce(a, consumed);
         return;
     }

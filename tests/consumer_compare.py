@@ -8,6 +8,9 @@ less shared memory (`--shared 101376`, an RTX 4090's):
 
     python tests/consumer_compare.py --configs qwen3-0.6b,qwen3-8b --positions 1,4096
     python tests/consumer_compare.py --weights bf16 --consumers auto --configs qwen3-14b
+    python tests/consumer_compare.py --weights int4 --consumers auto --stages 2,3,4,5
+    python tests/consumer_compare.py --weights bf16 --consumers auto \
+        --variants "QW_MK_DEFER=0;QW_MK_DEFER=1"     # kernel variants behind a define
 
 Each cell is tok/s (median of `--repeats` runs of `--steps` greedy steps) and the share of the
 copy bandwidth that the bytes read per step reach.
@@ -21,7 +24,7 @@ import json
 
 from qwenchat.bench import BenchSettings, measure_engine, parse_sizes
 from qwenchat.engine.cuda.engine import CudaEngine
-from qwenchat.engine.cuda.megakernel import MEGAKERNEL_CONSUMERS
+from qwenchat.engine.cuda.megakernel import EXPERIMENT_DEFINES, MEGAKERNEL_CONSUMERS
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
 
@@ -32,10 +35,21 @@ def parse_ring(text: str) -> int | tuple[int, int]:
     return (int(count), int(size)) if size else int(count)
 
 
+def parse_defines(texts: list[str]) -> dict[str, int]:
+    """`--define NAME=VALUE` (repeatable): megakernel defines for an experiment."""
+    defines = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not name.startswith("QW_MK_"):
+            raise SystemExit(f"--define takes QW_MK_NAME=VALUE; got {text!r}")
+        defines[name] = int(value)
+    return defines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="qwen3-0.6b,qwen3-8b")
-    parser.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
+    parser.add_argument("--weights", default="fp8", choices=("fp8", "bf16", "int4"))
     parser.add_argument("--consumers", default=",".join(MEGAKERNEL_CONSUMERS))
     parser.add_argument("--positions", default="1,4096")
     parser.add_argument("--steps", type=int, default=64)
@@ -46,6 +60,9 @@ def main() -> None:
                                           "in turn (default: the layout's)")
     parser.add_argument("--rows", default="auto", choices=("auto", "whole", "parts"),
                         help="what the stages hold (default: as the layout chooses)")
+    parser.add_argument("--variants", default="",
+                        help="megakernel define sets measured in turn, ';' between sets, ',' "
+                             "within one (e.g. 'QW_MK_DEFER=0;QW_MK_DEFER=1'; experiments)")
     parser.add_argument("--shared", type=int,
                         help="lay the megakernel out for this much shared memory a block "
                              "(101376: an RTX 4090's)")
@@ -59,7 +76,10 @@ def main() -> None:
     for name in args.configs.split(","):
         config = PRESETS[name]
         weights = RandomWeights(config, seed=0, weight_format=args.weights)
-        for consumer, (ring, stages) in itertools.product(args.consumers.split(","), rings):
+        for consumer, (ring, stages), variant in itertools.product(
+                args.consumers.split(","), rings, args.variants.split(";")):
+            EXPERIMENT_DEFINES.clear()
+            EXPERIMENT_DEFINES.update(parse_defines([d for d in variant.split(",") if d]))
             engine = CudaEngine(config, weights, ctx=settings.default_ctx(config),
                                 decode="megakernel", megakernel_consumer=consumer,
                                 megakernel_stages=stages,
@@ -73,7 +93,7 @@ def main() -> None:
             if args.json:
                 print(json.dumps({"config": name, "weights": args.weights, "consumer": consumer,
                                   "stages": ring, "shared": args.shared,
-                                  "rows": args.rows,
+                                  "rows": args.rows, "defines": variant,
                                   "decode": {p: {"tok_s": t, "of_copy": f}
                                              for p, (t, f) in cells.items()}}), flush=True)
                 continue
@@ -81,7 +101,8 @@ def main() -> None:
                           for p, (t, f) in cells.items())
             tag = " ".join(([f"stages={ring}"] if ring else [])
                            + ([f"shared={args.shared}"] if args.shared else [])
-                           + ([f"rows={args.rows}"] if args.rows != "auto" else []))
+                           + ([f"rows={args.rows}"] if args.rows != "auto" else [])
+                           + ([variant] if variant else []))
             print(f"{name:<11} {args.weights:<5} {consumer:<5}{row} {tag}", flush=True)
 
 

@@ -15,6 +15,11 @@ that the producer spent issuing and waiting for free stages and that warp 0 spen
 full ones (cycles at `--clock-ghz`, the SM clock under load).
 
     python tests/step_timeline.py --config qwen3-0.6b --position 1 --zoom 10 --out tl-0.6b
+
+`--define QW_MK_TL_AT=K` moves the attention phase's "weights" mark to its probe point K
+(cuda_src/mk_attention.cuh numbers them: the keys done, the fence, the merge, the outputs
+written), so that the table's weights-input column times the attention's own chain piece by
+piece; `--define` takes any megakernel define (QW_MK_...) for an experiment.
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
-from consumer_compare import parse_ring
+from consumer_compare import parse_defines, parse_ring
 
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda.engine import CudaEngine
-from qwenchat.engine.cuda.megakernel import TIMELINE_KINDS
+from qwenchat.engine.cuda.megakernel import EXPERIMENT_DEFINES, TIMELINE_KINDS
 from qwenchat.model.kv_cache import KV_CACHE_CHOICES
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
@@ -251,9 +256,13 @@ def main() -> None:
                         help="what the stages hold (default: as the layout chooses)")
     parser.add_argument("--stages", help="the stage ring's depth, or DEPTHxBYTES its depth and "
                                           "stage size (default: the layout's)")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="a megakernel define for this run (experiments), e.g. "
+                             "QW_MK_TL_AT=3: the attention's probe point (mk_attention.cuh)")
     parser.add_argument("--out", type=Path, default=Path("step-timeline"),
                         help="file name without suffix: .svg, .png and .json are written")
     args = parser.parse_args()
+    EXPERIMENT_DEFINES.update(parse_defines(args.define))
     stages = parse_ring(args.stages) if args.stages else None
     step, described = record_step(args.config, args.quantize, args.position, args.steps,
                                   args.rows, stages, args.kv_cache)

@@ -38,6 +38,7 @@ from qwenchat.engine.cuda.megakernel import (
     MEGAKERNEL_SPLIT_STATIC_SHARED,
     MEGAKERNEL_STATIC_SHARED,
     SPLIT_BELOW_FILL,
+    WHOLE_RING_BYTES,
     fp8_on_tensor_cores,
     megakernel_layout,
     stage_fill,
@@ -710,6 +711,23 @@ def test_how_stages_hold_rows_can_be_forced_and_an_unknown_way_is_refused():
     with pytest.raises(QwenchatError, match="unknown megakernel rows 'half'; known: auto, "
                                             "whole, parts"):
         plan_kernels(PRESETS["qwen3-0.6b"], "bf16", h100, megakernel_rows="half")
+
+
+def test_a_ring_of_whole_rows_holds_three_stages_or_four_of_int4_where_more_would_fit():
+    # (measured on the H100: deeper rings were slower, docs/perf.md 2026-11-27)
+    h100 = GPUS["sm_90"]
+    for name in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"):
+        for fmt in ("bf16", "fp8", "int4"):
+            layout = megakernel_layout(PRESETS[name], *h100, fmt, fmt == "fp8", "auto",
+                                       H100_BANDWIDTH)
+            if layout.split:  # (parts of rows keep what fits: 4B and 14B bf16 four, 32B three)
+                assert layout.stages == (3 if name == "qwen3-32b" else 4), (name, fmt)
+                continue
+            assert layout.stage_bytes == 32768, (name, fmt)
+            assert layout.stages * layout.stage_bytes <= WHOLE_RING_BYTES[fmt], (name, fmt)
+            assert layout.stages == (3 if fmt != "int4" or name == "qwen3-32b" else 4), (name, fmt)
+    # Where less room is left, fewer stages still (and smaller ones on a 99 KB card).
+    assert megakernel_layout(PRESETS["qwen3-0.6b"], *GPUS["sm_89"], "bf16").stages == 2
 
 
 def test_stage_fill_is_the_least_filled_phase_with_whole_rows():

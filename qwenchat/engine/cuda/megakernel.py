@@ -149,6 +149,11 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
 
 
 SPLIT_BELOW_FILL = 0.65  # whole rows fill a stage less: stream parts of rows (measured)
+# The most bytes a ring of whole rows holds, by weight format. A deeper ring is slower on an
+# H100, not faster (docs/perf.md, 2026-11-27: three 32 KB stages against five, 0.6B FP8 +10%,
+# 4B FP8 +6%, 1.7B bf16 +3%, 8B bf16 +2%, 8B FP8 even); int4 rows keep four (8B int4 3% and
+# 1.7B 2% slower at three, 4B's best at 4K).
+WHOLE_RING_BYTES = {"bf16": 3 * 32768, "fp8": 3 * 32768, "int4": 4 * 32768}
 
 
 def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -> float:
@@ -234,7 +239,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
                          row((1, cfg.intermediate_size)), 2 * cfg.hidden_size, least)
         while stage < widest_row:
             stage *= 2
-        count = min(16, room // stage)
+        count = min(16, room // stage, max(2, WHOLE_RING_BYTES[weight_format] // stage))
         if count < 2:
             count = min(16, (shared_per_block - static - fixed) // stage)
         fits, smallest = count >= 2, stage
@@ -324,7 +329,14 @@ def megakernel_build(config: Qwen3Config, arch: str, weight_format: str,
                    QW_MK_SKIP=sum(MEGAKERNEL_PARTS[p] for p in skip))
     if timeline:
         defines["QW_MK_TIMELINE"] = timeline
+    defines.update(EXPERIMENT_DEFINES)
     return layout, KernelBuild.of("megakernel.cu", arch, defines)
+
+
+# Defines every megakernel build of this process takes on top of its layout's: for benchmark
+# aids that compare variants the kernel keeps behind a define (tests/step_timeline.py
+# --define, tests/consumer_compare.py --define); empty in every real run.
+EXPERIMENT_DEFINES: dict[str, int] = {}
 
 
 class MegakernelDecode:
