@@ -35,9 +35,10 @@ from qwenchat.engine import (
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
 from qwenchat.errors import UsageError
-from qwenchat.model import fp8, kv_cache, rope
+from qwenchat.model import kv_cache, rope
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
 from qwenchat.model.config import Qwen3Config, parameters_text
+from qwenchat.model.formats import FORMATS
 from qwenchat.model.loader import open_model
 from qwenchat.model.presets import named_config
 from qwenchat.model.random_weights import RandomWeights
@@ -124,7 +125,7 @@ def weight_bytes_per_step(config: Qwen3Config, weight_format: str = "bf16") -> i
     shapes = config.tensor_shapes()
     if not config.tie_word_embeddings:
         del shapes["model.embed_tokens.weight"]
-    return fp8.weight_bytes(shapes, weight_format)
+    return FORMATS[weight_format].weight_bytes(shapes)
 
 
 def bytes_per_step(config: Qwen3Config, position: int, weight_format: str = "bf16",

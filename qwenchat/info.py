@@ -12,7 +12,8 @@ from importlib import metadata
 
 from qwenchat import __version__, paths
 from qwenchat.errors import BackendUnavailable, UsageError
-from qwenchat.model.fp8 import gpu_weight_format, with_quantization
+from qwenchat.model.formats import gpu_format
+from qwenchat.model.fp8 import with_quantization
 from qwenchat.model.locate import looks_like_path, resolve_model
 from qwenchat.model.presets import named_config
 
@@ -104,7 +105,7 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
     _require_gpu()  # before the model: nothing downloaded for a machine that cannot compile
     if known is not None:
         name, config = options.config, known
-        weight_format = gpu_weight_format(options.quantize)
+        weight_format = gpu_format(options.quantize).name
     else:
         from qwenchat.model.loader import open_model
 
@@ -113,7 +114,7 @@ def precompile(options: CompileOptions, say: Callable[[str], None]) -> str:
         # The GPU runs FP8 checkpoints (or --quantize fp8) in FP8, AWQ ones (or --quantize
         # int4) in int4, any other dtype in bf16.
         quantized = with_quantization(model.checkpoint, options.quantize)
-        weight_format = gpu_weight_format(quantized.weight_format)
+        weight_format = gpu_format(quantized.weight_format).name
         model.close()
     from qwenchat.engine.cuda.engine import compile_kernels
 

@@ -22,6 +22,7 @@ from qwenchat.errors import ModelError, UsageError
 from qwenchat.model import awq, fp8
 from qwenchat.model.checkpoint import TensorOut, write_safetensors
 from qwenchat.model.floats import f32_to_bf16_bits
+from qwenchat.model.formats import is_linear
 from qwenchat.model.loader import open_model
 from qwenchat.progress import progress_bar
 
@@ -129,7 +130,7 @@ def run_quantize(model_spec: str, out: Path, to: str, err: TextIO = sys.stderr,
                 f"{100 * gain:.1f}% below round-to-nearest's there (mean of {len(found)} groups)")
     tensors: list[TensorOut] = []
     for name, entry in sorted(checkpoint.entries.items()):
-        if fp8.is_linear(name):
+        if is_linear(name):
             tensors += linear_tensors(name, entry.shape, to, source.float32)
         elif source is not checkpoint and source.changes(name):  # a norm a scale folded into
             tensors.append(TensorOut(name, entry.dtype, entry.shape, entry.nbytes,

@@ -419,7 +419,8 @@ def test_hopper_gemm_turns_fp8_codes_into_the_bf16_weights_of_gemm_cu(hopper_gem
     """B in the packed FP8 rows (codes, then a scale per 128 columns): the product is that of
     A with bf16(code x scale), the weights gemm.cu makes of the same rows."""
     from qwenchat.engine.cuda.prefill import GEMM90_SHARED, GEMM90_THREADS
-    from qwenchat.model.fp8 import dequantize, pack_rows, packed_row_bytes, quantize
+    from qwenchat.model.formats import FP8
+    from qwenchat.model.fp8 import dequantize, pack_rows, quantize
 
     rt, functions, stream = hopper_gemm_fp8
     rng = np.random.default_rng(m + n + k)
@@ -430,7 +431,7 @@ def test_hopper_gemm_turns_fp8_codes_into_the_bf16_weights_of_gemm_cu(hopper_gem
     product = bf16_bits_to_f32(a_bits) @ weights.T
     a, b = upload(rt, a_bits), upload(rt, pack_rows(codes, scales))
     maps = [rt.tile_map(a.ptr, m, k, 128, 64),
-            rt.tile_map(b.ptr, rows, k, 128, 64, codes=True, row_bytes=packed_row_bytes(k))]
+            rt.tile_map(b.ptr, rows, k, 128, 64, codes=True, row_bytes=FP8.row_bytes(k))]
     if kind == "swiglu":
         gate, up = product[:, :n], product[:, n:]
         expected = gate / (1 + np.exp(-gate)) * up

@@ -14,6 +14,7 @@ from test_cuda_engine import download, poisoned, rel_err, upload
 from qwenchat.model import fp8
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits
+from qwenchat.model.formats import FP8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
@@ -70,7 +71,7 @@ def packed_weights(rng, n: int, k: int):
 def maps(rt, a_codes, b, m: int, n: int, k: int):
     return [rt.tile_map(a_codes.ptr, m, k, 128, 128, swizzled_codes=True),
             rt.tile_map(b.ptr, n, k, 128, 128, swizzled_codes=True,
-                        row_bytes=fp8.packed_row_bytes(k))]
+                        row_bytes=FP8.row_bytes(k))]
 
 
 # Hopper's e4m3 products accumulate a 128-deep block in fewer bits than fp32 (about 14 of the

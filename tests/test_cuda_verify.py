@@ -36,9 +36,9 @@ def host_weights(engine, buffer, rows: int, cols: int, fp8: bool) -> np.ndarray:
         bits = np.empty((rows, cols), np.uint16)
         buffer.download(bits)
         return bf16_bits_to_f32(bits)
-    from qwenchat.model.fp8 import packed_row_bytes
+    from qwenchat.model.formats import FP8
 
-    packed = np.empty((rows, packed_row_bytes(cols)), np.uint8)
+    packed = np.empty((rows, FP8.row_bytes(cols)), np.uint8)
     buffer.download(packed)
     blocks = -(-cols // 128)
     scales = np.ascontiguousarray(packed[:, cols : cols + 4 * blocks]).view(np.float32)

@@ -30,6 +30,7 @@ from qwenchat.model import fp8
 from qwenchat.model.checkpoint import Checkpoint
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import E4M3_VALUES, e4m3_to_f32, f32_to_e4m3
+from qwenchat.model.formats import FP8
 from qwenchat.model.loader import open_model_dir
 
 LINEAR = "model.layers.1.mlp.down_proj.weight"
@@ -91,7 +92,7 @@ def test_packed_rows_hold_the_codes_then_each_rows_block_scales():
     codes = np.arange(130 * 272, dtype=np.int64).reshape(130, 272).astype(np.uint8)
     scales = np.array([[1.5, 2.5, 3.5], [4.5, 5.5, 6.5]], np.float32)
     packed = fp8.pack_rows(codes, scales)
-    assert packed.shape == (130, fp8.packed_row_bytes(272)) == (130, 272 + 16)
+    assert packed.shape == (130, FP8.row_bytes(272)) == (130, 272 + 16)
     assert np.array_equal(packed[:, :272], codes)
     per_row = packed[:, 272 : 272 + 12].copy().view(np.float32)
     assert np.array_equal(per_row[:128], np.broadcast_to(scales[0], (128, 3)))

@@ -45,8 +45,8 @@ from qwenchat.engine.cuda.megakernel import (
 )
 from qwenchat.engine.cuda.sources import cuda_src_dir
 from qwenchat.errors import BackendUnavailable, QwenchatError
-from qwenchat.model import fp8
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.formats import FP8
 from qwenchat.model.presets import PRESETS
 
 
@@ -674,7 +674,7 @@ def test_stages_hold_parts_of_rows_where_whole_rows_fill_them_poorly_or_do_not_f
         assert (fma.stage_bytes, fma.mma_seg) == (32768, 1024)
         assert 2048 <= mma.mma_seg <= 2560 and mma.mma_seg % 256 == 0, name
         assert dict(mma.defines(cfg, "fp8"))["QW_MK_MMA_SEG"] == mma.mma_seg
-        row = fp8.linear_bytes((1, cfg.hidden_size), "fp8")
+        row = FP8.row_bytes(cfg.hidden_size)
         rows = mma.stage_bytes // row
         assert rows >= 10 and rows % 2 == 0 and mma.stage_bytes - rows * row < 128, name
         assert mma.stages == (2 if name == "qwen3-32b" else 3), name
@@ -692,7 +692,7 @@ def test_stages_hold_parts_of_rows_where_whole_rows_fill_them_poorly_or_do_not_f
         assert not isinstance(small, str) and small.stages >= 2 and small.split == parts, name
         static = MEGAKERNEL_SPLIT_STATIC_SHARED if parts else MEGAKERNEL_STATIC_SHARED
         assert static + small.fixed + small.stages * small.stage_bytes <= card[0]
-    down_row = fp8.linear_bytes((1, PRESETS["qwen3-14b"].intermediate_size), "fp8")
+    down_row = FP8.row_bytes(PRESETS["qwen3-14b"].intermediate_size)
     assert plan("qwen3-14b", "fp8", "sm_89").stage_bytes < down_row
     for name, fmt in (("qwen3-14b", "bf16"), ("qwen3-32b", "fp8")):  # their vectors do not fit
         assert "shared memory" in plan(name, fmt, "sm_89")

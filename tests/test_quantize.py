@@ -13,6 +13,7 @@ from tiny_model import write_tiny_model
 from qwenchat.engine import create_engine
 from qwenchat.errors import UsageError
 from qwenchat.model import awq, fp8
+from qwenchat.model.formats import is_linear
 from qwenchat.model.loader import open_model_dir
 from qwenchat.quantize import run_quantize
 
@@ -45,7 +46,7 @@ def test_the_written_checkpoint_runs_bit_for_bit_as_quantize_at_load_time(wide_m
     assert written.checkpoint.weight_format == fmt and written.config.quantization == fmt
     np.testing.assert_array_equal(logits(out), logits(wide_model, quantize=to))
     for name, entry in source.checkpoint.entries.items():
-        if fp8.is_linear(name):
+        if is_linear(name):
             ours = (written.checkpoint.awq_groups(name) if to == "int4"
                     else written.checkpoint.fp8_blocks(name))
             made = (awq.quantize(source.checkpoint.float32(name)) if to == "int4"

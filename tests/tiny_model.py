@@ -13,6 +13,7 @@ from qwenchat.model.checkpoint import TensorOut
 from qwenchat.model.checkpoint import write_safetensors as write_to
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import f32_to_bf16_bits, f32_to_e4m3
+from qwenchat.model.formats import is_linear
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 NON_SPECIAL_ADDED = ["<think>", "</think>"]
@@ -170,7 +171,7 @@ def fp8_tensors(tensors: dict[str, np.ndarray], scale_dtype: str = "BF16",
     out: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for name, weight in tensors.items():
-        if not fp8.is_linear(name):
+        if not is_linear(name):
             out[name], dtypes[name] = weight, "BF16"
             continue
         codes, scales = fp8.quantize(weight)
@@ -197,7 +198,7 @@ def awq_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], 
     out: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for name, weight in tensors.items():
-        if not fp8.is_linear(name):
+        if not is_linear(name):
             out[name], dtypes[name] = weight, "F16"
             continue
         module = name.removesuffix(".weight")

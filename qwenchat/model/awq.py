@@ -17,6 +17,7 @@ import numpy as np
 
 from qwenchat.errors import ModelError
 from qwenchat.model import fp8
+from qwenchat.model.formats import INT4
 
 if TYPE_CHECKING:
     from qwenchat.model.checkpoint import WeightSource
@@ -96,14 +97,14 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def gpu_rows(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """An AWQ layer as the GPU engine's rows (uint8, out x fp8.row_bytes(in, "int4"),
+    """An AWQ layer as the GPU engine's rows (uint8, out x INT4.row_bytes(in),
     cuda_src/weights.cuh): each output row's codes along its inputs, eight a word in ORDER
     (as AWQ packs its output columns), then a record per group, the f16 scale in the low half
     and the f16 value 1024 + zero in the high half, then zeros to 16 bytes. Bands of BAND
     rows run on every core."""
     in_features, out_features = qweight.shape[0], qweight.shape[1] * PACK
     groups = in_features // GROUP
-    out = np.zeros((out_features, fp8.row_bytes(in_features, "int4")), np.uint8)
+    out = np.zeros((out_features, INT4.row_bytes(in_features)), np.uint8)
 
     def band(o0: int) -> None:
         o1 = min(out_features, o0 + BAND)

@@ -23,6 +23,7 @@ from qwenchat.errors import ModelError
 from qwenchat.model import awq, fp8
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
+from qwenchat.model.formats import is_linear
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -94,7 +95,7 @@ class Checkpoint:
         ("bf16", ...)."""
         if self._awq:
             return "awq"
-        linear = [e.dtype for n, e in self.entries.items() if fp8.is_linear(n)]
+        linear = [e.dtype for n, e in self.entries.items() if is_linear(n)]
         return "fp8" if "F8_E4M3" in linear else (linear[0] if linear else "BF16").lower()
 
     def float32(self, name: str) -> np.ndarray:
@@ -171,7 +172,7 @@ class Checkpoint:
             module = name.removesuffix(".weight")
             if self.config.is_moe:
                 self._refuse_quantized_moe(name, module)
-            if fp8.is_linear(name) and f"{module}.qweight" in self.entries:
+            if is_linear(name) and f"{module}.qweight" in self.entries:
                 self._validate_awq(name, module, shape)
                 continue
             entry = self.entries.get(name)
@@ -236,7 +237,7 @@ class Checkpoint:
 
     def _validate_fp8(self, entry: TensorEntry) -> None:
         name, config_file = entry.name, self.directory / "config.json"
-        if not fp8.is_linear(name):
+        if not is_linear(name):
             raise ModelError(f"{entry.path}: tensor {name} is F8_E4M3; only the linear layers "
                              "(the *_proj weights) may be FP8")
         if self.config.quantization != "fp8":

@@ -18,23 +18,14 @@ import numpy as np
 
 from qwenchat.errors import UsageError
 from qwenchat.model.floats import E4M3_MAX, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3
+from qwenchat.model.formats import BLOCK, FP8, is_linear
 
 if TYPE_CHECKING:
     from qwenchat.model.checkpoint import WeightSource
     from qwenchat.model.config import Qwen3Config
 
-BLOCK = 128  # rows and columns of one scale block
 SCALE_SUFFIX = "_scale_inv"  # model.layers.0.mlp.up_proj.weight -> ...weight_scale_inv
-LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                   "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-                   "mlp.up_proj.weight", "mlp.down_proj.weight")
 QUANTIZE_CHOICES = ("none", "fp8", "int4")
-
-
-def is_linear(name: str) -> bool:
-    """A projection inside a layer: the tensors FP8 checkpoints store as e4m3 (norms, the
-    embedding and the LM head keep the checkpoint's own dtype)."""
-    return name.startswith("model.layers.") and name.endswith(LINEAR_SUFFIXES)
 
 
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -180,47 +171,12 @@ def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:
     return weights
 
 
-def gpu_weight_format(weight_format: str) -> str:
-    """The format the GPU's kernels run linear layers stored (or quantized) as `weight_format`
-    in: FP8 and int4 as they are, anything else (bf16, f16, f32, "none") as bf16."""
-    return weight_format if weight_format in ("fp8", "int4") else "bf16"
-
-
-def packed_row_bytes(cols: int) -> int:
-    """Bytes of one row in the packed layout the GPU engine streams: the row's codes, then a
-    float32 scale per 128 columns (its block's), padded to 16 bytes."""
-    return cols + -(-4 * math.ceil(cols / BLOCK) // 16) * 16
-
-
 def pack_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """(codes, block scales) as packed rows (uint8, rows x packed_row_bytes(cols))."""
+    """(codes, block scales) as the GPU's packed rows (uint8, rows x FP8.row_bytes(cols)): the
+    row's codes, then a float32 scale per 128 columns (its block's), padded to 16 bytes."""
     rows, cols = codes.shape
-    out = np.zeros((rows, packed_row_bytes(cols)), np.uint8)
+    out = np.zeros((rows, FP8.row_bytes(cols)), np.uint8)
     out[:, :cols] = codes
     per_row = np.ascontiguousarray(np.repeat(scales.astype(np.float32), BLOCK, axis=0)[:rows])
     out[:, cols : cols + 4 * scales.shape[1]] = per_row.view(np.uint8)
     return out
-
-
-def weight_bytes(shapes: dict[str, tuple[int, ...]], weight_format: str) -> int:
-    """GPU bytes of these tensors: the linear layers in `weight_format`, the rest bf16."""
-    return sum(linear_bytes(shape, weight_format) if is_linear(name) else 2 * math.prod(shape)
-               for name, shape in shapes.items())
-
-
-def row_bytes(cols: int, weight_format: str) -> int:
-    """Bytes of one row of a linear layer on the GPU (cuda_src/weights.cuh): bf16 values, FP8
-    codes and their block scales (packed_row_bytes), or int4 codes and their groups' records
-    (4 bytes a group of 128 columns), padded to 16 bytes."""
-    if weight_format == "fp8":
-        return packed_row_bytes(cols)
-    if weight_format == "int4":
-        return cols // 2 + -(-4 * math.ceil(cols / BLOCK) // 16) * 16
-    return 2 * cols
-
-
-def linear_bytes(shape: tuple[int, ...], weight_format: str) -> int:
-    """Bytes a linear layer's weight occupies on the GPU in this format (bf16 for any
-    unquantized one: the GPU engine converts f16 and f32 checkpoints)."""
-    rows, cols = shape
-    return rows * row_bytes(cols, weight_format)

@@ -35,6 +35,7 @@ import numpy as np
 from qwenchat.model import awq, fp8
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.floats import E4M3_MAX, bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3
+from qwenchat.model.formats import is_linear
 
 TABLE_SIZE = 1 << 16  # one entry per value of a 16-bit index
 FP8_SPREAD = 4.0  # an FP8 block's codes span ±4 standard deviations (clipped beyond)
@@ -117,21 +118,21 @@ class RandomWeights:
 
     def bf16_bits(self, name: str) -> np.ndarray:
         """The tensor as bfloat16 bit patterns (uint16), rounded to nearest even from float32."""
-        if self.weight_format != "bf16" and fp8.is_linear(name):
+        if self.weight_format != "bf16" and is_linear(name):
             return f32_to_bf16_bits(self.float32(name))
         return self._gather(name, self._table(name))
 
     def fp8_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
         """(codes, scales) of an FP8 linear layer, as a checkpoint's would be; None for a
         tensor kept in bf16 (and for every tensor of bf16 random weights)."""
-        if self.weight_format != "fp8" or not fp8.is_linear(name):
+        if self.weight_format != "fp8" or not is_linear(name):
             return None
         return self._gather(name, self._fp8_table()), self._fp8_scales(name)
 
     def awq_groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(qweight, qzeros, scales) of an int4 linear layer in AWQ's layout, as a checkpoint's
         would be; None for a tensor kept in bf16 (and for every tensor unless int4)."""
-        if self.weight_format != "int4" or not fp8.is_linear(name):
+        if self.weight_format != "int4" or not is_linear(name):
             return None
         codes = self._gather(name, np.arange(16, dtype=np.uint8))  # (out, in): hash >> 28
         scales, zeros = self._int4_groups(name)  # (groups, out)
@@ -156,9 +157,9 @@ class RandomWeights:
     def device_draw(self, name: str) -> DeviceDraw:
         """The key and table (and FP8 scales, or int4's unit) from which the GPU draws this
         tensor."""
-        if self.weight_format == "int4" and fp8.is_linear(name):
+        if self.weight_format == "int4" and is_linear(name):
             return DeviceDraw(self._key(name), None, int4_unit=float(self._int4_unit(name)))
-        if self.weight_format != "fp8" or not fp8.is_linear(name):
+        if self.weight_format != "fp8" or not is_linear(name):
             return DeviceDraw(self._key(name), self._table(name))
         return DeviceDraw(self._key(name), self._fp8_table(), self._fp8_scales(name))
 
@@ -169,7 +170,7 @@ class RandomWeights:
 
     def dtype(self, name: str) -> str:
         self._shape(name)
-        if fp8.is_linear(name) and self.weight_format != "bf16":
+        if is_linear(name) and self.weight_format != "bf16":
             return {"fp8": "F8_E4M3", "int4": "I32"}[self.weight_format]
         return "BF16"
 

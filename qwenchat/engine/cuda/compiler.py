@@ -28,6 +28,7 @@ from qwenchat import paths
 from qwenchat.engine.cuda.sources import kernel_sources
 from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.formats import FORMATS
 
 # Bump when the key recipe or the entry layout changes, so older entries are never read.
 FORMAT_VERSION = 1
@@ -79,10 +80,7 @@ def kernel_defines(config: Qwen3Config, weight_format: str = "bf16",
                "QW_KV_HEADS": config.num_key_value_heads,
                "QW_HEAD_DIM": config.head_dim,
                "QW_VOCAB": config.vocab_size}
-    if weight_format == "fp8":
-        defines["QW_FP8"] = 1
-    elif weight_format == "int4":
-        defines["QW_INT4"] = 1
+    defines.update(FORMATS[weight_format].defines())
     if kv_format == "int8":
         defines["QW_KV8"] = 1
     return defines

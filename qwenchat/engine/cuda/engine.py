@@ -57,6 +57,7 @@ from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model import fp8
 from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.formats import FORMATS, gpu_format
 from qwenchat.model.kv_cache import KV_CACHE_CHOICES, bytes_per_position
 from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.sampler import sample_token_gpu
@@ -313,7 +314,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         # any layer the file left in bf16 quantized, so every linear layer has one format);
         # AWQ ones run their 4-bit codes (Int4Weights).
         weights = fp8.with_quantization(weights, "none")
-        self.weight_format = fp8.gpu_weight_format(weights.weight_format)
+        self.weight_format = gpu_format(weights.weight_format).name
         self.kv_format = kv_cache
         reason = unsupported_reason(config, self.weight_format)
         if reason:
@@ -373,7 +374,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
                 raise
             self.close()
             free, total = self.device.mem_info()
-            need = fp8.weight_bytes(self.config.tensor_shapes(), self.weight_format)
+            need = FORMATS[self.weight_format].weight_bytes(self.config.tensor_shapes())
             raise QwenchatError(
                 f"out of GPU memory: the weights need {need / 2**30:.2f} GiB and "
                 f"{self.device.name} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free; "

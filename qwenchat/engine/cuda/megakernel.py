@@ -11,7 +11,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -21,8 +20,9 @@ from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelBuild, kernel_defines
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS
 from qwenchat.errors import QwenchatError
-from qwenchat.model import fp8, rope
+from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
+from qwenchat.model.formats import FORMATS
 from qwenchat.sampling.params import SamplingParams
 
 MEGAKERNEL_THREADS = 512
@@ -171,7 +171,7 @@ def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -
         return best
 
     def fill(k: int, fmt: str, pairs: bool = False) -> float:
-        row = fp8.linear_bytes((1, k), fmt) * (2 if pairs else 1)
+        row = FORMATS[fmt].row_bytes(k) * (2 if pairs else 1)
         mma = fmt != "bf16" and layout.mma
         groups = consumers // min(-(-k // (layout.mma_seg if mma else 1024)), consumers)
         if mma:
@@ -234,7 +234,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
             stage //= 2  # smaller GPUs: more, smaller stages
         # A stage holds a whole row of every matrix (a gate/up pair together), in the
         # weights' format; the LM head's rows stay bf16.
-        row = partial(fp8.linear_bytes, weight_format=weight_format)
+        row = FORMATS[weight_format].linear_bytes
         widest_row = max(2 * row((1, cfg.hidden_size)), row((1, cfg.q_size)),
                          row((1, cfg.intermediate_size)), 2 * cfg.hidden_size, least)
         while stage < widest_row:
@@ -285,7 +285,7 @@ def _mma_ring(cfg: Qwen3Config, room: int, widest_row: int,
     hidden = cfg.hidden_size
     parts = -(-hidden // MMA_SEG_MOST)
     seg = -(-hidden // parts // 256) * 256
-    row = fp8.linear_bytes((1, hidden), weight_format)
+    row = FORMATS[weight_format].row_bytes(hidden)
     for count in (3, 2):
         rows = room // count // row // 2 * 2
         stage = -(-rows * row // 128) * 128

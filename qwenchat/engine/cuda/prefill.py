@@ -12,7 +12,7 @@ import numpy as np
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
-from qwenchat.model.fp8 import packed_row_bytes, row_bytes
+from qwenchat.model.formats import FP8, INT4
 
 GEMM_TILE = 128
 PREFILL_QUERIES_PER_BLOCK = 64
@@ -293,7 +293,7 @@ class Prefill:
         (docs/perf.md)."""
         total = rows * cols // 8
         self._launch("dequant_int4_rows", min(32 * self.device.sm_count, math.ceil(total / 256)),
-                     256, rt.Ptr(weights.ptr + row0 * row_bytes(cols, "int4")), ctypes.c_int(rows),
+                     256, rt.Ptr(weights.ptr + row0 * INT4.row_bytes(cols)), ctypes.c_int(rows),
                      ctypes.c_int(cols), rt.Ptr(self.w16.ptr + to_row * cols * 2))
 
     def _build_tensor_maps(self) -> None:
@@ -310,14 +310,14 @@ class Prefill:
             """e4m3 codes in 128 x 128-byte boxes (gemm_fp8_sm90.cu); packed: FP8 weight rows,
             their codes (weights.cuh)."""
             return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 128, swizzled_codes=True,
-                               row_bytes=packed_row_bytes(cols) if packed else None)
+                               row_bytes=FP8.row_bytes(cols) if packed else None)
 
         def weights(buffer, rows: int, cols: int) -> rt.TensorMap:
             if self.fp8_gemm:
                 return codes(buffer, rows, cols, packed=True)
             if self.weight_format == "fp8":  # the codes of each packed row (weights.cuh)
                 return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64, codes=True,
-                                   row_bytes=packed_row_bytes(cols))
+                                   row_bytes=FP8.row_bytes(cols))
             return tiles(buffer, rows, cols)
 
         if self.attention90:

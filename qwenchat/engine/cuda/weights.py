@@ -14,6 +14,7 @@ import numpy as np
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.model import awq, fp8, rope
 from qwenchat.model.checkpoint import WeightSource
+from qwenchat.model.formats import FORMATS, FP8, INT4
 from qwenchat.model.random_weights import INT4_SALT, DeviceDraw
 
 
@@ -63,7 +64,7 @@ class WeightUpload:
             if any(d is None for d in draws):
                 return None
             matrices = [(shapes[n][0], math.prod(shapes[n][1:])) for n in names]
-            sizes = [rows_ * fp8.row_bytes(cols, d.format)
+            sizes = [rows_ * FORMATS[d.format].row_bytes(cols)
                      for (rows_, cols), d in zip(matrices, draws, strict=True)]
             buffer = rt.DeviceBuffer(sum(sizes))
             self._buffers.append(buffer)
@@ -139,7 +140,7 @@ class WeightUpload:
                 raise ValueError(f"a {rows} x {cols} tensor is too large to draw on the device")
             key = ctypes.c_uint32(draw.key)
             if draw.int4_unit is not None:
-                words = fp8.row_bytes(cols, "int4") // 4
+                words = INT4.row_bytes(cols) // 4
                 grid = min(most, math.ceil(rows * words / DRAW_THREADS))
                 self._launch("draw_int4_rows", grid, DRAW_THREADS, rt.Ptr(ptr),
                              ctypes.c_int(rows), ctypes.c_int(cols), ctypes.c_int(words), key,
@@ -154,7 +155,7 @@ class WeightUpload:
                 self._launch("draw_bf16", grid, DRAW_THREADS, rt.Ptr(ptr),
                              ctypes.c_uint32(rows * cols), key, table)
             else:
-                words = fp8.packed_row_bytes(cols) // 4
+                words = FP8.row_bytes(cols) // 4
                 grid = min(most, math.ceil(rows * words / DRAW_THREADS))
                 self._launch("draw_fp8_rows", grid, DRAW_THREADS, rt.Ptr(ptr),
                              ctypes.c_int(rows), ctypes.c_int(cols), ctypes.c_int(words), key,
