@@ -80,8 +80,10 @@ __device__ __forceinline__ void add(Cycles c, long long cycles, unsigned stages 
     const unsigned phase = warp_phase[threadIdx.x >> 5] - 1u;
     if (phase >= QW_MK_TIMELINE || (threadIdx.x & 31) != 0) return;
     Record* r = qw_timeline + phase * gridDim.x + blockIdx.x;
-    r->cycles[c] += static_cast<unsigned long long>(cycles);
-    r->stages += stages;
+    // Reductions, not a read-modify-write: the warp does not wait for L2 here (a load would put
+    // a round trip between the marks around it: 0.8-1 µs, docs/perf.md 2026-11-27).
+    atomicAdd(&r->cycles[c], static_cast<unsigned long long>(cycles));
+    if (stages) atomicAdd(&r->stages, stages);
 }
 }  // namespace mk_timeline
 
@@ -89,8 +91,9 @@ __device__ __forceinline__ void add(Cycles c, long long cycles, unsigned stages 
 // The producer's turn at a stage: waited from t0 to t1 for it to be free, then issued it.
 #define QW_TL_PRODUCED(t0, t1)                                           \
     do {                                                                 \
+        const long long tl_t2_ = clock64();                              \
         mk_timeline::add(mk_timeline::FREE_WAIT, (t1) - (t0));           \
-        mk_timeline::add(mk_timeline::ISSUE, clock64() - (t1), 1u);      \
+        mk_timeline::add(mk_timeline::ISSUE, tl_t2_ - (t1), 1u);         \
     } while (0)
 // Warp 0 waited from t0 for a stage to fill.
 #define QW_TL_WAITED(t0)                                                          \

@@ -172,7 +172,7 @@ def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -
 
     def fill(k: int, fmt: str, pairs: bool = False) -> float:
         row = FORMATS[fmt].row_bytes(k) * (2 if pairs else 1)
-        mma = fmt != "bf16" and layout.mma
+        mma = FORMATS[fmt].narrow and layout.mma
         groups = consumers // min(-(-k // (layout.mma_seg if mma else 1024)), consumers)
         if mma:
             groups *= 2
