@@ -72,8 +72,8 @@ class KernelCompileError(QwenchatError):
 def kernel_defines(config: Qwen3Config, weight_format: str = "bf16",
                    kv_format: str = "bf16") -> dict[str, int]:
     """The model dimensions as the QW_* macros cuda_src/qwen3.cuh expects, QW_FP8 or
-    QW_INT4 for FP8 or int4 linear layers (cuda_src/weights.cuh), and QW_KV8 for an int8 KV
-    cache (cuda_src/kv8.cuh)."""
+    QW_INT4 for FP8 or int4 linear layers (cuda_src/weights.cuh), QW_KV8 for an int8 KV
+    cache (cuda_src/kv8.cuh), and a mixture of experts' router shape (cuda_src/moe.cuh)."""
     defines = {"QW_HIDDEN": config.hidden_size,
                "QW_INTERMEDIATE": config.intermediate_size,
                "QW_HEADS": config.num_attention_heads,
@@ -81,6 +81,9 @@ def kernel_defines(config: Qwen3Config, weight_format: str = "bf16",
                "QW_HEAD_DIM": config.head_dim,
                "QW_VOCAB": config.vocab_size}
     defines.update(FORMATS[weight_format].defines())
+    if config.is_moe:  # the router's shape (cuda_src/moe.cuh)
+        defines.update(QW_EXPERTS=config.num_experts, QW_TOPK=config.num_experts_per_tok,
+                       QW_NORM_TOPK=int(config.norm_topk_prob))
     if kv_format == "int8":
         defines["QW_KV8"] = 1
     return defines
