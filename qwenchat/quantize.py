@@ -107,7 +107,6 @@ def run_quantize(model_spec: str, out: Path, to: str, err: TextIO = sys.stderr,
     if fmt in ("fp8", "awq"):
         raise UsageError(f"{model_spec} is already quantized ({fmt}); quantize a bf16, f16 or "
                          "f32 checkpoint")
-    fp8.check_quantizable(config, to)
     if to == "int4":
         try:
             awq.check_int4_shape(config)

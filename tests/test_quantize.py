@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from tiny_model import write_tiny_model
+from tiny_model import write_tiny_model, write_tiny_moe_model
 
 from qwenchat.engine import create_engine
 from qwenchat.errors import UsageError
@@ -23,10 +23,21 @@ WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 7, 300, 12]
 
 
+# A mixture of experts as wide (its experts' down projections too), a dense layer among them.
+WIDE_MOE = dict(WIDE, num_hidden_layers=3, num_experts=3, num_experts_per_tok=2,
+                moe_intermediate_size=128, norm_topk_prob=True, mlp_only_layers=[1])
+
+
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory, tiny_tokenizer):
     return write_tiny_model(tmp_path_factory.mktemp("wide") / "m", tokenizer=tiny_tokenizer,
                             **WIDE)
+
+
+@pytest.fixture(scope="module")
+def wide_moe_model(tmp_path_factory, tiny_tokenizer):
+    return write_tiny_moe_model(tmp_path_factory.mktemp("wide-moe") / "m",
+                                tokenizer=tiny_tokenizer, **WIDE_MOE)
 
 
 def logits(directory, quantize="none") -> np.ndarray:
@@ -35,9 +46,13 @@ def logits(directory, quantize="none") -> np.ndarray:
     return engine.prefill_logits(PROMPT)
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize(("to", "fmt"), [("int4", "awq"), ("fp8", "fp8")])
-def test_the_written_checkpoint_runs_bit_for_bit_as_quantize_at_load_time(wide_model, tmp_path,
-                                                                          to, fmt):
+def test_the_written_checkpoint_runs_bit_for_bit_as_quantize_at_load_time(request, tmp_path,
+                                                                          to, fmt, moe):
+    # A mixture of experts: its experts narrow as the published FP8 and AWQ releases hold
+    # them, its router in the checkpoint's own dtype.
+    wide_model = request.getfixturevalue("wide_moe_model" if moe else "wide_model")
     out = tmp_path / f"model-{to}"
     err = io.StringIO()
     assert run_quantize(str(wide_model), out, to, err) == 0
@@ -53,10 +68,13 @@ def test_the_written_checkpoint_runs_bit_for_bit_as_quantize_at_load_time(wide_m
                     else fp8.quantize(source.checkpoint.float32(name)))
             for a, b in zip(ours, made, strict=True):
                 np.testing.assert_array_equal(a, b)
-        else:  # norms, embedding, LM head: the same bytes
+        else:  # norms, embedding, LM head, a router: the same bytes
             assert written.checkpoint.entries[name].dtype == entry.dtype
             np.testing.assert_array_equal(written.checkpoint.raw(name),
                                           source.checkpoint.raw(name))
+    experts = [n for n in source.checkpoint.config.tensor_shapes() if ".mlp.experts." in n]
+    assert all(is_linear(n) for n in experts) and len(experts) == (2 * 3 * 3 if moe else 0)
+    assert ("model.layers.0.mlp.gate.weight" in written.checkpoint.entries) == moe
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == fmt
     for name in ("tokenizer.json", "tokenizer_config.json"):

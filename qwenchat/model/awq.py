@@ -123,9 +123,11 @@ def gpu_rows(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> np.
 
 def check_int4_shape(cfg: Qwen3Config) -> None:
     """One line (ModelError) unless every linear layer's inputs are whole groups of 128."""
-    for name, columns in (("hidden_size", cfg.hidden_size),
-                          ("intermediate_size", cfg.intermediate_size),
-                          ("num_attention_heads x head_dim", cfg.q_size)):
+    widths = [("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+              ("num_attention_heads x head_dim", cfg.q_size)]
+    if cfg.is_moe:  # (an expert's down projection takes its moe_intermediate_size inputs)
+        widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, columns in widths:
         if columns % GROUP:
             raise ModelError(f"--quantize int4 needs every linear layer's inputs in whole "
                              f"groups of {GROUP} columns; this model's {name} is {columns}")

@@ -170,8 +170,6 @@ class Checkpoint:
     def _validate(self) -> None:
         for name, shape in self.config.tensor_shapes().items():
             module = name.removesuffix(".weight")
-            if self.config.is_moe:
-                self._refuse_quantized_moe(name, module)
             if is_linear(name) and f"{module}.qweight" in self.entries:
                 self._validate_awq(name, module, shape)
                 continue
@@ -189,15 +187,6 @@ class Checkpoint:
             elif entry.dtype not in FLOAT_DTYPES:
                 raise ModelError(f"{entry.path}: tensor {name} has dtype {entry.dtype}; "
                                  "qwenchat reads it as BF16, F16 or F32")
-
-    def _refuse_quantized_moe(self, name: str, module: str) -> None:
-        """A mixture of experts in BF16, F16 or F32 only, for now: one line for FP8 or AWQ
-        tensors (even where config.json declares no quantization)."""
-        entry = self.entries.get(name) or self.entries.get(f"{module}.qweight")
-        if entry is not None and entry.dtype not in FLOAT_DTYPES:
-            raise ModelError(f"{entry.path}: tensor {entry.name} is {entry.dtype}; FP8 and AWQ "
-                             "weights are not supported for mixture-of-experts models yet (use "
-                             "the model's bf16 release)")
 
     def _validate_awq(self, name: str, module: str, shape: tuple[int, ...]) -> None:
         """An AWQ linear layer: its three tensors present, of AWQ's dtypes and of the shapes

@@ -209,11 +209,6 @@ class Qwen3Config:
             values.update(_experts(raw, values["num_hidden_layers"], source))
         config = cls(**values)
         config._check_sizes(source)
-        if config.is_moe and config.quantization is not None:
-            raise ModelError(f"{source}: unsupported quantization_config.quant_method="
-                             f"{json.dumps(raw['quantization_config'].get('quant_method'))} "
-                             "(FP8 and AWQ checkpoints are not supported for mixture-of-experts "
-                             "models yet; use the model's bf16 release)")
         return config
 
     @classmethod

@@ -20,15 +20,19 @@ from dataclasses import dataclass
 BLOCK = 128  # columns a narrow row's record covers: an FP8 block's width, an int4 group
 
 # A projection inside a layer: the tensors FP8 and AWQ checkpoints store narrow (norms, the
-# embedding and the LM head keep the checkpoint's own dtype).
+# embedding, the LM head and a mixture of experts' router keep the checkpoint's own dtype).
 LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
                    "mlp.up_proj.weight", "mlp.down_proj.weight")
+EXPERT_SUFFIXES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")  # mlp.experts.{e}.
 
 
 def is_linear(name: str) -> bool:
-    """Whether the tensor `name` is one of a layer's linear projections (LINEAR_SUFFIXES)."""
-    return name.startswith("model.layers.") and name.endswith(LINEAR_SUFFIXES)
+    """Whether the tensor `name` is one of a layer's linear projections (LINEAR_SUFFIXES, or
+    an expert's: model.layers.{i}.mlp.experts.{e}.*_proj.weight)."""
+    return name.startswith("model.layers.") and (
+        name.endswith(LINEAR_SUFFIXES) or (".mlp.experts." in name
+                                           and name.endswith(EXPERT_SUFFIXES)))
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qwenchat.errors import UsageError
 from qwenchat.model.floats import E4M3_MAX, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3
 from qwenchat.model.formats import BLOCK, FP8, is_linear
 
 if TYPE_CHECKING:
     from qwenchat.model.checkpoint import WeightSource
-    from qwenchat.model.config import Qwen3Config
 
 SCALE_SUFFIX = "_scale_inv"  # model.layers.0.mlp.up_proj.weight -> ...weight_scale_inv
 QUANTIZE_CHOICES = ("none", "fp8", "int4")
@@ -148,20 +146,12 @@ class Fp8Weights(QuantizedLinears):
         return dequantize(*self.fp8(name))
 
 
-def check_quantizable(config: Qwen3Config, quantize_to: str) -> None:
-    """One line (UsageError) for `--quantize` on a mixture of experts: not built yet."""
-    if quantize_to not in ("none", "bf16") and config.is_moe:
-        raise UsageError(f"--quantize {quantize_to} is not supported for mixture-of-experts "
-                         "models yet; run without --quantize")
-
-
 def with_quantization(weights: WeightSource, quantize_to: str) -> WeightSource:
     """The weights an engine runs: 4-bit linears when asked (`--quantize int4`) or when the
     source holds 4-bit ones (an AWQ checkpoint, random int4 weights), FP8 linears when asked
     (`--quantize fp8`) or when the checkpoint holds any (a layer it left in bf16 is quantized
     too, so every linear layer has one format), else the checkpoint as it is. A mixture of
-    experts runs its bf16, f16 or f32 weights only, for now."""
-    check_quantizable(weights.config, quantize_to)
+    experts' experts are linear layers too; its router stays as the checkpoint has it."""
     if quantize_to == "int4" or weights.weight_format in ("awq", "int4"):
         from qwenchat.model.awq import Int4Weights  # (awq imports this module)
 
