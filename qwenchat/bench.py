@@ -120,11 +120,16 @@ def weight_bytes_per_step(config: Qwen3Config, weight_format: str = "bf16") -> i
     (norms, LM head) in bf16.
 
     The embedding table counts only when it is the (tied) LM head: otherwise a step reads one
-    row of it, which is negligible.
+    row of it, which is negligible. A mixture of experts' sparse layer counts the
+    num_experts_per_tok experts a token routes to (its experts are all one size, so which
+    ones does not change the count) beside its router.
     """
     shapes = config.tensor_shapes()
     if not config.tie_word_embeddings:
         del shapes["model.embed_tokens.weight"]
+    for name in [n for n in shapes if ".mlp.experts." in n]:
+        if int(name.split(".mlp.experts.")[1].split(".")[0]) >= config.num_experts_per_tok:
+            del shapes[name]
     return FORMATS[weight_format].weight_bytes(shapes)
 
 

@@ -247,6 +247,20 @@ def test_an_untied_embedding_is_not_counted_as_read():
     assert weight_bytes_per_step(untied) == 2 * untied.parameter_count() - embedding
 
 
+def test_a_moe_step_reads_the_experts_a_token_routes_to_not_all_of_them():
+    from test_config import QWEN3_30B_A3B
+
+    config = Qwen3Config.from_dict(QWEN3_30B_A3B)  # 48 sparse layers, 8 of 128 experts
+    embedding = 2 * config.vocab_size * config.hidden_size  # (untied: one row a step)
+    assert weight_bytes_per_step(config) == 2 * config.active_parameter_count() - embedding
+    expert = 3 * config.hidden_size * config.moe_intermediate_size  # (bf16: 2 bytes each)
+    assert weight_bytes_per_step(config) < 2 * (config.parameter_count() - 48 * 120 * expert)
+    # ~6.1 GB in bf16 (issue 43's figure); FP8 halves the experts and attention but not the
+    # LM head (0.62 GB) or the router: 3.46 GB
+    assert weight_bytes_per_step(config) / 1e9 == pytest.approx(6.1, abs=0.1)
+    assert weight_bytes_per_step(config, "fp8") / 1e9 == pytest.approx(3.46, abs=0.01)
+
+
 def test_default_ctx_fits_the_largest_position_and_prompt_within_the_model():
     settings = BenchSettings(prompts=(512, 4096), positions=(1, 1024), steps=64)
     assert settings.default_ctx(PRESETS["qwen3-0.6b"]) == 4096
