@@ -281,10 +281,10 @@ __device__ __forceinline__ void tc_keys(const unsigned char* kt, const unsigned 
 // group) in registers, and releases the stage when its own keys are done (no block barrier);
 // the producer warp refills it. At the end of the chunk the warps' states are merged in a
 // fixed order through shared memory (the producer's: empty).
-// The timeline's probe points (QW_TL_AT, tests/step_timeline.py --probe): 0 the first stage
-// of keys ready, 1 the new key and value appended, 2 the warp's keys done, 3 after the fence
-// that publishes the new row, 4 the warps' maxima and sums shared, 5 the outputs summed over
-// the warps, 6 the outputs written.
+// The timeline's probe points (QW_TL_AT; tests/step_timeline.py --define QW_MK_TL_AT=K): 0
+// the first stage of keys ready, 1 the new key and value appended, 2 the warp's keys done, 3
+// after the fence that publishes the new row, 4 the warps' maxima and sums shared, 5 the
+// outputs summed over the warps, 6 the outputs written.
 __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consumed,
                                              const MegaLayer& L, int pos, const AttnGeom& g,
                                              unsigned tag, unsigned merge_base,

@@ -107,9 +107,10 @@ __device__ __forceinline__ void add(Cycles c, long long cycles, unsigned stages 
 #define QW_TL_MARK(m) mk_timeline::mark(tl_phase_, mk_timeline::m)
 #define QW_TL_MARK_IF(cond, m) \
     if (cond) mk_timeline::mark(tl_phase_, mk_timeline::m)
-// A probe of the attention phase (tests/step_timeline.py --probe K): its WEIGHTS mark, by
-// default where its first stage of keys is ready (point 0), is taken at point K instead
-// (mk_attention.cuh numbers them), so that the span from its input to each point is measured.
+// A probe of the attention phase (tests/step_timeline.py --define QW_MK_TL_AT=K): its
+// WEIGHTS mark, by default where its first stage of keys is ready (point 0), is taken at point
+// K instead (mk_attention.cuh numbers them), so that the span from its input to each point is
+// measured.
 #define QW_TL_AT(cond, k) QW_TL_MARK_IF((cond) && QW_MK_TL_AT == (k), WEIGHTS)
 #else
 #define QW_TL_CLOCK(var)
