@@ -17,14 +17,14 @@ import numpy as np
 
 from qwenchat.errors import ModelError
 from qwenchat.model import fp8
-from qwenchat.model.formats import INT4
+from qwenchat.model.formats import BLOCK, INT4
 
 if TYPE_CHECKING:
     from qwenchat.model.checkpoint import WeightSource
     from qwenchat.model.config import Qwen3Config
 
-BITS = 4
-GROUP = 128  # input columns a scale and a zero point cover
+BITS = INT4.bits
+GROUP = BLOCK  # input columns a scale and a zero point cover
 PACK = 32 // BITS  # codes a 32-bit word holds
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within a word's 8) held by nibble i
 SUFFIXES = ("qweight", "qzeros", "scales")

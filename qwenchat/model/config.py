@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from qwenchat.errors import ModelError
-from qwenchat.model import awq, fp8
+from qwenchat.model.formats import BLOCK, INT4
 from qwenchat.model.rope import Yarn
 
 # model_type -> the one architecture config.json may name with it.
@@ -348,7 +348,7 @@ def _quantization(spec: Any, source: str) -> str | None:
     if spec.get("activation_scheme", "dynamic") != "dynamic":
         raise refuse("activation_scheme", "only \"dynamic\": qwenchat keeps activations "
                      "unquantized and reads no activation scales")
-    if spec.get("weight_block_size") != [fp8.BLOCK, fp8.BLOCK]:
+    if spec.get("weight_block_size") != [BLOCK, BLOCK]:
         raise refuse("weight_block_size", "Qwen's FP8 checkpoints use [128, 128] blocks, the "
                      "only size qwenchat reads")
     if spec.get("scale_fmt") not in (None, "float"):
@@ -359,10 +359,10 @@ def _quantization(spec: Any, source: str) -> str | None:
 def _awq(spec: dict[str, Any], refuse: Callable[[str, str], ModelError]) -> str:
     """Qwen's AWQ checkpoints: 4-bit weights in groups of 128 input columns with zero points,
     AutoAWQ's "gemm" packing (qwenchat.model.awq)."""
-    if spec.get("bits") != awq.BITS:
+    if spec.get("bits") != INT4.bits:
         raise refuse("bits", "qwenchat reads 4-bit AWQ weights")
-    if spec.get("group_size") != awq.GROUP:
-        raise refuse("group_size", f"qwenchat reads groups of {awq.GROUP} input columns, as "
+    if spec.get("group_size") != BLOCK:
+        raise refuse("group_size", f"qwenchat reads groups of {BLOCK} input columns, as "
                      "Qwen's AWQ checkpoints have")
     if spec.get("zero_point", True) is not True:
         raise refuse("zero_point", "qwenchat reads AWQ weights with zero points")
