@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from qwenchat.engine import check_engine_flags, create_engine
+from qwenchat.engine import FP8_ACTIVATIONS, check_engine_flags, create_engine
 from qwenchat.errors import QwenchatError, UsageError
 from qwenchat.model import rope
 from qwenchat.model.loader import open_model
@@ -34,7 +34,6 @@ from qwenchat.model.tokenizer import Message, Tokenizer
 from qwenchat.progress import progress_bar
 
 PATHS = ("prefill", "decode")
-FP8_ACTIVATIONS = ("auto", "e4m3", "bf16")
 ENGINE_BASES = ("bf16", "cpu")  # --base: the same model unquantized here, or on the CPU
 SAVED_FORMAT = 1
 

@@ -15,6 +15,10 @@ from qwenchat.model.kv_cache import KV_CACHE_CHOICES
 
 BACKENDS = ("auto", "cuda", "cpu")
 DECODES = ("auto", "megakernel", "layered")  # the CUDA engine's decode paths
+# FP8 weights' prefill activations: "auto", e4m3 wherever the GPU has FP8 tensor cores
+# (gemm_fp8_sm90.cu; the CPU engine rounds them only when asked, "e4m3"); "bf16" keeps the
+# codes widened to bf16 (comparisons, docs/prefill_v2.md).
+FP8_ACTIVATIONS = ("auto", "e4m3", "bf16")
 
 __all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
            "check_engine_flags", "create_engine"]

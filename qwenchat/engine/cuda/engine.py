@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qwenchat.engine import DECODES
+from qwenchat.engine import DECODES, FP8_ACTIVATIONS
 from qwenchat.engine.base import CacheBookkeeping, GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import Compilation, KernelBuild, KernelCache, kernel_defines
@@ -36,7 +36,6 @@ from qwenchat.engine.cuda.megakernel import (
     megakernel_unusable,
 )
 from qwenchat.engine.cuda.prefill import (
-    FP8_ACTIVATIONS,
     GEMM90_SHARED,
     GEMM_FP8_KERNELS,
     PREFILL_KERNELS,

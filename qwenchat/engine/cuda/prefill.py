@@ -51,9 +51,6 @@ SHORT_PROMPT_STEP = 16
 # GEMM90_SHARED, its THREADS GEMM90_THREADS.
 GEMM_FP8_KERNELS = ("gemm_fp8_store_128", "gemm_fp8_store_256", "gemm_fp8_add_128",
                     "gemm_fp8_add_256", "gemm_fp8_swiglu", "quantize_rows_e4m3")
-# "auto": e4m3 activations wherever gemm_fp8_sm90.cu runs (sm_90, FP8 weights); "bf16" keeps
-# the FP8 weights' codes widened to bf16 in gemm_sm90.cu (comparisons, docs/prefill_v2.md).
-FP8_ACTIVATIONS = ("auto", "e4m3", "bf16")
 
 
 def attention90_shared(head_dim: int) -> int:
