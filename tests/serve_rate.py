@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
-import uvicorn
+from served import Running
 
 from qwenchat.bench import BenchSettings, measure_engine
 from qwenchat.engine.cuda.engine import CudaEngine
@@ -34,7 +34,7 @@ from qwenchat.model.random_weights import RandomWeights
 from qwenchat.model.tokenizer import Tokenizer
 from qwenchat.remote import RemoteServer, RemoteSession
 from qwenchat.sampling.params import LiveParams, SamplingParams, eos_token_ids
-from qwenchat.serve import ServedModel, build_app, listen
+from qwenchat.serve import ServedModel
 from qwenchat.session import Progress
 
 
@@ -75,16 +75,8 @@ def main() -> None:
     engine = CudaEngine(config, weights, ctx=args.tokens + 256, decode="megakernel")
     tokenizer = Tokenizer(args.tokenizer)
     eos = frozenset(eos_token_ids(args.tokenizer, [tokenizer.im_end_id]))
-    lines: list[str] = []
-    app, service = build_app(ServedModel(("bench",), args.tokenizer, engine, tokenizer, eos),
-                             None, lines.append)
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    running = Running(ServedModel(("bench",), args.tokenizer, engine, tokenizer, eos))
+    url, lines = running.url, running.lines
     try:
         streamed(url, 16)  # warm: the kernels, the prompt's prefix in the cache
         rates = []
@@ -114,9 +106,7 @@ def main() -> None:
                                  repeats=args.repeats)
         bench = measure_engine(engine, settings, args.config, "random").decode[0].tok_s
     finally:
-        server.should_exit = True
-        thread.join(5)
-        service.close()
+        running.stop()
         engine.close()
     stream = statistics.median(rates)
     print(f"{args.config} {args.quantize}: streamed {stream:,.1f} tok/s (median of "
