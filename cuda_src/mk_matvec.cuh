@@ -174,7 +174,7 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
             *reinterpret_cast<float2*>(buf + 2 * i) = e;
             ss += e.x * e.x + e.y * e.y;
         });
-    } else {  // (a loop, not for_pairs' unrolled one: 8B's down phase spilled with that)
+    } else {  // (a pair at a time: the loop as before, the code that was measured)
         for (int i = threadIdx.x; i < K / 2; i += THREADS) {
             const float2 e = take_pair(src, row, i, tag, wait);
             *reinterpret_cast<float2*>(buf + 2 * i) = e;
