@@ -304,7 +304,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         const bool last_item = item + static_cast<int>(gridDim.x) >= qw::kv_heads * g.splits;
         const bool first_item = item == static_cast<int>(blockIdx.x);
         (void)first_item;
-        const int k_begin = split * g.chunk, keys = item_keys(g, len, item);
+        const int k_begin = chunk_begin(g, split), keys = item_keys(g, len, item);
         const bool has_new = k_begin <= pos && pos < k_begin + keys;
         if (warp < G) {
             norm_rope_warp(a.qkv + (kvh * G + warp) * HD, tag, L.q_norm, a.inv_freq, pos, a.eps,

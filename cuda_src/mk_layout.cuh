@@ -20,6 +20,12 @@
 #ifndef QW_MK_DEFER
 #define QW_MK_DEFER 1
 #endif
+// 1: a kv head's keys are cut into chunks of equal length (within one key), so no block streams
+// more than ceil(len / splits) keys; 0: chunks of whole stages (KEYS keys), which leaves up to
+// a stage a block more and fewer chunks (mk_pipe.cuh, attn_geom; experiments).
+#ifndef QW_MK_EVEN
+#define QW_MK_EVEN 1
+#endif
 // The most LM-head rows a block owns (the host passes ceil(vocab / blocks)).
 #ifndef QW_MK_LM_ROWS
 #define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)

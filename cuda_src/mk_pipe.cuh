@@ -87,19 +87,27 @@ __device__ __forceinline__ int matrix_tiles(int n_rows) {
 
 // Flash-decoding geometry for `len` keys: chunks of whole stages, at most `most` per kv head.
 struct AttnGeom {
-    int splits, chunk;
+    int splits, chunk, len;  // (chunk: QW_MK_EVEN 0's chunk length)
 };
 
 __device__ __forceinline__ AttnGeom attn_geom(int len, int most) {
     int splits = min(most, (len + KEYS - 1) / KEYS);
     splits = max(1, splits);
+    if (QW_MK_EVEN) return {splits, 0, len};
     const int chunk = ((len + splits - 1) / splits + KEYS - 1) / KEYS * KEYS;
-    return {(len + chunk - 1) / chunk, chunk};
+    return {(len + chunk - 1) / chunk, chunk, len};
+}
+
+// The first key of a kv head's chunk `split`.
+__device__ __forceinline__ int chunk_begin(const AttnGeom& g, int split) {
+    if (QW_MK_EVEN) return split * g.len / g.splits;  // (< 2^31: splits <= 64)
+    return split * g.chunk;
 }
 
 // This block's attention items are blockIdx.x, + gridDim.x, ...; each is a (kv head, chunk).
 __device__ __forceinline__ int item_keys(const AttnGeom& g, int len, int item) {
     const int split = item % g.splits;
+    if (QW_MK_EVEN) return chunk_begin(g, split + 1) - chunk_begin(g, split);
     return min(len, (split + 1) * g.chunk) - split * g.chunk;
 }
 
@@ -244,7 +252,7 @@ __device__ TileSource tile_source(const MegaArgs& a) {
                 const int tiles = (keys + KEYS - 1) / KEYS;
                 if (t < tiles) {
                     const int kvh = item / g.splits;
-                    const int k0 = (item % g.splits) * g.chunk + t * KEYS;
+                    const int k0 = chunk_begin(g, item % g.splits) + t * KEYS;
                     const int n = min(KEYS, keys - t * KEYS);
                     const long long off = (static_cast<long long>(kvh) * a.capacity + k0) * KV_ROW;
                     set_copy(s, 0, static_cast<const unsigned char*>(L.k_cache) + off,
