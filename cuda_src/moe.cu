@@ -1,6 +1,19 @@
-// Routing a prefill's tokens to their experts (moe.cuh): one warp a token, `tokens` rows of
-// QW_EXPERTS float32 router logits in, QW_TOPK (weight, expert) pairs a token out.
+// A mixture of experts' layer on the per-op path (issue 43): the router's top-k (moe.cuh), the
+// chosen experts' matrix-vector products for one token (decode), and for a prefill's tokens the
+// grouping by expert (stable: a token's rows keep the tokens' order, so every run lays them out
+// alike), the gather, the grouped tensor-core products (gemm.cuh) and the weighted sum back.
+// Experts' weights lie one after another in the model's format (weights.cuh): gate_up
+// [experts][2 x QW_MOE_INTER rows of hidden], down [experts][hidden rows of QW_MOE_INTER].
 #include "moe.cuh"
+#include "gemm.cuh"
+#include "gemv.cuh"
+
+namespace qwm {
+constexpr int INTER = QW_MOE_INTER;
+constexpr long long GATE_UP_BYTES = 2LL * INTER * row_bytes<qw::wfmt>(qw::hidden);
+constexpr long long DOWN_BYTES = static_cast<long long>(qw::hidden) * row_bytes<qw::wfmt>(INTER);
+static_assert(INTER <= 12288, "an expert's SwiGLU output is staged whole in shared memory");
+}  // namespace qwm
 
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int tokens,
                                      float* __restrict__ weights, int* __restrict__ experts) {
@@ -8,4 +21,159 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int token
     if (token >= tokens) return;  // (a whole warp: blockDim.x is a multiple of 32)
     qwm::route_warp(logits + static_cast<long long>(token) * qwm::EXPERTS,
                     weights + token * qwm::TOPK, experts + token * qwm::TOPK);
+}
+
+// Decode: gu[k] = expert experts[k]'s gate/up rows . rmsnorm(x) * norm_w, for the token's TOPK
+// experts (blockIdx.y = k; blockIdx.x: 2 x GEMV_WARPS rows).
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    moe_gate_up(const float* x, const bf16_t* norm_w, const unsigned char* W,
+                const int* __restrict__ experts, float eps, float* gu) {
+    const int k = blockIdx.y;
+    rmsnorm_gemv<2, qw::wfmt>(x, norm_w, W + experts[k] * qwm::GATE_UP_BYTES, 2 * qwm::INTER, eps,
+                              gu + k * 2 * qwm::INTER);
+}
+
+// Decode: x[r] += sum over k (in order) of weights[k] x expert experts[k]'s down row r .
+// silu(gate_k) * up_k, gu as moe_gate_up wrote it. One row a warp.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    moe_down(const float* __restrict__ gu, const unsigned char* W, const int* __restrict__ experts,
+             const float* __restrict__ weights, float* __restrict__ x) {
+    constexpr int I = qwm::INTER;
+    __shared__ __align__(16) float vs[I];
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    float total = 0.f;
+    for (int k = 0; k < qwm::TOPK; ++k) {
+        const float* g = gu + k * 2 * I;
+        float result[1];
+        warp_rows_dot<I, 1, qw::wfmt>(W + experts[k] * qwm::DOWN_BYTES, qw::hidden, row, vs, [&] {
+            if (k > 0) __syncthreads();  // every warp is done with expert k - 1's vector
+            for (int j = threadIdx.x; j < I; j += blockDim.x) vs[j] = silu(g[j]) * g[I + j];
+            __syncthreads();
+        }, result);
+        total += weights[k] * result[0];
+    }
+    if ((threadIdx.x & 31) == 0 && row < qw::hidden) x[row] += total;
+}
+
+// Prefill, grouping the pairs p = token x TOPK + k by expert: counts[e] = the pairs routed to
+// expert e (blockIdx.x).
+extern "C" __global__ void moe_count(const int* __restrict__ experts, int pairs,
+                                     int* __restrict__ counts) {
+    __shared__ int total;
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) mine += experts[p] == blockIdx.x;
+    if (mine) atomicAdd(&total, mine);
+    __syncthreads();
+    if (threadIdx.x == 0) counts[blockIdx.x] = total;
+}
+
+// Prefill: expert e's (blockIdx.x) pairs take the rows offset(e).. of the grouped order, in the
+// pairs' order (offset: the counts of the experts before it): slot[p] is p's row, token[row]
+// its token. Expert e's tiles of the grouped products (BM rows each) follow the earlier
+// experts' in `tiles`: (expert, offset, count, first row of the tile in the group); block 0
+// writes their number. blockDim.x: a multiple of 32, at most 1024.
+extern "C" __global__ void moe_place(const int* __restrict__ experts, int pairs,
+                                     const int* __restrict__ counts, int* __restrict__ slot,
+                                     int* __restrict__ token, int4* __restrict__ tiles,
+                                     int* __restrict__ n_tiles) {
+    __shared__ int offset, tile0, warp_count[32], base;
+    const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        int rows = 0, t = 0;
+        for (int f = 0; f < e; ++f) {
+            rows += counts[f];
+            t += (counts[f] + BM - 1) / BM;
+        }
+        offset = rows;
+        tile0 = t;
+        base = 0;
+        if (e == 0) {
+            int all = 0;
+            for (int f = 0; f < qwm::EXPERTS; ++f) all += (counts[f] + BM - 1) / BM;
+            *n_tiles = all;
+        }
+    }
+    __syncthreads();
+    const int count = counts[e];
+    for (int t = threadIdx.x; t * BM < count; t += blockDim.x)
+        tiles[tile0 + t] = make_int4(e, offset, count, t * BM);
+    for (int p0 = 0; p0 < pairs; p0 += blockDim.x) {
+        const int p = p0 + threadIdx.x;
+        const bool mine = p < pairs && experts[p] == e;
+        const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0) warp_count[warp] = __popc(ballot);
+        __syncthreads();
+        int before = base;
+        for (int w = 0; w < warp; ++w) before += warp_count[w];
+        if (mine) {
+            const int row = offset + before + __popc(ballot & ((1u << lane) - 1u));
+            slot[p] = row;
+            token[row] = p / qwm::TOPK;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) base += warp_count[w];
+        __syncthreads();
+    }
+}
+
+// Prefill: a[row] = xn[token[row]] (bf16 rows of hidden), one block a row.
+extern "C" __global__ void moe_gather(const bf16_t* __restrict__ xn, const int* __restrict__ token,
+                                      int rows, bf16_t* __restrict__ a) {
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const uint4* src = reinterpret_cast<const uint4*>(xn + static_cast<long long>(token[row]) * qw::hidden);
+    uint4* dst = reinterpret_cast<uint4*>(a + static_cast<long long>(row) * qw::hidden);
+    for (int j = threadIdx.x; j < qw::hidden / 8; j += blockDim.x) dst[j] = src[j];
+}
+
+// Prefill: C[rows of a tile's group] = A[those rows] . (its expert's rows of B)^T, N columns, K
+// deep, for the tiles moe_place listed (blockIdx.y; those past n_tiles return at once);
+// expert_bytes apart in B. blockIdx.x: BN columns.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    moe_gemm(const bf16_t* A, const unsigned char* B, long long expert_bytes, float* C,
+             const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int N, int K) {
+    if constexpr (qw::wfmt == qw::INT4) __trap();  // (the engine refuses int4 experts)
+    if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
+    const int4 t = tiles[blockIdx.y];
+    gemm_bf16<STORE_F32, qw::fp8>(A + static_cast<long long>(t.y) * K, B + t.x * expert_bytes,
+                                  C + static_cast<long long>(t.y) * N, t.z, N, K, N, t.w);
+}
+
+// Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    moe_router_gemm(const bf16_t* A, const bf16_t* B, float* C, int M, int N, int K) {
+    gemm_bf16<STORE_F32, false>(A, B, C, M, N, K, N, blockIdx.y * BM);
+}
+
+// Prefill: act[row] = bf16(silu(gate) * up) of gu[row] = [gate | up] (QW_MOE_INTER each).
+extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, int rows,
+                                      bf16_t* __restrict__ act) {
+    constexpr int I = qwm::INTER;
+    const long long total = static_cast<long long>(rows) * I;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long row = i / I, col = i % I;
+        const float* g = gu + row * 2 * I;
+        act[i] = f32_to_bf16(silu(g[col]) * g[I + col]);
+    }
+}
+
+// Prefill: x[t] += sum over k (in order) of weights[t][k] x y[slot[t x TOPK + k]] (the grouped
+// down products' rows), one block a token.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ slot,
+                                       const float* __restrict__ weights, int tokens,
+                                       float* __restrict__ x) {
+    const int t = blockIdx.x;
+    if (t >= tokens) return;
+    for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x) {
+        float total = 0.f;
+#pragma unroll 1
+        for (int k = 0; k < qwm::TOPK; ++k)
+            total += weights[t * qwm::TOPK + k] *
+                     y[static_cast<long long>(slot[t * qwm::TOPK + k]) * qw::hidden + j];
+        x[static_cast<long long>(t) * qw::hidden + j] += total;
+    }
 }

@@ -1,8 +1,8 @@
 // A mixture-of-experts layer's router (Qwen3MoeTopKRouter), one warp a token: the softmax of
 // the token's QW_EXPERTS router logits in float32, its QW_TOPK largest (largest first, equal
 // ones to the lower expert), and their weights, divided by their sum when QW_NORM_TOPK
-// (config.json's norm_topk_prob). The standalone kernel (moe.cu) routes a prefill's tokens;
-// the decode megakernel will call route_warp for its one token (issue 43).
+// (config.json's norm_topk_prob). moe.cu's moe_route routes the per-op path's tokens; the
+// decode megakernel will call route_warp for its one token (issue 43).
 //
 // The experts are chosen on the logits, not on the rounded probabilities: the softmax keeps
 // their order, so the choice is the reference's (qwenchat/engine/reference.py, route) except
@@ -12,11 +12,13 @@
 #include "common.cuh"
 
 // Dense models have no router; their builds of this file (the compile matrix's) take this
-// placeholder shape. A mixture of experts' builds get the config's (kernel_defines).
+// placeholder shape. A mixture of experts' builds get the config's (kernel_defines): the
+// experts, the top-k, norm_topk_prob and moe_intermediate_size.
 #ifndef QW_EXPERTS
 #define QW_EXPERTS 8
 #define QW_TOPK 2
 #define QW_NORM_TOPK 1
+#define QW_MOE_INTER 256
 #endif
 
 namespace qwm {

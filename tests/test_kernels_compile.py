@@ -43,6 +43,7 @@ from qwenchat.engine.cuda.megakernel import (
     megakernel_layout,
     stage_fill,
 )
+from qwenchat.engine.cuda.moe import MOE_KERNELS
 from qwenchat.engine.cuda.sources import cuda_src_dir
 from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model.config import Qwen3Config
@@ -575,6 +576,39 @@ def test_a_layered_run_compiles_no_megakernel():
     plan = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90"), decode="layered")
     assert plan.decode == "layered" and plan.megakernel is None
     assert "megakernel.cu" not in {source for source, _ in _sources(plan)}
+
+
+# Qwen3-30B-A3B's shape (config.json of Qwen/Qwen3-30B-A3B).
+MOE_30B = dataclasses.replace(PRESETS["qwen3-1.7b"], num_hidden_layers=48, num_attention_heads=32,
+                              num_key_value_heads=4, tie_word_embeddings=False, num_experts=128,
+                              num_experts_per_tok=8, moe_intermediate_size=768,
+                              norm_topk_prob=True)
+
+
+def test_a_mixture_of_experts_decodes_on_the_graph_and_builds_moe_cu_which_a_dense_run_does_not():
+    plan = plan_kernels(MOE_30B, "fp8", gpu_shape("sm_90"))
+    assert plan.decode == "layered" and plan.megakernel is None
+    assert plan.why_layered == "the megakernel does not route a mixture of experts yet"
+    moe = [build for build in plan.builds if build.source == "moe.cu"]
+    assert [build.arch for build in moe] == ["sm_90"]
+    assert dict(moe[0].defines)["QW_MOE_INTER"] == 768 and dict(moe[0].defines)["QW_TOPK"] == 8
+    dense = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90"))
+    assert "moe.cu" not in {source for source, _ in _sources(dense)}
+
+
+def moe_build(weights, arch) -> Build:
+    return "moe.cu", arch, kernel_defines(MOE_30B, weights)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("weights", "arch"), [("bf16", "sm_80"), ("fp8", "sm_90"),
+                                               pytest.param("bf16", "sm_90", marks=COMPILE_MATRIX),
+                                               pytest.param("fp8", "sm_80", marks=COMPILE_MATRIX)])
+@compiled_ahead(lambda weights, arch: [moe_build(weights, arch)])
+def test_a_mixture_of_experts_kernels_compile_for_its_shape(weights, arch, nvrtc_pool):
+    cubin = nvrtc_pool.cubin(*moe_build(weights, arch))
+    assert exported(cubin, MOE_KERNELS) == set(MOE_KERNELS)
+    assert kernel_names(KernelBuild.of(*moe_build(weights, arch))) == MOE_KERNELS
 
 
 def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():

@@ -1,6 +1,7 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM) on the reference engine: logits and greedy replies equal to
-transformers', routing as its router computes it, every expert tensor checked, and the GPU
-engine and quantization refused in one line."""
+transformers', routing as its router computes it, every expert tensor checked, and what the GPU
+engine cannot run (int4 experts) refused in one line. The GPU engine's own tests:
+test_cuda_moe.py."""
 
 from __future__ import annotations
 
@@ -242,21 +243,29 @@ def test_quantize_fp8_runs_a_moe_model_and_int4_names_the_width_it_needs(tiny_mo
 
 # --- the GPU engine --------------------------------------------------------------------------
 
-MOE_ON_CPU = "mixture-of-experts models run on the CPU reference engine for now"
+MOE_INT4_ON_CPU = "a mixture of experts in int4 runs on the CPU reference engine for now"
 
 
-def test_cuda_engine_names_moe_as_what_it_cannot_run(tiny_moe_dir):
+def test_cuda_engine_runs_bf16_and_fp8_experts_and_names_int4_as_what_it_cannot(tiny_moe_dir):
     from qwenchat.engine.cuda.engine import unsupported_reason
 
     config = open_model_dir(tiny_moe_dir).config
-    assert unsupported_reason(config) == MOE_ON_CPU
-    assert unsupported_reason(Qwen3Config.from_dict({**_dense_fields(), **TINY_MOE,
-                                                     "mlp_only_layers": [0, 1, 2]})) is None
+    assert unsupported_reason(config) is None
+    assert unsupported_reason(config, "int4") == MOE_INT4_ON_CPU
+    fields = {**_dense_fields(), **TINY_MOE}
+    wide = Qwen3Config.from_dict({**fields, "moe_intermediate_size": 12800})
+    assert unsupported_reason(wide) == ("this model's moe_intermediate_size 12800 (the CUDA "
+                                        "kernels take at most 12,288)")
+    odd = Qwen3Config.from_dict({**fields, "moe_intermediate_size": 56})
+    assert unsupported_reason(odd, "fp8") == ("this model's moe_intermediate_size 56 (the CUDA "
+                                              "kernels need a multiple of 16 for fp8 weights)")
+    assert unsupported_reason(odd) is None
 
 
-def test_backends_refuse_moe_on_the_gpu_before_touching_it(tiny_moe_dir, monkeypatch):
-    """With a GPU there, --backend cuda exits with the one line and auto says it and runs on
-    the CPU; no device is opened either way."""
+def test_backends_refuse_int4_experts_on_the_gpu_before_touching_it(tmp_path, tiny_tokenizer,
+                                                                     monkeypatch):
+    """With a GPU there, --backend cuda --quantize int4 exits with the one line and auto says
+    it and runs on the CPU; no device is opened either way."""
     from qwenchat.engine import create_engine
     from qwenchat.engine.cuda import probe as cuda_probe
     from qwenchat.engine.cuda import runtime as rt
@@ -269,11 +278,15 @@ def test_backends_refuse_moe_on_the_gpu_before_touching_it(tiny_moe_dir, monkeyp
         raise AssertionError("the GPU was opened")
 
     monkeypatch.setattr(rt, "Device", no_device)
-    model = open_model_dir(tiny_moe_dir)
+    # (int4 rows are whole groups of 128)
+    model = open_model_dir(write_tiny_moe_model(tmp_path / "m", tokenizer=tiny_tokenizer,
+                                                hidden_size=128, intermediate_size=128, head_dim=32,
+                                                moe_intermediate_size=128))
     with pytest.raises(BackendUnavailable) as caught:
-        create_engine("cuda", model.config, model.checkpoint)
-    assert str(caught.value) == f"--backend cuda: {MOE_ON_CPU}; use --backend cpu"
+        create_engine("cuda", model.config, model.checkpoint, quantize="int4")
+    assert str(caught.value) == f"--backend cuda: {MOE_INT4_ON_CPU}; use --backend cpu"
     said: list[str] = []
-    engine = create_engine("auto", model.config, model.checkpoint, notice=said.append)
+    engine = create_engine("auto", model.config, model.checkpoint, quantize="int4",
+                           notice=said.append)
     assert isinstance(engine, ReferenceEngine)
-    assert said == [f"running on the CPU: {MOE_ON_CPU}; use --backend cpu"]
+    assert said == [f"running on the CPU: {MOE_INT4_ON_CPU}; use --backend cpu"]

@@ -83,7 +83,8 @@ def kernel_defines(config: Qwen3Config, weight_format: str = "bf16",
     defines.update(FORMATS[weight_format].defines())
     if config.is_moe:  # the router's shape (cuda_src/moe.cuh)
         defines.update(QW_EXPERTS=config.num_experts, QW_TOPK=config.num_experts_per_tok,
-                       QW_NORM_TOPK=int(config.norm_topk_prob))
+                       QW_NORM_TOPK=int(config.norm_topk_prob),
+                       QW_MOE_INTER=config.moe_intermediate_size)
     if kv_format == "int8":
         defines["QW_KV8"] = 1
     return defines

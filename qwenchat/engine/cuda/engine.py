@@ -35,6 +35,7 @@ from qwenchat.engine.cuda.megakernel import (
     megakernel_layout,
     megakernel_unusable,
 )
+from qwenchat.engine.cuda.moe import MOE_KERNELS, MOE_MOST_INTERMEDIATE, MoeLayers
 from qwenchat.engine.cuda.prefill import (
     GEMM90_SHARED,
     GEMM_FP8_KERNELS,
@@ -72,6 +73,7 @@ KERNELS = {
                      "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen", "count_tokens", "rows_argmax"),
     "verify.cu": VERIFY_KERNELS,
+    "moe.cu": MOE_KERNELS,  # (a mixture of experts' only)
 }
 # Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs, for
 # bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
@@ -99,8 +101,6 @@ def kernel_names(build: KernelBuild) -> tuple[str, ...] | None:
     return KERNELS.get(build.source) or SM90_KERNELS.get(build.source)
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
 # builds start in this order, so the longest never waits behind the short ones.
-# (moe.cu: a mixture of experts' router, built by its GPU test until the engine runs those
-# models: unsupported_reason)
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "gemm_fp8_sm90.cu", "attention.cu", "sampling.cu",
                  "attention_sm90.cu", "gemm.cu", "verify.cu", "layers.cu", "moe.cu")
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
@@ -108,16 +108,22 @@ MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and frag
 
 
 def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str | None:
-    """Why the kernels cannot run this model, or None: a mixture of experts (no kernels route
-    tokens yet), or a shape off their grid (they need 16-byte aligned rows: 8 bf16 values, 16
-    FP8 ones; int4 rows are whole groups of 128)."""
-    if config.is_moe:
-        return "mixture-of-experts models run on the CPU reference engine for now"
+    """Why the kernels cannot run this model, or None: int4 experts (the grouped products
+    take bf16 and FP8 rows), or a shape off their grid (they need 16-byte aligned rows: 8 bf16
+    values, 16 FP8 ones; int4 rows are whole groups of 128; an expert's SwiGLU output is
+    staged whole: moe.cu)."""
+    if config.is_moe and weight_format == "int4":
+        return "a mixture of experts in int4 runs on the CPU reference engine for now"
+    if config.is_moe and config.moe_intermediate_size > MOE_MOST_INTERMEDIATE:
+        return (f"this model's moe_intermediate_size {config.moe_intermediate_size} (the CUDA "
+                f"kernels take at most {MOE_MOST_INTERMEDIATE:,})")
     if config.head_dim not in (16, 32, 64, 128, 256):
         return (f"this model's head_dim {config.head_dim} (the CUDA kernels need 16, 32, 64, "
                 "128 or 256)")
     multiple = {"fp8": 16, "int4": 128}.get(weight_format, 8)
-    for name in ("hidden_size", "intermediate_size"):
+    sizes = ("hidden_size", "intermediate_size") + (("moe_intermediate_size",) if config.is_moe
+                                                    else ())
+    for name in sizes:
         if getattr(config, name) % multiple:
             return (f"this model's {name} {getattr(config, name)} (the CUDA kernels need a "
                     f"multiple of {multiple} for {weight_format} weights)")
@@ -128,13 +134,15 @@ def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_
                   hopper_attention: bool, megakernel: KernelBuild | None,
                   kv_format: str = "bf16", fp8_gemm: bool = False) -> list[KernelBuild]:
     """The cubins a run uses, longest compile first: layers.cu, attention.cu and sampling.cu
-    always; gemm.cu only where gemm_sm90.cu does not run the products; the Hopper sources
+    always; gemm.cu only where gemm_sm90.cu does not run the products; moe.cu for a mixture
+    of experts; the Hopper sources
     (for sm_90a) where they run, gemm_fp8_sm90.cu instead of gemm_sm90.cu where FP8 weights
     meet e4m3 activations (`fp8_gemm`), each GEMM as a program a product (SM90_PARTS); the
     megakernel where it decodes."""
     defines = kernel_defines(config, weight_format, kv_format)
     builds = [KernelBuild.of(source, arch, defines) for source in KERNELS
-              if not (source == "gemm.cu" and hopper_gemm)]
+              if not (source == "gemm.cu" and hopper_gemm)
+              and not (source == "moe.cu" and not config.is_moe)]
     wanted = {"gemm_sm90.cu": hopper_gemm and not fp8_gemm, "gemm_fp8_sm90.cu": fp8_gemm,
               "attention_sm90.cu": hopper_attention}
     for source in SM90_KERNELS:
@@ -259,11 +267,12 @@ def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
         gpu.close()
 
 
-class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpload,
+class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers, WeightUpload,
                  CacheBookkeeping):
     """The engine protocol on one GPU. Its parts live beside it, one module each, as the
     kernels do: weight upload (weights.py), prefill (prefill.py), the per-op decode graph
-    (layered.py), the decode megakernel (megakernel.py) and the speculative pass (verify.py);
+    (layered.py), the decode megakernel (megakernel.py), the speculative pass (verify.py) and
+    a mixture of experts' layers (moe.py);
     this class owns the device, the buffers they share, and the reply's bookkeeping."""
 
     def __init__(
@@ -402,6 +411,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         for name in (*SM90_KERNELS["gemm_sm90.cu"], *GEMM_FP8_KERNELS):
             if name in self.k and name.startswith("gemm"):
                 self.k[name].set_max_dynamic_shared(GEMM90_SHARED)
+        self._moe_shared()
         if "attn_prefill90" in self.k:
             self.k["attn_prefill90"].set_max_dynamic_shared(
                 attention90_shared(self.config.head_dim))
@@ -476,6 +486,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, WeightUpl
         self.short_start = self._device_buffer(4)  # a short prompt's graph reads its start here
         self._short_graphs: dict[tuple[int, int, bool], rt.Graph] = {}
         self.ids = self._device_buffer(c * 4)
+        self._allocate_moe(max(c, VERIFY_ROWS))
         sms = self.device.sm_count
         self.split_options = decode_split_options(cfg, cap, sms)
         most = self.split_options[-1]

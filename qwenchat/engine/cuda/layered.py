@@ -53,6 +53,9 @@ class LayeredDecode:
                          shared=(splits + 3) // 4 * 16)
             self._launch("gemv_residual_attn", math.ceil(h / residual), 256, self.attn_f32, w.o,
                          c_int(h), self.x)
+            if w.router is not None:  # a mixture of experts (moe.py)
+                self._moe_decode(w)
+                continue
             self._launch("rmsnorm_gemv2", math.ceil(2 * inter / gemv), 256, self.x, w.post_norm,
                          w.gate_up, c_int(2 * inter), eps, self.gu)
             self._launch("gemv_residual_swiglu", math.ceil(h / residual), 256, self.gu, w.down,

@@ -300,6 +300,8 @@ def megakernel_unusable(config: Qwen3Config, device: GpuShape,
     given its layout there (megakernel_layout)."""
     if not device.cooperative_launch:
         return "this GPU cannot launch cooperative kernels"
+    if config.is_moe:
+        return "the megakernel does not route a mixture of experts yet"
     if config.head_dim < 64:
         # A key/value row must fill whole 128-byte lines: within one launch a line read
         # before part of it is written may be served stale to the bulk copies.

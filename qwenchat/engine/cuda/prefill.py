@@ -159,7 +159,8 @@ class Prefill:
         # act in bf16, or (e4m3 activations) in codes and scales, with xn's or attn's codes
         act, codes = (1.04, max(cfg.hidden_size, cfg.q_size) * 1.04) if self.fp8_gemm else (2, 0)
         per_token = int(cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
-                        + cfg.q_size * 2 * 2 + cfg.intermediate_size * (gate_up + act) + codes + 4)
+                        + cfg.q_size * 2 * 2 + cfg.intermediate_size * (gate_up + act) + codes + 4
+                        + self._moe_bytes_per_token())
         most = int(max(64, min(2048, PREFILL_SCRATCH_BUDGET // per_token // 64 * 64)))
         if not self.attention90:
             return most
@@ -189,6 +190,9 @@ class Prefill:
             self._quantize("attn", n, cfg.q_size)
             self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
+            if w.router is not None:  # a mixture of experts (moe.py)
+                self._moe_pass(w, n)
+                continue
             self._quantize("xn", n, h)
             self._gate_up(i, n)
             self._product("add", "act", i, "down", self.x, n, h, inter)
@@ -345,9 +349,11 @@ class Prefill:
             return
         self.gemm90_maps = [{"qkv": weights(w.qkv, qkv_cols, cfg.hidden_size),
                              "o": weights(w.o, cfg.hidden_size, cfg.q_size),
-                             "gate_up": weights(w.gate_up, 2 * cfg.intermediate_size,
-                                                cfg.hidden_size),
-                             "down": weights(w.down, cfg.hidden_size, cfg.intermediate_size)}
+                             **({} if w.gate_up is None else {  # (experts: moe.py)
+                                 "gate_up": weights(w.gate_up, 2 * cfg.intermediate_size,
+                                                    cfg.hidden_size),
+                                 "down": weights(w.down, cfg.hidden_size,
+                                                 cfg.intermediate_size)})}
                             for w in self.layers]
 
     def _gemm90(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, b, c, m: int,

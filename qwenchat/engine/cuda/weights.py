@@ -26,8 +26,13 @@ class LayerBuffers:
     k_norm: rt.DeviceBuffer
     o: rt.DeviceBuffer
     post_norm: rt.DeviceBuffer
-    gate_up: rt.DeviceBuffer  # [gate; up] rows
-    down: rt.DeviceBuffer
+    gate_up: rt.DeviceBuffer | None  # [gate; up] rows (None in a mixture of experts' layer)
+    down: rt.DeviceBuffer | None
+    # A mixture of experts' layer (cuda_src/moe.cu): the router's rows (bf16), every expert's
+    # [gate; up] rows one expert after another, and every expert's down rows.
+    router: rt.DeviceBuffer | None = None
+    experts_gate_up: rt.DeviceBuffer | None = None
+    experts_down: rt.DeviceBuffer | None = None
 
 
 def _upload_rows(parts: Sequence[np.ndarray]) -> rt.DeviceBuffer:
@@ -100,17 +105,26 @@ class WeightUpload:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            self.layers.append(LayerBuffers(
+            attention = dict(
                 input_norm=one(p + "input_layernorm.weight"),
                 qkv=rows(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
                          p + "self_attn.v_proj.weight"),
                 q_norm=one(p + "self_attn.q_norm.weight"),
                 k_norm=one(p + "self_attn.k_norm.weight"),
                 o=rows(p + "self_attn.o_proj.weight"),
-                post_norm=one(p + "post_attention_layernorm.weight"),
-                gate_up=rows(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=rows(p + "mlp.down_proj.weight"),
-            ))
+                post_norm=one(p + "post_attention_layernorm.weight"))
+            if cfg.sparse_layer(i):
+                experts = range(cfg.num_experts)
+                self.layers.append(LayerBuffers(
+                    **attention, gate_up=None, down=None, router=one(p + "mlp.gate.weight"),
+                    experts_gate_up=rows(*(f"{p}mlp.experts.{e}.{proj}_proj.weight"
+                                           for e in experts for proj in ("gate", "up"))),
+                    experts_down=rows(*(f"{p}mlp.experts.{e}.down_proj.weight"
+                                        for e in experts))))
+            else:
+                self.layers.append(LayerBuffers(
+                    **attention, gate_up=rows(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=rows(p + "mlp.down_proj.weight")))
         self.embed = one("model.embed_tokens.weight")
         self.final_norm = one("model.norm.weight")
         head = weights.lm_head_name()

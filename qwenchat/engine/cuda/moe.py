@@ -1,0 +1,126 @@
+"""A mixture of experts' layers on the per-op path (cuda_src/moe.cu): the router and the chosen
+experts for one token (the layered decode) and for a pass's tokens (prefill and the speculative
+pass), grouped by expert on the device: no host round trip in either. The megakernel does not
+route experts yet (issue 43), so these models decode on the per-op graph."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+from qwenchat.engine.cuda.prefill import gemm_shared_bytes
+from qwenchat.engine.cuda.weights import LayerBuffers
+from qwenchat.model.formats import FORMATS
+
+MOE_KERNELS = ("moe_route", "moe_gate_up", "moe_down", "moe_count", "moe_place", "moe_gather",
+               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
+GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM)
+GEMV_ROWS_PER_BLOCK = 16  # moe_gate_up: 8 warps x 2 rows (rmsnorm_gemv<2>)
+ROUTER_ROWS_PER_BLOCK = 32  # the router's logits for one token: rmsnorm_gemv4, 8 warps x 4 rows
+DOWN_ROWS_PER_BLOCK = 8  # moe_down: a row a warp
+MOE_MOST_INTERMEDIATE = 12288  # an expert's SwiGLU output, staged whole (moe.cu: 48 KB)
+
+
+class MoeLayers:
+    """CudaEngine's sparse layers. Uses the engine's config, weight_format, kernels, stream
+    and buffers (x, xn)."""
+
+    def _moe_bytes_per_token(self) -> int:
+        """The scratch a pass's token takes in a sparse layer (prefill sizes its chunks with
+        it): its router logits, its top-k weights and experts, and per routed pair its row in
+        the grouped order (bf16 input, fp32 gate/up, bf16 SwiGLU output, fp32 down output)
+        and its places in the grouping."""
+        cfg = self.config
+        if not cfg.is_moe:
+            return 0
+        h, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        return cfg.num_experts * 4 + k * (8 + h * 2 + 2 * inter * 4 + inter * 2 + h * 4 + 8 + 16)
+
+    def _allocate_moe(self, tokens: int) -> None:
+        """Scratch for `tokens` tokens a pass (and one token's decode, which reuses it)."""
+        cfg = self.config
+        if not cfg.is_moe:
+            return
+        h, inter, k, e = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                          cfg.num_experts)
+        pairs = tokens * k
+        self.moe_logits = self._device_buffer(tokens * e * 4)
+        self.moe_weights = self._device_buffer(pairs * 4)
+        self.moe_ids = self._device_buffer(pairs * 4)
+        self.moe_counts = self._device_buffer(e * 4)
+        self.moe_slot = self._device_buffer(pairs * 4)
+        self.moe_token = self._device_buffer(pairs * 4)
+        self.moe_tiles = self._device_buffer(self._moe_most_tiles(tokens) * 16)
+        self.moe_n_tiles = self._device_buffer(4)
+        self.moe_a = self._device_buffer(pairs * h * 2)
+        self.moe_gu = self._device_buffer(pairs * 2 * inter * 4)
+        self.moe_act = self._device_buffer(pairs * inter * 2)
+        self.moe_y = self._device_buffer(pairs * h * 4)
+
+    def _moe_most_tiles(self, tokens: int) -> int:
+        """The grouped products' tiles for `tokens` tokens at most: a partial tile an expert."""
+        cfg = self.config
+        return math.ceil(tokens * cfg.num_experts_per_tok / GROUP_ROWS) + cfg.num_experts
+
+    def _moe_expert_bytes(self) -> tuple[int, int]:
+        """An expert's gate/up rows and down rows, in bytes of the model's format."""
+        cfg, fmt = self.config, FORMATS[self.weight_format]
+        inter = cfg.moe_intermediate_size
+        return 2 * inter * fmt.row_bytes(cfg.hidden_size), cfg.hidden_size * fmt.row_bytes(inter)
+
+    def _moe_decode(self, w: LayerBuffers) -> None:
+        """x += the sparse MLP of one token (x, float): the router's logits (RMSNorm fused),
+        its top-k, the chosen experts' gate/up rows, and their down rows summed with their
+        weights in rank order."""
+        cfg, c_int = self.config, ctypes.c_int
+        eps = ctypes.c_float(cfg.rms_norm_eps)
+        h, inter, k, e = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                          cfg.num_experts)
+        self._launch("rmsnorm_gemv4", math.ceil(e / ROUTER_ROWS_PER_BLOCK), 256, self.x,
+                     w.post_norm, w.router, c_int(e), eps, self.moe_logits)
+        self._launch("moe_route", 1, 32, self.moe_logits, c_int(1), self.moe_weights,
+                     self.moe_ids)
+        self._launch("moe_gate_up", (math.ceil(2 * inter / GEMV_ROWS_PER_BLOCK), k), 256, self.x,
+                     w.post_norm, w.experts_gate_up, self.moe_ids, eps, self.moe_gu)
+        self._launch("moe_down", math.ceil(h / DOWN_ROWS_PER_BLOCK), 256, self.moe_gu,
+                     w.experts_down, self.moe_ids, self.moe_weights, self.x)
+
+    def _moe_pass(self, w: LayerBuffers, n: int) -> None:
+        """x += the sparse MLP of n tokens whose normed rows are in xn (bf16): the router's
+        logits on the tensor cores, the top-k, the tokens' rows grouped by expert (moe_count,
+        moe_place: the order of the tokens kept within an expert, so a run's layout is
+        always the same), each expert's rows through its gate/up and down products (tiles
+        listed on the device, the grid sized for the most there can be), and each token's
+        experts summed back with their weights in rank order."""
+        cfg, c_int = self.config, ctypes.c_int
+        h, inter, k, e = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                          cfg.num_experts)
+        pairs = n * k
+        self._launch("moe_router_gemm", (math.ceil(e / GROUP_ROWS), math.ceil(n / GROUP_ROWS)),
+                     256, self.xn, w.router, self.moe_logits, c_int(n), c_int(e), c_int(h),
+                     shared=gemm_shared_bytes("bf16"))
+        self._launch("moe_route", math.ceil(n * 32 / 256), 256, self.moe_logits, c_int(n),
+                     self.moe_weights, self.moe_ids)
+        self._launch("moe_count", e, 256, self.moe_ids, c_int(pairs), self.moe_counts)
+        self._launch("moe_place", e, 256, self.moe_ids, c_int(pairs), self.moe_counts,
+                     self.moe_slot, self.moe_token, self.moe_tiles, self.moe_n_tiles)
+        self._launch("moe_gather", pairs, 128, self.xn, self.moe_token, c_int(pairs), self.moe_a)
+        gate_up_bytes, down_bytes = self._moe_expert_bytes()
+        tiles, shared = self._moe_most_tiles(n), gemm_shared_bytes(self.weight_format)
+        self._launch("moe_gemm", (math.ceil(2 * inter / GROUP_ROWS), tiles), 256, self.moe_a,
+                     w.experts_gate_up, ctypes.c_longlong(gate_up_bytes), self.moe_gu,
+                     self.moe_tiles, self.moe_n_tiles, c_int(2 * inter), c_int(h), shared=shared)
+        self._launch("moe_swiglu", min(4096, math.ceil(pairs * inter / 256)), 256, self.moe_gu,
+                     c_int(pairs), self.moe_act)
+        self._launch("moe_gemm", (math.ceil(h / GROUP_ROWS), tiles), 256, self.moe_act,
+                     w.experts_down, ctypes.c_longlong(down_bytes), self.moe_y, self.moe_tiles,
+                     self.moe_n_tiles, c_int(h), c_int(inter), shared=shared)
+        self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights, c_int(n),
+                     self.x)
+
+    def _moe_shared(self) -> None:
+        """The grouped products' dynamic shared memory (gemm.cuh), past the 48 KB default."""
+        if "moe_gemm" not in self.k:
+            return
+        self.k["moe_gemm"].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
+        self.k["moe_router_gemm"].set_max_dynamic_shared(gemm_shared_bytes("bf16"))
