@@ -312,6 +312,10 @@ def test_qwen3_30b_a3b_parses_with_every_layer_sparse():
     assert config.is_moe and all(config.sparse_layer(n) for n in range(48))
 
 
+def test_qwen3_30b_a3b_parses_to_its_preset():
+    assert Qwen3Config.from_dict(QWEN3_30B_A3B) == PRESETS["qwen3-30b-a3b"]
+
+
 def test_qwen3_30b_a3b_has_30_5_billion_parameters_and_3_3_billion_active():
     config = Qwen3Config.from_dict(QWEN3_30B_A3B)
     assert config.parameter_count() == 30_532_122_624

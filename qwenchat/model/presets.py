@@ -23,6 +23,12 @@ PRESETS: dict[str, Qwen3Config] = {
                              num_attention_heads=40, tie_word_embeddings=False, **_COMMON),
     "qwen3-32b": Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                              num_attention_heads=64, tie_word_embeddings=False, **_COMMON),
+    # The mixture of experts: 128 experts of 768 rows a layer, 8 a token, 4 key/value heads.
+    "qwen3-30b-a3b": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, tie_word_embeddings=False,
+                                 **{**_COMMON, "num_key_value_heads": 4}, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768,
+                                 norm_topk_prob=True),
 }
 
 
