@@ -50,23 +50,37 @@ def test_the_router_chooses_the_references_experts_with_its_weights(experts, top
 
 
 # --- the engine on tiny mixtures of experts (moe.cu, qwenchat/engine/cuda/moe.py) -------------
-# TINY_MOE: 5 experts, 3 a token, layer 1 dense among sparse ones. "wide": experts of 128 rows
-# on a 128-wide model, so that FP8's 128-column blocks are whole and int8 caches are not
-# involved; 300 tokens x 3 experts make several 128-row tiles an expert in the grouped products.
-MOE_SHAPES = {"tiny": {}, "wide": dict(hidden_size=128, intermediate_size=128, head_dim=32,
-                                       moe_intermediate_size=128, num_experts=9,
-                                       num_experts_per_tok=4, norm_topk_prob=False, seed=3)}
+# Against the reference, every expert is chosen (top-k = all of them; TINY_MOE's layer 1 stays
+# dense): the routing weights are then continuous in the router's logits, so the engines' small
+# differences (the GPU's prefill takes bf16 inputs) stay small, where with a real top-k a
+# router near-tie would send a token to another expert on one engine than on the other. The
+# top-k choice itself is checked against NumPy on the GPU's own logits (the stage tests below),
+# and a run's tokens against a second run's on a real top-k ("wide-top4").
+# "all-wide": experts of 128 rows on a 128-wide model (FP8's 128-column blocks whole); 300
+# tokens make several 128-row tiles an expert in the grouped products.
+MOE_SHAPES = {
+    "all-tiny": dict(num_experts=4, num_experts_per_tok=4),
+    "all-wide": dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=128,
+                     num_experts=6, num_experts_per_tok=6, norm_topk_prob=False, seed=3),
+    "wide-top4": dict(hidden_size=128, intermediate_size=128, head_dim=32,
+                      moe_intermediate_size=128, num_experts=9, num_experts_per_tok=4,
+                      norm_topk_prob=False, seed=3),
+}
+ALL_ROUTED = ("all-tiny", "all-wide")
 
 
-@pytest.fixture(scope="module", params=[(shape, dtype) for shape in MOE_SHAPES
+def write_moe(tmp_path_factory, tiny_tokenizer, shape: str, dtype: str = "BF16"):
+    from tiny_model import write_tiny_moe_model
+
+    return write_tiny_moe_model(tmp_path_factory.mktemp(f"moe-{shape}-{dtype}") / "m",
+                                dtype=dtype, tokenizer=tiny_tokenizer, **MOE_SHAPES[shape])
+
+
+@pytest.fixture(scope="module", params=[(shape, dtype) for shape in ALL_ROUTED
                                         for dtype in ("BF16", "FP8")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def moe_dir(request, tmp_path_factory, tiny_tokenizer):
-    from tiny_model import write_tiny_moe_model
-
-    shape, dtype = request.param
-    return write_tiny_moe_model(tmp_path_factory.mktemp(f"moe-{shape}-{dtype}") / "m",
-                                dtype=dtype, tokenizer=tiny_tokenizer, **MOE_SHAPES[shape])
+    return write_moe(tmp_path_factory, tiny_tokenizer, *request.param)
 
 
 def test_prefill_logits_of_a_mixture_of_experts_match_the_reference(moe_dir):
@@ -105,17 +119,141 @@ def test_a_mixture_of_experts_prefilled_in_parts_and_decoded_is_one_prefill(moe_
     assert len(ids[195:200]) <= VERIFY_ROWS and gpu_engine.short_prompt_rows(150, 45) is not None
 
 
-def test_a_mixture_of_experts_gives_the_same_tokens_run_after_run(moe_dir):
+@pytest.mark.parametrize("dtype", ["BF16", "FP8"])
+def test_a_mixture_of_experts_gives_the_same_tokens_run_after_run(tmp_path_factory,
+                                                                  tiny_tokenizer, dtype):
     from test_cuda_engine import engines
 
     from qwenchat.engine.base import GenerateRequest
     from qwenchat.sampling.params import LiveParams, SamplingParams
 
+    directory = write_moe(tmp_path_factory, tiny_tokenizer, "wide-top4", dtype)
     replies = []
     for _ in range(2):
-        gpu_engine, _ = engines(moe_dir)
-        gpu_engine.prefill([int(i) for i in np.random.default_rng(4).integers(0, 400, 60)])
+        gpu_engine, _ = engines(directory)
+        gpu_engine.prefill([int(i) for i in np.random.default_rng(4).integers(0, 400, 300)])
         params = LiveParams(SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64))
         replies.append(list(gpu_engine.generate(GenerateRequest(params, frozenset(), seed=7))))
         gpu_engine.close()
     assert replies[0] == replies[1] and len(replies[0]) == 64
+
+
+# --- each stage of a sparse layer against NumPy, on the GPU's own output of the stage before --
+# (so that a router near-tie cannot hide a wrong product: the experts are checked on the
+# experts the GPU chose, and the choice on the logits it computed)
+@pytest.fixture(scope="module")
+def wide_engine(tmp_path_factory, tiny_tokenizer):
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.loader import open_model_dir
+
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "wide-top4"))
+    engine = CudaEngine(model.config, model.checkpoint, decode="layered")
+    yield engine, model
+    engine.close()
+
+
+def moe_weights(model, layer: int):
+    """The router (experts x hidden) and each expert's gate, up and down rows, float32."""
+    from qwenchat.model.floats import bf16_bits_to_f32
+
+    prefix = f"model.layers.{layer}.mlp."
+
+    def get(name: str) -> np.ndarray:
+        return bf16_bits_to_f32(model.checkpoint.bf16_bits(prefix + name)).astype(np.float64)
+
+    experts = [{proj: get(f"experts.{e}.{proj}_proj.weight") for proj in ("gate", "up", "down")}
+               for e in range(model.config.num_experts)]
+    return get("gate.weight"), experts
+
+
+def bf16_round(values: np.ndarray) -> np.ndarray:
+    from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
+
+    return bf16_bits_to_f32(f32_to_bf16_bits(values.astype(np.float32))).astype(np.float64)
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_engine):
+    from test_cuda_engine import download
+
+    from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
+
+    engine, model = wide_engine
+    cfg = model.config
+    n, h, k, e = 300, cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
+    assert n <= engine.chunk and cfg.sparse_layer(0)
+    rng = np.random.default_rng(5)
+    xn_bits = f32_to_bf16_bits(rng.standard_normal((n, h)).astype(np.float32))
+    x0 = rng.standard_normal((n, h)).astype(np.float32)
+    engine.xn.upload(xn_bits)
+    engine.x.upload(x0)
+    engine._moe_pass(engine.layers[0], n)
+    engine.stream.synchronize()
+    xn = bf16_bits_to_f32(xn_bits).astype(np.float64)
+    router, experts = moe_weights(model, 0)
+
+    logits = download(engine.moe_logits, np.float32, (n, e))
+    want = xn @ router.T
+    assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
+    chosen = download(engine.moe_ids, np.int32, (n, k))
+    weights = download(engine.moe_weights, np.float32, (n, k))
+    want_w, want_e = route(logits, k, cfg.norm_topk_prob)
+    np.testing.assert_array_equal(chosen, want_e)
+    np.testing.assert_allclose(weights, want_w, rtol=2e-6)
+
+    # The grouping: every pair has a row, expert by expert, the tokens in order within one.
+    slot = download(engine.moe_slot, np.int32, (n * k,))
+    token = download(engine.moe_token, np.int32, (n * k,))
+    assert sorted(slot.tolist()) == list(range(n * k))
+    np.testing.assert_array_equal(token[slot], np.arange(n * k) // k)
+    order = np.argsort(chosen.reshape(-1), kind="stable")
+    np.testing.assert_array_equal(slot[order], np.arange(n * k))
+    counts = np.bincount(chosen.reshape(-1), minlength=e)
+    np.testing.assert_array_equal(download(engine.moe_counts, np.int32, (e,)), counts)
+    assert int(download(engine.moe_n_tiles, np.int32, (1,))[0]) == int(np.sum(-(-counts // 128)))
+    assert counts.max() > 128  # (an expert's rows take more than one tile)
+
+    out = x0.astype(np.float64)
+    for t in range(n):
+        for j in range(k):
+            ex = experts[chosen[t, j]]
+            act = bf16_round(silu(ex["gate"] @ xn[t]) * (ex["up"] @ xn[t]))
+            out[t] += weights[t, j] * (ex["down"] @ act)
+    got = download(engine.x, np.float32, (n, h))
+    # (a SwiGLU output on the edge between two bf16 values may round the other way on the GPU)
+    assert np.abs(got - out).max() <= 2e-3 * np.abs(out - x0).max()
+
+
+def test_a_decode_step_routes_and_sums_its_experts_as_numpy_does(wide_engine):
+    from test_cuda_engine import download
+
+    from qwenchat.model.floats import bf16_bits_to_f32
+
+    engine, model = wide_engine
+    cfg = model.config
+    h, k, e = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
+    x0 = np.random.default_rng(6).standard_normal(h).astype(np.float32)
+    engine.x.upload(x0)
+    engine._moe_decode(engine.layers[0])
+    engine.stream.synchronize()
+    norm = bf16_bits_to_f32(model.checkpoint.bf16_bits(
+        "model.layers.0.post_attention_layernorm.weight")).astype(np.float64)
+    xs = x0 / np.sqrt(np.mean(x0.astype(np.float64) ** 2) + cfg.rms_norm_eps) * norm
+    router, experts = moe_weights(model, 0)
+    logits = download(engine.moe_logits, np.float32, (1, e))
+    want = xs @ router.T
+    assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
+    chosen = download(engine.moe_ids, np.int32, (1, k))
+    weights = download(engine.moe_weights, np.float32, (1, k))
+    want_w, want_e = route(logits, k, cfg.norm_topk_prob)
+    np.testing.assert_array_equal(chosen, want_e)
+    np.testing.assert_allclose(weights, want_w, rtol=2e-6)
+    out = x0.astype(np.float64)
+    for j in range(k):
+        ex = experts[chosen[0, j]]
+        out += weights[0, j] * (ex["down"] @ (silu(ex["gate"] @ xs) * (ex["up"] @ xs)))
+    got = download(engine.x, np.float32, (h,))
+    assert np.abs(got - out).max() <= 1e-3 * np.abs(out - x0).max()
