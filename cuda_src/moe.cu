@@ -135,17 +135,16 @@ extern "C" __global__ void moe_gather(const bf16_t* __restrict__ xn, const int* 
 extern "C" __global__ void __launch_bounds__(THREADS)
     moe_gemm(const bf16_t* A, const unsigned char* B, long long expert_bytes, float* C,
              const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int N, int K) {
-    if constexpr (qw::wfmt == qw::INT4) __trap();  // (the engine refuses int4 experts)
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
-    gemm_bf16<STORE_F32, qw::fp8>(A + static_cast<long long>(t.y) * K, B + t.x * expert_bytes,
+    gemm_bf16<STORE_F32, qw::wfmt>(A + static_cast<long long>(t.y) * K, B + t.x * expert_bytes,
                                   C + static_cast<long long>(t.y) * N, t.z, N, K, N, t.w);
 }
 
 // Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).
 extern "C" __global__ void __launch_bounds__(THREADS)
     moe_router_gemm(const bf16_t* A, const bf16_t* B, float* C, int M, int N, int K) {
-    gemm_bf16<STORE_F32, false>(A, B, C, M, N, K, N, blockIdx.y * BM);
+    gemm_bf16<STORE_F32, qw::BF16>(A, B, C, M, N, K, N, blockIdx.y * BM);
 }
 
 // Prefill: act[row] = bf16(silu(gate) * up) of gu[row] = [gate | up] (QW_MOE_INTER each).
