@@ -65,6 +65,9 @@ MOE_SHAPES = {
     "wide-top4": dict(hidden_size=128, intermediate_size=128, head_dim=32,
                       moe_intermediate_size=128, num_experts=9, num_experts_per_tok=4,
                       norm_topk_prob=False, seed=3),
+    "wide-long": dict(hidden_size=128, intermediate_size=128, head_dim=32,
+                      moe_intermediate_size=3200, num_experts=5, num_experts_per_tok=4,
+                      norm_topk_prob=True, seed=5),
 }
 ALL_ROUTED = ("all-tiny", "all-wide")
 FORMATS = ("BF16", "FP8", "AWQ")  # (AWQ: int4 rows are whole groups of 128, so the wide shapes)
@@ -232,11 +235,33 @@ def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_eng
 
 
 def test_a_decode_step_routes_and_sums_its_experts_as_numpy_does(wide_engine):
+    check_decode_step(*wide_engine)
+
+
+def test_experts_whose_vectors_outgrow_shared_memory_are_staged_one_at_a_time(
+        tmp_path_factory, tiny_tokenizer):
+    """moe_down stages the top-k experts' SwiGLU vectors at once where they fit in 48 KB: here
+    4 x 3,200 floats do not, and it takes them one expert at a time."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.loader import open_model_dir
+
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "wide-long"))
+    cfg = model.config
+    assert cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 > 48 * 1024
+    engine = CudaEngine(cfg, model.checkpoint, decode="layered")
+    try:
+        check_decode_step(engine, model)
+    finally:
+        engine.close()
+
+
+def check_decode_step(engine, model) -> None:
+    """One token's sparse layer 0 (moe_router, moe_route, moe_gate_up, moe_down) against
+    NumPy, each stage on the GPU's output of the one before."""
     from test_cuda_engine import download
 
     from qwenchat.model.floats import bf16_bits_to_f32
 
-    engine, model = wide_engine
     cfg = model.config
     h, k, e = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
     x0 = np.random.default_rng(6).standard_normal(h).astype(np.float32)
