@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from qwenchat import remote
-from qwenchat.engine import check_engine_flags, create_engine
+from qwenchat.engine import EngineFlags, create_engine
 from qwenchat.engine.speculate import check_speculate, start_speculation
 from qwenchat.errors import UsageError
-from qwenchat.model import rope
 from qwenchat.model.loader import open_model
 from qwenchat.model.locate import looks_like_path, resolve_model
 from qwenchat.model.tokenizer import check_text
@@ -25,24 +24,17 @@ from qwenchat.session import ChatSession, Progress, ReplyStats, TextPiece, Turns
 
 
 @dataclass
-class AskOptions:
+class AskOptions(EngineFlags):
     prompt: str
     model: str
-    backend: str = "auto"
     system: str | None = None
     think: bool = False
     show_thinking: bool = False
     as_json: bool = False
     verbose: bool = False
-    ctx: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
-    device: int = 0
-    decode: str = "auto"
-    quantize: str = "none"
     speculate: str = "off"
     draft: str | None = None  # a draft model's directory or hub id (speculative decoding)
-    kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
-    rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
     url: str | None = None  # --backend openai: the server's address
     api_key_env: str | None = None  # --backend openai: the variable holding its API key
 
@@ -90,8 +82,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     check_remote_flags(options.backend, options.url, options.api_key_env)
     if options.backend == remote.BACKEND:
         return _ask_remote(options, out, err)
-    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache, options.rope_scaling)
+    options.check_engine_flags()
     check_speculate(options.speculate, options.draft)
     draft = options.draft
     if draft and (looks_like_path(draft) or Path(draft).expanduser().exists()):
@@ -101,13 +92,11 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     # The tokenizer loads on its own thread while the engine compiles and uploads.
     model = open_model(options.model, tokenizer_in_background=True)
     params = generation_defaults(model.directory, options.think).with_updates(**options.overrides)
-    config = rope.with_flag(model.config, options.rope_scaling)
     # A seeded answer is the same cold or warm: it waits for the megakernel's compile.
     later = "seed" not in options.overrides
-    engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
-                           device=options.device, notice=say, decode=options.decode,
-                           quantize=options.quantize, kv_cache=options.kv_cache,
-                           megakernel_later=later)
+    engine = create_engine(options.backend, options.roped(model.config), model.checkpoint,
+                           options.ctx, notice=say, megakernel_later=later,
+                           **options.engine_options())
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
     speculate, proposer = start_speculation(options.speculate, options.draft, model, engine,

@@ -27,15 +27,15 @@ import numpy as np
 
 from qwenchat.engine import (
     Engine,
+    EngineFlags,
     GenerateRequest,
     Generation,
-    check_engine_flags,
     create_engine,
 )
 from qwenchat.engine.reference import ReferenceEngine
 from qwenchat.engine.speculate import SPECULATE_MOST, DraftProposer
 from qwenchat.errors import UsageError
-from qwenchat.model import kv_cache, rope
+from qwenchat.model import kv_cache
 from qwenchat.model.checkpoint import Checkpoint, WeightSource
 from qwenchat.model.config import Qwen3Config, parameters_text
 from qwenchat.model.formats import FORMATS
@@ -813,19 +813,12 @@ def cpu_warning(settings: BenchSettings) -> str:
 
 
 @dataclass
-class BenchOptions:
+class BenchOptions(EngineFlags):
     config: str | None = None  # a preset name or a config.json path: random weights
     model: str | None = None  # a model directory or hub id: its real weights
-    backend: str = "auto"
-    device: int = 0
-    ctx: int | None = None
     settings: BenchSettings = field(default_factory=BenchSettings)
     as_json: bool = False
     compare_hf: bool = False
-    decode: str = "auto"  # the CUDA engine's decode path
-    quantize: str = "none"  # "fp8" or "int4": the linear layers quantized at load time
-    kv_cache: str = "bf16"  # the KV cache's format
-    rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
 
 
 def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -835,8 +828,7 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
 
     if options.config is not None and options.model is not None:
         raise UsageError("give --config (random weights) or --model (a checkpoint), not both")
-    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache, options.rope_scaling)
+    options.check_engine_flags()
     settings = options.settings
     console = Console(file=err)
 
@@ -857,12 +849,11 @@ def run_bench(options: BenchOptions, out: TextIO = sys.stdout, err: TextIO = sys
 
         tick("building the engine")
         name, config, weights, label = _open_weights(options)
-        config = rope.with_flag(config, options.rope_scaling)
+        config = options.roped(config)
         try:
             ctx = settings.default_ctx(config) if options.ctx is None else options.ctx
-            engine = create_engine(options.backend, config, weights, ctx, device=options.device,
-                                   notice=say, decode=options.decode, quantize=options.quantize,
-                                   kv_cache=options.kv_cache)
+            engine = create_engine(options.backend, config, weights, ctx, notice=say,
+                                   **options.engine_options())
             draft = None
             try:
                 if isinstance(engine, ReferenceEngine):

@@ -26,9 +26,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from qwenchat.engine import FP8_ACTIVATIONS, check_engine_flags, create_engine
+from qwenchat.engine import FP8_ACTIVATIONS, EngineFlags, create_engine
 from qwenchat.errors import QwenchatError, UsageError
-from qwenchat.model import rope
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Message, Tokenizer
 from qwenchat.progress import progress_bar
@@ -39,19 +38,12 @@ SAVED_FORMAT = 1
 
 
 @dataclass
-class EvalOptions:
+class EvalOptions(EngineFlags):  # (ctx, the engine's cache: the window by default)
     file: Path
     model: str
-    backend: str = "auto"
-    device: int = 0
-    decode: str = "auto"
-    quantize: str = "none"
-    kv_cache: str = "bf16"
-    rope_scaling: str | None = None
     fp8_activations: str = "auto"
     window: int = 512
     stride: int | None = None  # default: half the window
-    ctx: int | None = None  # the engine's cache (default: the window)
     path: str = "prefill"
     base: str | None = None  # "bf16", "cpu" or a file of saved logits
     save_logits: Path | None = None
@@ -66,8 +58,7 @@ class EvalOptions:
 
 def check_options(options: EvalOptions) -> None:
     """Every flag checked before anything loads: one line each."""
-    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache, options.rope_scaling)
+    options.check_engine_flags()
     if options.window < 2:
         raise UsageError(f"--window must be at least 2 tokens; got {options.window}")
     if not 1 <= options.stride_tokens < options.window:
@@ -294,14 +285,13 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
     check_options(options)
     say = lambda line: print(f"qwenchat: {line}", file=err, flush=True)  # noqa: E731
     model = open_model(options.model)
-    config = rope.with_flag(model.config, options.rope_scaling)
+    config = options.roped(model.config)
     documents = read_documents(options.file, model.tokenizer)
     stride = options.stride_tokens
     key = text_key(documents, options.window, stride)
     ctx = options.ctx or options.window
-    engine = create_engine(options.backend, config, model.checkpoint, ctx, options.device,
-                           notice=say, decode=options.decode, quantize=options.quantize,
-                           kv_cache=options.kv_cache, fp8_activations=options.fp8_activations)
+    engine = create_engine(options.backend, config, model.checkpoint, ctx, notice=say,
+                           fp8_activations=options.fp8_activations, **options.engine_options())
     if options.path == "decode" and not engine.name.startswith("reference"):
         engine.close()
         raise QwenchatError("--path decode is built for the reference engine only so far (the "

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from qwenchat.engine import EngineFlags
 from qwenchat.engine.base import Engine
 from qwenchat.engine.speculate import Proposer
 from qwenchat.errors import ContextFullError, QwenchatError, UsageError
@@ -50,15 +51,8 @@ FINISH_REASONS = {"eos": "stop", "max_tokens": "length", "context_full": "length
 
 
 @dataclass
-class ServeOptions:
+class ServeOptions(EngineFlags):
     model: str
-    backend: str = "auto"
-    ctx: int | None = None
-    device: int = 0
-    decode: str = "auto"
-    quantize: str = "none"
-    kv_cache: str = "bf16"
-    rope_scaling: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -687,13 +681,11 @@ def listen(host: str, port: int) -> socket.socket:
 def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
     import uvicorn
 
-    from qwenchat.engine import check_engine_flags, create_engine
+    from qwenchat.engine import create_engine
     from qwenchat.engine.speculate import check_speculate, start_speculation
-    from qwenchat.model import rope
     from qwenchat.model.loader import open_model
 
-    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache, options.rope_scaling)
+    options.check_engine_flags()
     check_speculate(options.speculate, options.draft)
 
     def say(message: str) -> None:
@@ -702,11 +694,9 @@ def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
 
     sock = listen(options.host, options.port)
     model = open_model(options.model, tokenizer_in_background=True)
-    config = rope.with_flag(model.config, options.rope_scaling)
     # (megakernel_later left False: a seeded reply is the one `ask --seed` gives from the first)
-    engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
-                           device=options.device, notice=say, decode=options.decode,
-                           quantize=options.quantize, kv_cache=options.kv_cache)
+    engine = create_engine(options.backend, options.roped(model.config), model.checkpoint,
+                           options.ctx, notice=say, **options.engine_options())
     most, proposer = start_speculation(options.speculate, options.draft, model, engine,
                                        options.backend, options.device, options.decode,
                                        options.quantize, say, megakernel_later=False)

@@ -109,6 +109,15 @@ SeedOpt = Annotated[int | None, typer.Option(help="Seed for reproducible samplin
 MaxTokensOpt = Annotated[int | None, typer.Option(help="Most tokens in the reply.")]
 
 
+def engine_flags(backend: str, ctx: int | None, device: int, decode: str, quantize: str,
+                 kv_cache: str, rope_scaling: str | None) -> dict[str, Any]:
+    """The engine's flags as the keyword arguments of a command's options (EngineFlags)."""
+    from qwenchat.engine import EngineFlags  # (imported as a command runs: --help stays quick)
+
+    return vars(EngineFlags(backend=backend, ctx=ctx, device=device, decode=decode,
+                            quantize=quantize, kv_cache=kv_cache, rope_scaling=rope_scaling))
+
+
 def sampling_overrides(**flags: Any) -> dict[str, Any]:
     """The sampling flags the user gave, by parameter name."""
     return {name: value for name, value in flags.items() if value is not None}
@@ -203,10 +212,10 @@ def chat(
         from qwenchat.tui.options import ChatOptions, check_chat_options, require_terminal
 
         mode = speculate_flag(speculate, draft)
-        options = ChatOptions(model, backend, system, think, overrides, ctx, device, decode,
-                              quantize, mode, draft, history=not no_history,
-                              debug=debug, kv_cache=kv_cache, rope_scaling=rope_scaling,
-                              url=url, api_key_env=api_key_env)
+        engine = engine_flags(backend, ctx, device, decode, quantize, kv_cache, rope_scaling)
+        options = ChatOptions(model, system, think, overrides, mode, draft,
+                              history=not no_history, debug=debug, url=url,
+                              api_key_env=api_key_env, **engine)
         check_chat_options(options)
         require_terminal()
         from qwenchat.tui.app import run_chat  # Textual loads only once the flags are good
@@ -264,10 +273,10 @@ def ask(
         check_overrides(overrides)
         mode = speculate_flag(speculate, draft)
         text = combine_prompt(prompt, _read_stdin())
-        options = AskOptions(text, model, backend, system, think, show_thinking, as_json,
-                             verbose, ctx, overrides, device, decode, quantize, mode,
-                             draft, kv_cache=kv_cache, rope_scaling=rope_scaling, url=url,
-                             api_key_env=api_key_env)
+        engine = engine_flags(backend, ctx, device, decode, quantize, kv_cache, rope_scaling)
+        options = AskOptions(text, model, system, think, show_thinking, as_json, verbose,
+                             overrides, mode, draft, url=url, api_key_env=api_key_env,
+                             **engine)
         return run_ask(options)
 
     run_guarded(action, debug)
@@ -304,8 +313,9 @@ def serve(
         from qwenchat.serve import ServeOptions, run_serve
 
         mode = speculate_flag(speculate, draft)
-        return run_serve(ServeOptions(model, backend, ctx, device, decode, quantize, kv_cache,
-                                      rope_scaling, host, port, api_key or None, mode, draft))
+        engine = engine_flags(backend, ctx, device, decode, quantize, kv_cache, rope_scaling)
+        return run_serve(ServeOptions(model, host, port, api_key or None, mode, draft,
+                                      **engine))
 
     run_guarded(action, debug)
 
@@ -439,9 +449,9 @@ def eval_(
     def action() -> int:
         from qwenchat.eval import EvalOptions, run_eval
 
-        return run_eval(EvalOptions(file, model, backend, device, decode, quantize, kv_cache,
-                                    rope_scaling, fp8_activations, window, stride, ctx, path,
-                                    base, save_logits, top_k, limit, as_json))
+        engine = engine_flags(backend, ctx, device, decode, quantize, kv_cache, rope_scaling)
+        return run_eval(EvalOptions(file, model, fp8_activations, window, stride, path, base,
+                                    save_logits, top_k, limit, as_json, **engine))
 
     run_guarded(action, debug)
 
@@ -528,9 +538,9 @@ def bench(
         settings = BenchSettings(parse_sizes(prompts, "--prompts"),
                                  parse_sizes(positions, "--positions"), steps, repeats,
                                  sampled=sampled, speculation=speculation, after=after)
-        return run_bench(BenchOptions(config, model, backend, device, ctx, settings, as_json,
-                                      compare_hf, decode, quantize, kv_cache=kv_cache,
-                                      rope_scaling=rope_scaling))
+        engine = engine_flags(backend, ctx, device, decode, quantize, kv_cache, rope_scaling)
+        return run_bench(BenchOptions(config, model, settings, as_json, compare_hf,
+                                      **engine))
 
     run_guarded(action, debug)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from qwenchat.engine.base import Engine, GenerateRequest, Generation, StopReason
 from qwenchat.engine.cuda.probe import NO_DRIVER
@@ -20,8 +22,37 @@ DECODES = ("auto", "megakernel", "layered")  # the CUDA engine's decode paths
 # codes widened to bf16 (comparisons, docs/prefill_v2.md).
 FP8_ACTIVATIONS = ("auto", "e4m3", "bf16")
 
-__all__ = ["BACKENDS", "Engine", "GenerateRequest", "Generation", "StopReason",
+__all__ = ["BACKENDS", "Engine", "EngineFlags", "GenerateRequest", "Generation", "StopReason",
            "check_engine_flags", "create_engine"]
+
+
+@dataclass(kw_only=True)
+class EngineFlags:
+    """The engine's flags, which every command that runs a model takes (ask, the chat, serve,
+    bench, eval) and checks alike: each command's options extend it."""
+
+    backend: str = "auto"
+    ctx: int | None = None
+    device: int = 0
+    decode: str = "auto"  # the CUDA engine's decode path
+    quantize: str = "none"  # "fp8" or "int4": the linear layers quantized at load time
+    kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
+    rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
+
+    def check_engine_flags(self) -> None:
+        """One line (UsageError) for the first flag that is wrong, before anything loads."""
+        check_engine_flags(self.backend, self.ctx, self.device, self.decode, self.quantize,
+                           self.kv_cache, self.rope_scaling)
+
+    def roped(self, config: Qwen3Config) -> Qwen3Config:
+        """`config` with --rope-scaling applied."""
+        return rope.with_flag(config, self.rope_scaling)
+
+    def engine_options(self) -> dict[str, Any]:
+        """create_engine's keyword arguments that these flags give (the backend, the config
+        and the context are its positional ones: each command decides them)."""
+        return {"device": self.device, "decode": self.decode, "quantize": self.quantize,
+                "kv_cache": self.kv_cache}
 
 
 def check_engine_flags(backend: str, ctx: int | None, device: int,

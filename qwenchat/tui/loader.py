@@ -178,11 +178,9 @@ def model_loader(options: ChatOptions) -> Loader:
             else:
                 notice(text)
 
-        config = rope.with_flag(model.config, options.rope_scaling)
-        engine = create_engine(options.backend, config, model.checkpoint, options.ctx,
-                               options.device, notice=engine_message, decode=options.decode,
-                               quantize=options.quantize, progress=progress,
-                               kv_cache=options.kv_cache, megakernel_later=True)
+        engine = create_engine(options.backend, options.roped(model.config), model.checkpoint,
+                               options.ctx, notice=engine_message, progress=progress,
+                               megakernel_later=True, **options.engine_options())
         proposer = None
         try:
             tokenizer, eos_ids = model.tokenizer, model.eos_ids

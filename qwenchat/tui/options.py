@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qwenchat.ask import check_overrides
-from qwenchat.engine import check_engine_flags
+from qwenchat.engine import EngineFlags
 from qwenchat.engine.speculate import check_speculate
 from qwenchat.errors import UsageError
 from qwenchat.model.locate import looks_like_path, resolve_model
@@ -16,22 +16,15 @@ from qwenchat.remote import BACKEND, check_remote_flags
 
 
 @dataclass
-class ChatOptions:
+class ChatOptions(EngineFlags):
     model: str
-    backend: str = "auto"
     system: str | None = None
     think: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling flags the user gave
-    ctx: int | None = None
-    device: int = 0
-    decode: str = "auto"  # the CUDA engine's decode path
-    quantize: str = "none"  # "fp8" or "int4": quantize the linear layers at load time
     speculate: str = "off"  # "ngram": prompt lookup, verified several tokens a step
     draft: str | None = None  # a draft model that proposes instead
     history: bool = True  # False: --no-history, nothing is written to disk
     debug: bool = False
-    kv_cache: str = "bf16"  # the KV cache's format (qwenchat/model/kv_cache.py)
-    rope_scaling: str | None = None  # --rope-scaling (qwenchat/model/rope.py)
     url: str | None = None  # --backend openai: the server's address
     api_key_env: str | None = None  # --backend openai: the variable holding its API key
 
@@ -42,8 +35,7 @@ def check_chat_options(options: ChatOptions) -> None:
     check_remote_flags(options.backend, options.url, options.api_key_env)
     if options.backend == BACKEND:
         return  # the model is the server's: nothing here to check
-    check_engine_flags(options.backend, options.ctx, options.device, options.decode,
-                       options.quantize, options.kv_cache, options.rope_scaling)
+    options.check_engine_flags()
     check_speculate(options.speculate, options.draft)
     # A local path that is wrong is a typo to report now; a hub id may need a download,
     # which the loading screen shows.
