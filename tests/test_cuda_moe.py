@@ -119,6 +119,29 @@ def test_a_mixture_of_experts_prefilled_in_parts_and_decoded_is_one_prefill(moe_
     assert len(ids[195:200]) <= VERIFY_ROWS and gpu_engine.short_prompt_rows(150, 45) is not None
 
 
+def test_a_mixture_of_experts_on_an_int8_cache_follows_the_reference_on_one(moe_dir):
+    """The int8 KV cache (kv8.cuh) under the sparse layers: prefill in two parts (the second
+    attends to the first through the cache's int8 rows) and 64 greedy steps, against the
+    reference engine on its own int8 cache."""
+    from test_cuda_engine import rel_err, worst_greedy_decode_error
+
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.engine.reference import ReferenceEngine
+    from qwenchat.model.loader import open_model_dir
+
+    model = open_model_dir(moe_dir)
+    gpu = CudaEngine(model.config, model.checkpoint, 512, kv_cache="int8", decode="layered")
+    ref = ReferenceEngine(model.config, model.checkpoint, 512, kv_cache="int8")
+    try:
+        assert gpu.kv_format == "int8"
+        prompt = [int(i) for i in np.random.default_rng(6).integers(0, 400, 300)]
+        for part in (prompt[:200], prompt[200:]):
+            assert rel_err(gpu.prefill_logits(part), ref.prefill_logits(part)) <= 2e-2
+        assert worst_greedy_decode_error(gpu, ref, 64) <= 2e-2
+    finally:
+        gpu.close()
+
+
 @pytest.mark.parametrize("dtype", ["BF16", "FP8"])
 def test_a_mixture_of_experts_gives_the_same_tokens_run_after_run(tmp_path_factory,
                                                                   tiny_tokenizer, dtype):
