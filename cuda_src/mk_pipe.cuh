@@ -85,7 +85,8 @@ __device__ __forceinline__ int matrix_tiles(int n_rows) {
     }
 }
 
-// Flash-decoding geometry for `len` keys: chunks of whole stages, at most `most` per kv head.
+// Flash-decoding geometry for `len` keys: at most `most` chunks per kv head, of equal length
+// (QW_MK_EVEN) or of whole stages.
 struct AttnGeom {
     int splits, chunk, len;  // (chunk: QW_MK_EVEN 0's chunk length)
 };

@@ -100,8 +100,7 @@ def run_ask(options: AskOptions, out: TextIO = sys.stdout, err: TextIO = sys.std
     tokenizer = model.tokenizer
     load_s = time.perf_counter() - load_started
     speculate, proposer = start_speculation(options.speculate, options.draft, model, engine,
-                                            options.backend, options.device, options.decode,
-                                            options.quantize, say, megakernel_later=later)
+                                            options, say, megakernel_later=later)
     session = ChatSession(engine, tokenizer, model.eos_ids, LiveParams(params),
                           system=options.system, thinking=options.think, speculate=speculate,
                           proposer=proposer)

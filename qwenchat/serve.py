@@ -697,9 +697,8 @@ def run_serve(options: ServeOptions, err: TextIO = sys.stderr) -> int:
     # (megakernel_later left False: a seeded reply is the one `ask --seed` gives from the first)
     engine = create_engine(options.backend, options.roped(model.config), model.checkpoint,
                            options.ctx, notice=say, **options.engine_options())
-    most, proposer = start_speculation(options.speculate, options.draft, model, engine,
-                                       options.backend, options.device, options.decode,
-                                       options.quantize, say, megakernel_later=False)
+    most, proposer = start_speculation(options.speculate, options.draft, model, engine, options,
+                                       say, megakernel_later=False)
     names = tuple(dict.fromkeys((options.model, model.directory.name)))
     served = ServedModel(names, model.directory, engine, model.tokenizer, model.eos_ids, most,
                          proposer)

@@ -19,7 +19,7 @@ from served import Running
 
 import qwenchat.serve as serve
 from qwenchat.ask import AskOptions, run_ask
-from qwenchat.engine import create_engine
+from qwenchat.engine import EngineFlags, create_engine
 from qwenchat.model.loader import open_model
 from qwenchat.serve import QUEUE_HEADER, ServedModel, StopMatcher
 
@@ -94,7 +94,7 @@ def test_a_speculating_server_answers_as_a_plain_one(tiny, tiny_model_dir, mode)
 
     model = open_model(str(tiny_model_dir))
     engine = create_engine("cpu", model.config, model.checkpoint)
-    proposer = (open_draft(str(tiny_model_dir), model, engine, "cpu", 0, "auto", "none",
+    proposer = (open_draft(str(tiny_model_dir), model, engine, EngineFlags(backend="cpu"),
                            lambda _: None) if mode == "draft" else None)
     speculating = Running(ServedModel(("tiny",), model.directory, engine, model.tokenizer,
                                       model.eos_ids, SPECULATE_MOST, proposer))

@@ -23,6 +23,7 @@ from qwenchat.sampling.params import SamplingParams
 from qwenchat.sampling.speculative import draft_token
 
 if TYPE_CHECKING:
+    from qwenchat.engine import EngineFlags
     from qwenchat.engine.base import Engine
     from qwenchat.model.loader import Model
 
@@ -179,12 +180,12 @@ class DraftProposer:
         self.engine.prefill(tokens[common:])
 
 
-def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: int,
-               decode: str, quantize: str, notice: Callable[[str], None],
-               progress: Callable[[str], None] | None = None,
+def open_draft(spec: str, model: Model, engine: Engine, flags: EngineFlags,
+               notice: Callable[[str], None], progress: Callable[[str], None] | None = None,
                megakernel_later: bool = True) -> DraftProposer:
-    """The draft model `spec` (--draft) as a proposer for `model`, run by an engine on the same
-    backend and device with room for `engine`'s context; refused in one line unless its
+    """The draft model `spec` (--draft) as a proposer for `model`, run by an engine with the
+    command's backend, device, decode path and quantization (`flags`; the KV cache its default)
+    and room for `engine`'s context; refused in one line unless its
     tokenizer is the model's. `megakernel_later` as for create_engine (False where a seeded
     reply must not depend on whether the kernel cache was warm)."""
     from qwenchat.engine import create_engine
@@ -198,16 +199,15 @@ def open_draft(spec: str, model: Model, engine: Engine, backend: str, device: in
     config = draft.config
     if engine.capacity > config.context_limit:  # the model's YaRN, for a draft as long
         config = dataclasses.replace(config, rope_scaling=engine.config.rope_scaling)
-    draft_engine = create_engine(backend, config, draft.checkpoint, engine.capacity,
-                                 device=device, notice=notice, decode=decode,
-                                 quantize=quantize, megakernel_later=megakernel_later)
+    draft_engine = create_engine(flags.backend, config, draft.checkpoint, engine.capacity,
+                                 device=flags.device, notice=notice, decode=flags.decode,
+                                 quantize=flags.quantize, megakernel_later=megakernel_later)
     return DraftProposer(draft_engine, model.config.vocab_size)
 
 
-def start_speculation(mode: str, draft: str | None, model: Model, engine: Engine, backend: str,
-                      device: int, decode: str, quantize: str,
-                      notice: Callable[[str], None], megakernel_later: bool = True
-                      ) -> tuple[int, DraftProposer | None]:
+def start_speculation(mode: str, draft: str | None, model: Model, engine: Engine,
+                      flags: EngineFlags, notice: Callable[[str], None],
+                      megakernel_later: bool = True) -> tuple[int, DraftProposer | None]:
     """What --speculate and --draft give a one-engine command (`ask`, `serve`): the tokens
     proposed a step at most (0: off, with `notice` told why where asked of an engine that
     cannot verify) and the draft's proposer (None: prompt lookup, or off)."""
@@ -216,5 +216,5 @@ def start_speculation(mode: str, draft: str | None, model: Model, engine: Engine
         notice(why)
     if not (most and draft):
         return most, None
-    return most, open_draft(draft, model, engine, backend, device, decode, quantize, notice,
+    return most, open_draft(draft, model, engine, flags, notice,
                             megakernel_later=megakernel_later)

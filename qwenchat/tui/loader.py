@@ -186,9 +186,8 @@ def model_loader(options: ChatOptions) -> Loader:
             tokenizer, eos_ids = model.tokenizer, model.eos_ids
             if options.draft and engine.can_speculate:
                 step(f"loading the draft model {options.draft}")
-                proposer = open_draft(options.draft, model, engine, options.backend,
-                                      options.device, options.decode, options.quantize,
-                                      engine_message, progress)
+                proposer = open_draft(options.draft, model, engine, options, engine_message,
+                                      progress)
         except BaseException:
             engine.close()
             raise
