@@ -10,14 +10,14 @@
 #include "gemm.cuh"
 
 // C (row stride ldc) = A . B^T (fp32 out): Q/K/V and gate/up projections (B in the model's
-// weight format).
+// weight format; int4 weights come as the bf16 slices prefill.py dequantizes).
 extern "C" __global__ void __launch_bounds__(THREADS)
     gemm_store(const bf16_t* A, const void* B, float* C, int M, int N, int K, int ldc) {
-    gemm_bf16<STORE_F32, qw::fp8>(A, B, C, M, N, K, ldc, blockIdx.y * BM);
+    gemm_bf16<STORE_F32, qw::fp8 ? qw::FP8 : qw::BF16>(A, B, C, M, N, K, ldc, blockIdx.y * BM);
 }
 
 // C += A . B^T (fp32 residual stream): o_proj and down_proj.
 extern "C" __global__ void __launch_bounds__(THREADS)
     gemm_add(const bf16_t* A, const void* B, float* C, int M, int N, int K, int ldc) {
-    gemm_bf16<ADD_F32, qw::fp8>(A, B, C, M, N, K, ldc, blockIdx.y * BM);
+    gemm_bf16<ADD_F32, qw::fp8 ? qw::FP8 : qw::BF16>(A, B, C, M, N, K, ldc, blockIdx.y * BM);
 }

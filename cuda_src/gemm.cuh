@@ -53,10 +53,48 @@ __device__ __forceinline__ void convert_tile_fp8(bf16_t (*dst)[LDS],
     *reinterpret_cast<uint4*>(&dst[r][c + 8]) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
+// int4 weight tile (moe.cu's grouped products): 128 rows x 32 columns = 16 bytes of codes a
+// row, one 16-byte piece a thread of the first 128, plus the record of the 128-column group
+// the tile lies in (BK divides 128), returned for the conversion (0 for the other threads).
+__device__ __forceinline__ unsigned load_tile_int4(unsigned char (*dst)[BK], const unsigned char* src,
+                                                   int rows, int K, int row0, int k0) {
+    const int r = threadIdx.x;
+    if (r >= BN) return 0u;
+    const int gr = row0 + r;
+    const bool ok = gr < rows && k0 < K;
+    const unsigned char* row = src + static_cast<long long>(gr) * row_bytes<qw::INT4>(K);
+    cp_async_16(&dst[r][0], ok ? row + k0 / 2 : src, ok ? 16 : 0);
+    return ok ? reinterpret_cast<const unsigned*>(row + K / 2)[k0 / qw::FP8_BLOCK] : 0u;
+}
+
+// This thread's row of the tile (its own copy, already waited for) as bf16 weights:
+// (code - zero) x scale, rounded as dequant_int4_rows rounds them.
+__device__ __forceinline__ void convert_tile_int4(bf16_t (*dst)[LDS],
+                                                  const unsigned char (*src)[BK], unsigned rec) {
+    const int r = threadIdx.x;
+    if (r >= BN) return;
+    const uint4 codes = *reinterpret_cast<const uint4*>(&src[r][0]);
+    const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
+    const float scale = int4_scale(rec);
+    const unsigned zero2 = int4_zero2(rec);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // columns 8j .. 8j + 7
+        unsigned p[4], o[4];
+        int4x8_f16x2(words[j], zero2, p);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float2 v = f16x2_floats(p[k]);
+            o[k] = pack_bf16x2(v.x * scale, v.y * scale);
+        }
+        *reinterpret_cast<uint4*>(&dst[r][8 * j]) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
 // The block's tile: rows m0.. of C, columns blockIdx.x * BN...
-// B is a bf16 matrix, or with F8 the FP8 rows of weights.cuh: their codes are double-buffered
-// and converted into a single bf16 tile before each step's products.
-template <int EPI, bool F8>
+// B (format WF) is a bf16 matrix, or the FP8 or int4 rows of weights.cuh: their codes are
+// staged as the activations are and converted into a single bf16 tile before each step's
+// products (int4: moe.cu's grouped products only; gemm.cu's int4 prefill dequantizes slices).
+template <int EPI, int WF>
 __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__ Bv,
                           float* __restrict__ C, int M, int N, int K, int ldc, int m0) {
     extern __shared__ __align__(16) unsigned char gemm_shared[];
@@ -65,7 +103,8 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
     // As[stage][row][col]; Bs[stage or 0][row][col]; B8[stage][row][code]
     Tile* As = reinterpret_cast<Tile*>(gemm_shared);
     Tile* Bs = As + STAGES * BM;
-    CodeTile* B8 = reinterpret_cast<CodeTile*>(Bs + (F8 ? 1 : STAGES) * BN);
+    constexpr bool NARROW = WF != qw::BF16;  // B's codes converted into one bf16 tile
+    CodeTile* B8 = reinterpret_cast<CodeTile*>(Bs + (NARROW ? 1 : STAGES) * BN);
     const bf16_t* B = static_cast<const bf16_t*>(Bv);
     const unsigned char* B_codes = static_cast<const unsigned char*>(Bv);
     const int n0 = blockIdx.x * BN;
@@ -82,14 +121,20 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
             for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
 
     const int tiles = (K + BK - 1) / BK;
-    // F8: the block scale of each stage's tile (a thread's own rows: it converts its own codes)
+    // FP8: the block scale of each stage's tile, int4: the group's record (a thread's own rows:
+    // it converts its own codes)
     float scales[STAGES];
+    unsigned records[STAGES];
 #pragma unroll
-    for (int i = 0; i < STAGES; ++i) scales[i] = 0.f;
+    for (int i = 0; i < STAGES; ++i) {
+        scales[i] = 0.f;
+        records[i] = 0u;
+    }
     auto issue = [&](int kt) {  // step kt's tiles into stage kt % STAGES
         const int st = kt % STAGES;
         load_tile(As + st * BM, A, M, K, m0, kt * BK);
-        if constexpr (F8) scales[st] = load_tile_fp8(B8 + st * BN, B_codes, N, K, n0, kt * BK);
+        if constexpr (WF == qw::FP8) scales[st] = load_tile_fp8(B8 + st * BN, B_codes, N, K, n0, kt * BK);
+        else if constexpr (WF == qw::INT4) records[st] = load_tile_int4(B8 + st * BN, B_codes, N, K, n0, kt * BK);
         else load_tile(Bs + st * BN, B, N, K, n0, kt * BK);
     };
 #pragma unroll
@@ -100,13 +145,14 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
     for (int kt = 0; kt < tiles; ++kt) {
         const int s = kt % STAGES;
         cp_async_wait<STAGES - 2>();  // this thread's copies of step kt have landed
-        if constexpr (F8) convert_tile_fp8(Bs, B8 + s * BN, scales[s]);
+        if constexpr (WF == qw::FP8) convert_tile_fp8(Bs, B8 + s * BN, scales[s]);
+        if constexpr (WF == qw::INT4) convert_tile_int4(Bs, B8 + s * BN, records[s]);
         __syncthreads();  // ... and every thread's; every warp is done with step kt - 1
         // The step STAGES - 1 ahead goes into the stage step kt - 1 used.
         if (kt + STAGES - 1 < tiles) issue(kt + STAGES - 1);
         cp_async_commit();
         const Tile* Ast = As + s * BM;
-        const Tile* Bst = Bs + (F8 ? 0 : s * BN);
+        const Tile* Bst = Bs + (NARROW ? 0 : s * BN);
 #pragma unroll
         for (int k16 = 0; k16 < BK; k16 += 16) {
             // Fragments by ldmatrix: lane l gives row l % 8 of 8x8 matrix l / 8. A: matrices
@@ -130,7 +176,7 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
 #pragma unroll
                 for (int j = 0; j < 8; ++j) mma_bf16_16816(acc[i][j], a[i], b[j]);
         }
-        if constexpr (F8) __syncthreads();  // the one bf16 B tile is converted again next step
+        if constexpr (NARROW) __syncthreads();  // the one bf16 B tile is converted again next step
     }
     cp_async_wait<0>();
 

@@ -34,25 +34,66 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 }
 
 // Decode: x[r] += sum over k (in order) of weights[k] x expert experts[k]'s down row r .
-// silu(gate_k) * up_k, gu as moe_gate_up wrote it. One row a warp.
+// silu(gate_k) * up_k, gu as moe_gate_up wrote it. One row a warp: its TOPK experts' rows are
+// loaded together (the first pieces before the vectors are staged), against the TOPK SwiGLU
+// vectors staged once (where they fit in 48 KB; one expert at a time otherwise).
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     moe_down(const float* __restrict__ gu, const unsigned char* W, const int* __restrict__ experts,
              const float* __restrict__ weights, float* __restrict__ x) {
-    constexpr int I = qwm::INTER;
-    __shared__ __align__(16) float vs[I];
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    float total = 0.f;
-    for (int k = 0; k < qwm::TOPK; ++k) {
+    constexpr int I = qwm::INTER, K = qwm::TOPK, WF = qw::wfmt;
+    constexpr bool ALL = K * I <= 12288;  // every expert's vector staged at once
+    __shared__ __align__(16) float vs[ALL ? K * I : I];
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const auto swiglu = [&](int k, float* into) {
         const float* g = gu + k * 2 * I;
-        float result[1];
-        warp_rows_dot<I, 1, qw::wfmt>(W + experts[k] * qwm::DOWN_BYTES, qw::hidden, row, vs, [&] {
-            if (k > 0) __syncthreads();  // every warp is done with expert k - 1's vector
-            for (int j = threadIdx.x; j < I; j += blockDim.x) vs[j] = silu(g[j]) * g[I + j];
-            __syncthreads();
-        }, result);
-        total += weights[k] * result[0];
+        for (int j = threadIdx.x; j < I; j += blockDim.x) into[j] = silu(g[j]) * g[I + j];
+    };
+    float total = 0.f;
+    if constexpr (ALL) {
+        constexpr int PER = piece_values<WF>(), STEPS = I / PER;
+        constexpr long long RB = row_bytes<WF>(I);
+        const unsigned char* rows[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) rows[k] = W + experts[k] * qwm::DOWN_BYTES + row * RB;
+        const bool mine = row < qw::hidden;
+        WeightPiece first[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            first[k] = mine && lane < STEPS ? load_piece<WF, I>(rows[k], lane) : no_piece();
+        for (int k = 0; k < K; ++k) swiglu(k, vs + k * I);
+        __syncthreads();
+        float acc[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) acc[k] = lane < STEPS ? piece_dot<WF>(first[k], vs + k * I + lane * PER) : 0.f;
+        for (int c = lane + 32; c < STEPS; c += 32) {
+            WeightPiece w[K];
+#pragma unroll
+            for (int k = 0; k < K; ++k) w[k] = mine ? load_piece<WF, I>(rows[k], c) : no_piece();
+#pragma unroll
+            for (int k = 0; k < K; ++k) acc[k] += piece_dot<WF>(w[k], vs + k * I + c * PER);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) total += weights[k] * warp_sum(acc[k]);
+    } else {
+        for (int k = 0; k < K; ++k) {
+            float result[1];
+            warp_rows_dot<I, 1, WF>(W + experts[k] * qwm::DOWN_BYTES, qw::hidden, row, vs, [&] {
+                if (k > 0) __syncthreads();  // every warp is done with expert k - 1's vector
+                swiglu(k, vs);
+                __syncthreads();
+            }, result);
+            total += weights[k] * result[0];
+        }
     }
-    if ((threadIdx.x & 31) == 0 && row < qw::hidden) x[row] += total;
+    if (lane == 0 && row < qw::hidden) x[row] += total;
+}
+
+// Decode: the router's logits, out[e] = router row e . rmsnorm(x) * norm_w (bf16 rows in
+// every format), a row a warp: 128 experts take 16 blocks (rmsnorm_gemv4's 4 rows a warp
+// left 128 rows on 4 blocks).
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    moe_router(const float* x, const bf16_t* norm_w, const bf16_t* W, float eps, float* out) {
+    rmsnorm_gemv<1, qw::BF16>(x, norm_w, W, qwm::EXPERTS, eps, out);
 }
 
 // Prefill, grouping the pairs p = token x TOPK + k by expert: counts[e] = the pairs routed to
@@ -135,17 +176,16 @@ extern "C" __global__ void moe_gather(const bf16_t* __restrict__ xn, const int* 
 extern "C" __global__ void __launch_bounds__(THREADS)
     moe_gemm(const bf16_t* A, const unsigned char* B, long long expert_bytes, float* C,
              const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int N, int K) {
-    if constexpr (qw::wfmt == qw::INT4) __trap();  // (the engine refuses int4 experts)
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
-    gemm_bf16<STORE_F32, qw::fp8>(A + static_cast<long long>(t.y) * K, B + t.x * expert_bytes,
+    gemm_bf16<STORE_F32, qw::wfmt>(A + static_cast<long long>(t.y) * K, B + t.x * expert_bytes,
                                   C + static_cast<long long>(t.y) * N, t.z, N, K, N, t.w);
 }
 
 // Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).
 extern "C" __global__ void __launch_bounds__(THREADS)
     moe_router_gemm(const bf16_t* A, const bf16_t* B, float* C, int M, int N, int K) {
-    gemm_bf16<STORE_F32, false>(A, B, C, M, N, K, N, blockIdx.y * BM);
+    gemm_bf16<STORE_F32, qw::BF16>(A, B, C, M, N, K, N, blockIdx.y * BM);
 }
 
 // Prefill: act[row] = bf16(silu(gate) * up) of gu[row] = [gate | up] (QW_MOE_INTER each).

@@ -65,8 +65,12 @@ MOE_SHAPES = {
     "wide-top4": dict(hidden_size=128, intermediate_size=128, head_dim=32,
                       moe_intermediate_size=128, num_experts=9, num_experts_per_tok=4,
                       norm_topk_prob=False, seed=3),
+    "wide-long": dict(hidden_size=128, intermediate_size=128, head_dim=32,
+                      moe_intermediate_size=3200, num_experts=5, num_experts_per_tok=4,
+                      norm_topk_prob=True, seed=5),
 }
 ALL_ROUTED = ("all-tiny", "all-wide")
+FORMATS = ("BF16", "FP8", "AWQ")  # (AWQ: int4 rows are whole groups of 128, so the wide shapes)
 
 
 def write_moe(tmp_path_factory, tiny_tokenizer, shape: str, dtype: str = "BF16"):
@@ -77,7 +81,8 @@ def write_moe(tmp_path_factory, tiny_tokenizer, shape: str, dtype: str = "BF16")
 
 
 @pytest.fixture(scope="module", params=[(shape, dtype) for shape in ALL_ROUTED
-                                        for dtype in ("BF16", "FP8")],
+                                        for dtype in FORMATS
+                                        if dtype != "AWQ" or shape == "all-wide"],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def moe_dir(request, tmp_path_factory, tiny_tokenizer):
     return write_moe(tmp_path_factory, tiny_tokenizer, *request.param)
@@ -142,7 +147,7 @@ def test_a_mixture_of_experts_on_an_int8_cache_follows_the_reference_on_one(moe_
         gpu.close()
 
 
-@pytest.mark.parametrize("dtype", ["BF16", "FP8"])
+@pytest.mark.parametrize("dtype", FORMATS)
 def test_a_mixture_of_experts_gives_the_same_tokens_run_after_run(tmp_path_factory,
                                                                   tiny_tokenizer, dtype):
     from test_cuda_engine import engines
@@ -164,25 +169,27 @@ def test_a_mixture_of_experts_gives_the_same_tokens_run_after_run(tmp_path_facto
 # --- each stage of a sparse layer against NumPy, on the GPU's own output of the stage before --
 # (so that a router near-tie cannot hide a wrong product: the experts are checked on the
 # experts the GPU chose, and the choice on the logits it computed)
-@pytest.fixture(scope="module")
-def wide_engine(tmp_path_factory, tiny_tokenizer):
+@pytest.fixture(scope="module", params=FORMATS)
+def wide_engine(request, tmp_path_factory, tiny_tokenizer):
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.model.loader import open_model_dir
 
-    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "wide-top4"))
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "wide-top4",
+                                     request.param))
     engine = CudaEngine(model.config, model.checkpoint, decode="layered")
     yield engine, model
     engine.close()
 
 
-def moe_weights(model, layer: int):
-    """The router (experts x hidden) and each expert's gate, up and down rows, float32."""
-    from qwenchat.model.floats import bf16_bits_to_f32
-
+def moe_weights(model, layer: int, rounded: bool):
+    """The router (experts x hidden, bf16 in every format) and each expert's gate, up and down
+    rows as the checkpoint holds them (FP8 and int4: code x scale), `rounded` to bf16 as the
+    prefill's products take them."""
     prefix = f"model.layers.{layer}.mlp."
 
     def get(name: str) -> np.ndarray:
-        return bf16_bits_to_f32(model.checkpoint.bf16_bits(prefix + name)).astype(np.float64)
+        values = model.checkpoint.float32(prefix + name).astype(np.float64)
+        return bf16_round(values) if rounded else values
 
     experts = [{proj: get(f"experts.{e}.{proj}_proj.weight") for proj in ("gate", "up", "down")}
                for e in range(model.config.num_experts)]
@@ -216,7 +223,7 @@ def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_eng
     engine._moe_pass(engine.layers[0], n)
     engine.stream.synchronize()
     xn = bf16_bits_to_f32(xn_bits).astype(np.float64)
-    router, experts = moe_weights(model, 0)
+    router, experts = moe_weights(model, 0, rounded=True)
 
     logits = download(engine.moe_logits, np.float32, (n, e))
     want = xn @ router.T
@@ -251,11 +258,33 @@ def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_eng
 
 
 def test_a_decode_step_routes_and_sums_its_experts_as_numpy_does(wide_engine):
+    check_decode_step(*wide_engine)
+
+
+def test_experts_whose_vectors_outgrow_shared_memory_are_staged_one_at_a_time(
+        tmp_path_factory, tiny_tokenizer):
+    """moe_down stages the top-k experts' SwiGLU vectors at once where they fit in 48 KB: here
+    4 x 3,200 floats do not, and it takes them one expert at a time."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.loader import open_model_dir
+
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "wide-long"))
+    cfg = model.config
+    assert cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 > 48 * 1024
+    engine = CudaEngine(cfg, model.checkpoint, decode="layered")
+    try:
+        check_decode_step(engine, model)
+    finally:
+        engine.close()
+
+
+def check_decode_step(engine, model) -> None:
+    """One token's sparse layer 0 (moe_router, moe_route, moe_gate_up, moe_down) against
+    NumPy, each stage on the GPU's output of the one before."""
     from test_cuda_engine import download
 
     from qwenchat.model.floats import bf16_bits_to_f32
 
-    engine, model = wide_engine
     cfg = model.config
     h, k, e = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
     x0 = np.random.default_rng(6).standard_normal(h).astype(np.float32)
@@ -265,7 +294,7 @@ def test_a_decode_step_routes_and_sums_its_experts_as_numpy_does(wide_engine):
     norm = bf16_bits_to_f32(model.checkpoint.bf16_bits(
         "model.layers.0.post_attention_layernorm.weight")).astype(np.float64)
     xs = x0 / np.sqrt(np.mean(x0.astype(np.float64) ** 2) + cfg.rms_norm_eps) * norm
-    router, experts = moe_weights(model, 0)
+    router, experts = moe_weights(model, 0, rounded=False)
     logits = download(engine.moe_logits, np.float32, (1, e))
     want = xs @ router.T
     assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()

@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM) on the reference engine: logits and greedy replies equal to
 transformers', routing as its router computes it, every expert tensor checked, and what the GPU
-engine cannot run (int4 experts) refused in one line. The GPU engine's own tests:
+engine cannot run (a shape off its kernels' grid) refused in one line. The GPU engine's own tests:
 test_cuda_moe.py."""
 
 from __future__ import annotations
@@ -243,15 +243,11 @@ def test_quantize_fp8_runs_a_moe_model_and_int4_names_the_width_it_needs(tiny_mo
 
 # --- the GPU engine --------------------------------------------------------------------------
 
-MOE_INT4_ON_CPU = "a mixture of experts in int4 runs on the CPU reference engine for now"
-
-
-def test_cuda_engine_runs_bf16_and_fp8_experts_and_names_int4_as_what_it_cannot(tiny_moe_dir):
+def test_cuda_engine_runs_experts_in_every_format_and_names_a_shape_it_cannot(tiny_moe_dir):
     from qwenchat.engine.cuda.engine import unsupported_reason
 
     config = open_model_dir(tiny_moe_dir).config
     assert unsupported_reason(config) is None
-    assert unsupported_reason(config, "int4") == MOE_INT4_ON_CPU
     fields = {**_dense_fields(), **TINY_MOE}
     wide = Qwen3Config.from_dict({**fields, "moe_intermediate_size": 12800})
     assert unsupported_reason(wide) == ("this model's moe_intermediate_size 12800 (the CUDA "
@@ -260,12 +256,18 @@ def test_cuda_engine_runs_bf16_and_fp8_experts_and_names_int4_as_what_it_cannot(
     assert unsupported_reason(odd, "fp8") == ("this model's moe_intermediate_size 56 (the CUDA "
                                               "kernels need a multiple of 16 for fp8 weights)")
     assert unsupported_reason(odd) is None
+    groups = Qwen3Config.from_dict({**fields, "hidden_size": 128, "num_attention_heads": 4,
+                                    "head_dim": 32, "intermediate_size": 128,
+                                    "moe_intermediate_size": 192})
+    assert unsupported_reason(groups, "int4") == ("this model's moe_intermediate_size 192 (the "
+                                                  "CUDA kernels need a multiple of 128 for int4 "
+                                                  "weights)")
 
 
-def test_backends_refuse_int4_experts_on_the_gpu_before_touching_it(tmp_path, tiny_tokenizer,
-                                                                     monkeypatch):
-    """With a GPU there, --backend cuda --quantize int4 exits with the one line and auto says
-    it and runs on the CPU; no device is opened either way."""
+def test_backends_refuse_an_expert_shape_off_the_kernels_grid_before_touching_the_gpu(
+        tmp_path, tiny_tokenizer, monkeypatch):
+    """With a GPU there, --backend cuda exits with the one line and auto says it and runs on
+    the CPU; no device is opened either way."""
     from qwenchat.engine import create_engine
     from qwenchat.engine.cuda import probe as cuda_probe
     from qwenchat.engine.cuda import runtime as rt
@@ -278,15 +280,14 @@ def test_backends_refuse_int4_experts_on_the_gpu_before_touching_it(tmp_path, ti
         raise AssertionError("the GPU was opened")
 
     monkeypatch.setattr(rt, "Device", no_device)
-    # (int4 rows are whole groups of 128)
     model = open_model_dir(write_tiny_moe_model(tmp_path / "m", tokenizer=tiny_tokenizer,
-                                                hidden_size=128, intermediate_size=128, head_dim=32,
-                                                moe_intermediate_size=128))
+                                                moe_intermediate_size=36))
+    why = ("this model's moe_intermediate_size 36 (the CUDA kernels need a multiple of 8 for "
+           "bf16 weights)")
     with pytest.raises(BackendUnavailable) as caught:
-        create_engine("cuda", model.config, model.checkpoint, quantize="int4")
-    assert str(caught.value) == f"--backend cuda: {MOE_INT4_ON_CPU}; use --backend cpu"
+        create_engine("cuda", model.config, model.checkpoint)
+    assert str(caught.value) == f"--backend cuda: {why}; use --backend cpu"
     said: list[str] = []
-    engine = create_engine("auto", model.config, model.checkpoint, quantize="int4",
-                           notice=said.append)
+    engine = create_engine("auto", model.config, model.checkpoint, notice=said.append)
     assert isinstance(engine, ReferenceEngine)
-    assert said == [f"running on the CPU: {MOE_INT4_ON_CPU}; use --backend cpu"]
+    assert said == [f"running on the CPU: {why}; use --backend cpu"]

@@ -108,12 +108,9 @@ MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and frag
 
 
 def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str | None:
-    """Why the kernels cannot run this model, or None: int4 experts (the grouped products
-    take bf16 and FP8 rows), or a shape off their grid (they need 16-byte aligned rows: 8 bf16
-    values, 16 FP8 ones; int4 rows are whole groups of 128; an expert's SwiGLU output is
-    staged whole: moe.cu)."""
-    if config.is_moe and weight_format == "int4":
-        return "a mixture of experts in int4 runs on the CPU reference engine for now"
+    """Why the kernels cannot run this model, or None: a shape off their grid (they need
+    16-byte aligned rows: 8 bf16 values, 16 FP8 ones; int4 rows are whole groups of 128; an
+    expert's SwiGLU output is staged whole: moe.cu)."""
     if config.is_moe and config.moe_intermediate_size > MOE_MOST_INTERMEDIATE:
         return (f"this model's moe_intermediate_size {config.moe_intermediate_size} (the CUDA "
                 f"kernels take at most {MOE_MOST_INTERMEDIATE:,})")

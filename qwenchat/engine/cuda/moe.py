@@ -12,11 +12,11 @@ from qwenchat.engine.cuda.prefill import gemm_shared_bytes
 from qwenchat.engine.cuda.weights import LayerBuffers
 from qwenchat.model.formats import FORMATS
 
-MOE_KERNELS = ("moe_route", "moe_gate_up", "moe_down", "moe_count", "moe_place", "moe_gather",
-               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
+MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
+               "moe_gather", "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
 GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM)
 GEMV_ROWS_PER_BLOCK = 16  # moe_gate_up: 8 warps x 2 rows (rmsnorm_gemv<2>)
-ROUTER_ROWS_PER_BLOCK = 32  # the router's logits for one token: rmsnorm_gemv4, 8 warps x 4 rows
+ROUTER_ROWS_PER_BLOCK = 8  # the router's logits for one token: moe_router, a row a warp
 DOWN_ROWS_PER_BLOCK = 8  # moe_down: a row a warp
 MOE_MOST_INTERMEDIATE = 12288  # an expert's SwiGLU output, staged whole (moe.cu: 48 KB)
 
@@ -76,8 +76,8 @@ class MoeLayers:
         eps = ctypes.c_float(cfg.rms_norm_eps)
         h, inter, k, e = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
                           cfg.num_experts)
-        self._launch("rmsnorm_gemv4", math.ceil(e / ROUTER_ROWS_PER_BLOCK), 256, self.x,
-                     w.post_norm, w.router, c_int(e), eps, self.moe_logits)
+        self._launch("moe_router", math.ceil(e / ROUTER_ROWS_PER_BLOCK), 256, self.x,
+                     w.post_norm, w.router, eps, self.moe_logits)
         self._launch("moe_route", 1, 32, self.moe_logits, c_int(1), self.moe_weights,
                      self.moe_ids)
         self._launch("moe_gate_up", (math.ceil(2 * inter / GEMV_ROWS_PER_BLOCK), k), 256, self.x,
