@@ -182,7 +182,8 @@ def wide_engine(request, tmp_path_factory, tiny_tokenizer):
 
 
 def moe_weights(model, layer: int, rounded: bool):
-    """The router (experts x hidden, bf16 in every format) and each expert's gate, up and down
+    """The router (experts x hidden) as the GPU holds it, in bf16 (an AWQ file's float16 router
+    is rounded on upload, as its norms and embedding are), and each expert's gate, up and down
     rows as the checkpoint holds them (FP8 and int4: code x scale), `rounded` to bf16 as the
     prefill's products take them."""
     prefix = f"model.layers.{layer}.mlp."
@@ -193,7 +194,7 @@ def moe_weights(model, layer: int, rounded: bool):
 
     experts = [{proj: get(f"experts.{e}.{proj}_proj.weight") for proj in ("gate", "up", "down")}
                for e in range(model.config.num_experts)]
-    return get("gate.weight"), experts
+    return bf16_round(model.checkpoint.float32(prefix + "gate.weight").astype(np.float64)), experts
 
 
 def bf16_round(values: np.ndarray) -> np.ndarray:
