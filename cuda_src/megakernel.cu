@@ -38,6 +38,34 @@
 // docs/megakernel.md draws a step's dependency graph: which phase waits for which values.
 #include "mk_sample.cuh"
 
+#if QW_MK_MOE
+namespace {
+// A mixture of experts: every block routes for itself, from the router's logits (tag `tag`),
+// on its warp 0 (moe.cuh, route_warp); then the producer issues the experts' stages it held
+// until now (mk_pipe.cuh, issue_held). `key`: routing_key of the layer.
+__device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* logits,
+                                           unsigned tag, int key) {
+    constexpr int PER = qwm::PER_LANE;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp == 0) {
+        const tagged_t* at[PER];
+        float got[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) at[j] = logits + min(lane + 32 * j, qwm::EXPERTS - 1);
+        take_all(at, tag, got);
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            if (lane + 32 * j < qwm::EXPERTS) routing.logits[lane + 32 * j] = got[j];
+        __syncwarp();
+        qwm::route_warp(routing.logits, routing.weights, routing.ids);
+        if (lane == 0) routing.routed = key;
+    }
+    __syncthreads();
+    if (warp == PRODUCER) issue_held(a);
+}
+}  // namespace
+#endif
+
 // The arguments come by value, so the host can queue the next launch while this one runs.
 extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(const MegaArgs args) {
     __shared__ float red[2 * RED];
@@ -70,11 +98,12 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     int pos = pos0;
     int token = *a.token;
     unsigned merge_base = 0;
-    // Tags: step i's phases are numbered from i * per_step + 1: five per layer, then the
-    // blocks' best logits and the chosen token.
-    const unsigned per_step = 5u * a.num_layers + 3u;
+    // Tags: step i's phases are numbered from i * per_step + 1: five per layer (six with a
+    // router), then the blocks' best logits and the chosen token.
+    const unsigned per_step = LAYER_TAGS * a.num_layers + 3u;
     const int forwards = min(a.max_steps - (a.feed_first ? 0 : 1), a.capacity - pos0);
     unsigned consumed = 0;  // stages of the stream used so far
+    int fwd = 0;            // forwards run so far (the stream's steps: mk_pipe.cuh, Cursor f)
     pipe_start(a, pos0, forwards);
     if (a.feed_first && blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
         a.params[0] = read_host_params(a, a.first_step);  // the first step's parameters
@@ -84,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     for (int i = 0; i < a.max_steps; ++i) {
         const unsigned base = (static_cast<unsigned>(a.epoch & 0xfff) << 20) +
                               static_cast<unsigned>(i) * per_step + 1u;
-        const unsigned best_tag = base + 5u * a.num_layers, chosen_tag = best_tag + 1u;
+        const unsigned best_tag = base + LAYER_TAGS * a.num_layers, chosen_tag = best_tag + 1u;
         float best = QW_NEG_INF;
         int best_i = 0x7fffffff;
         if (i > 0 || a.feed_first) {
@@ -93,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
             const bf16_t* embed_row = a.embed + static_cast<long long>(token) * qw::hidden;
             for (int layer = 0; layer < a.num_layers; ++layer) {
                 const MegaLayer& L = layer_table()[layer];
-                const unsigned t = base + 5u * layer;  // this layer's Q/K/V tag
+                const unsigned t = base + LAYER_TAGS * layer;  // this layer's Q/K/V tag
                 {  // Q, K, V from the normed residual (layer 0: the embedding row, whose rows
                    // each block also takes as its part of the residual stream)
                     if (layer == 0 && threadIdx.x < row_ranges[1].y - hid_lo)
@@ -116,6 +145,44 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                         return load_plain<qw::q_size>(v, a.attn, t + 1u, !(QW_MK_SKIP & 2));
                     },
                     no_pre, [&](int r, float s, float, int) { put(a.x + r, resid[r - hid_lo] += s, t + 2u); });
+#if QW_MK_MOE
+                {
+                    // The router's logits (bf16 rows, RMSNorm as gate/up's), tag t + 3, after h.
+                    tagged_t* logits = a.h + H_LEN;
+                    rows_phase<qw::hidden, false, qw::BF16>(
+                        a, consumed, qwm::EXPERTS,
+                        [&](VecArg<qw::hidden>& v) {
+                            return load_normed<qw::hidden, false>(v, a.x, nullptr, t + 2u,
+                                                                  L.post_norm, a.eps);
+                        },
+                        no_pre, [&](int r, float s, float, int) { put(logits + r, s, t + 3u); });
+                    route_block(a, logits, t + 3u, routing_key(a, fwd, layer));
+                    // The chosen experts' SwiGLU outputs, each times its routing weight, tag t + 4.
+                    rows_phase<qw::hidden, true>(
+                        a, consumed, KI,
+                        [&](VecArg<qw::hidden>& v) {
+                            return load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
+                        },
+                        no_pre, [&](int r, float g, float u, int) {
+                            put(a.h + r, routing.weights[r / MINTER] * (silu(g) * u), t + 4u);
+                        });
+                    // Their down rows, expert after expert in rank order, added to the residual
+                    // rows in that order; the last one's sums are the layer's output, tag t + 5.
+                    for (int k = 0; k < qwm::TOPK; ++k) {
+                        const bool last = k + 1 == qwm::TOPK;
+                        rows_phase<MINTER, false>(
+                            a, consumed, qw::hidden,
+                            [&](VecArg<MINTER>& v) {
+                                return load_plain<MINTER>(v, a.h + k * MINTER, t + 4u);
+                            },
+                            no_pre, [&](int r, float s, float, int) {
+                                const float sum = resid[r - hid_lo] += s;
+                                if (last) put(a.x + r, sum, t + 5u);
+                            });
+                    }
+                    continue;
+                }
+#endif
                 rows_phase<qw::hidden, true>(
                     a, consumed, qw::intermediate,
                     [&](VecArg<qw::hidden>& v) {
@@ -158,6 +225,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                     }
                 });
             ++pos;
+            ++fwd;
         } else {
             // No token to feed: choose from the logits already there (left by prefill). Every
             // block reads the parameters from the host itself (once a launch at most).

@@ -5,6 +5,14 @@
 #include "kv8.cuh"
 #include "sampling.cuh"
 #include "weights.cuh"
+// A mixture of experts (its builds define the router's shape, compiler.py kernel_defines):
+// every layer's MLP is routed on the device, inside the step (megakernel.cu, moe_layer).
+#ifdef QW_EXPERTS
+#define QW_MK_MOE 1
+#else
+#define QW_MK_MOE 0
+#endif
+#include "moe.cuh"
 
 #ifndef QW_MK_STAGES
 #define QW_MK_STAGES 4
@@ -65,6 +73,14 @@ constexpr int HD = qw::head_dim;
 constexpr int QKV_ROWS = qw::q_size + 2 * qw::kv_size;
 
 constexpr bool SPLIT = QW_MK_SPLIT != 0;
+// A mixture of experts: a sparse layer's phases are the router's logits (bf16 rows, EXPERTS of
+// them), then the chosen experts' gate/up pairs as one matrix of KI virtual rows (the TOPK
+// experts' MINTER rows one after another, each expert's rows where its id puts them), then
+// their down rows, one expert after another (TOPK phases of MINTER columns).
+constexpr bool MOE = QW_MK_MOE != 0;
+constexpr int MINTER = QW_MOE_INTER, KI = qwm::TOPK * QW_MOE_INTER;
+constexpr int H_LEN = MOE && KI > qw::intermediate ? KI : qw::intermediate;  // h's values
+static_assert(!MOE || !SPLIT, "experts stream in whole rows");
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // Narrow rows (FP8 or int4) on the tensor cores (mk_matvec.cuh): FP8 needs the e4m3 -> f16x2
 // conversion of sm_89 and later (QW_MK_F8_MMA), int4 always; their input vectors are staged as
@@ -112,21 +128,27 @@ template <int WF = qw::wfmt>
 __host__ __device__ constexpr int rows_per_stage(int k) {
     return stage_rows(static_cast<int>(STAGE / row_bytes<WF>(k)), round_rows<WF>(k));
 }
-constexpr int PAIRS_PER_STAGE =  // gate/up rows, both halves (as many gate as up rows)
+constexpr int PAIRS_FIT =  // gate/up rows, both halves (as many gate as up rows)
     stage_rows(static_cast<int>(STAGE / (2 * row_bytes<qw::wfmt>(qw::hidden))),
                round_rows<qw::wfmt>(qw::hidden), 2) / 2;
+// (A mixture of experts: at most an expert's rows, so that a stage's come from two at most.)
+constexpr int PAIRS_PER_STAGE = MOE && PAIRS_FIT > MINTER ? MINTER : PAIRS_FIT;
 // A stage's outputs (rows, or gate/up pairs) at most, and its partial sums at most: a row of
 // K columns is summed from nseg(K) warps' segments (a pair from twice that).
+// (The experts' down rows, MINTER columns, count where the model has them.)
+constexpr int DOWN_K = MOE ? MINTER : qw::intermediate;
 constexpr int STAGE_OUTS =
     cmax(cmax(cmax(rows_per_stage(qw::hidden), rows_per_stage(qw::q_size)),
               cmax(rows_per_stage(qw::intermediate), rows_per_stage<qw::BF16>(qw::hidden))),
-         PAIRS_PER_STAGE);
+         cmax(PAIRS_PER_STAGE, rows_per_stage(DOWN_K)));
 constexpr int STAGE_PARTS =
     cmax(cmax(cmax(rows_per_stage(qw::hidden) * nseg<qw::wfmt>(qw::hidden),
                    rows_per_stage(qw::q_size) * nseg<qw::wfmt>(qw::q_size)),
               cmax(rows_per_stage(qw::intermediate) * nseg<qw::wfmt>(qw::intermediate),
                    rows_per_stage<qw::BF16>(qw::hidden) * nseg(qw::hidden))),
-         2 * PAIRS_PER_STAGE * nseg<qw::wfmt>(qw::hidden));
+         cmax(2 * PAIRS_PER_STAGE * nseg<qw::wfmt>(qw::hidden),
+              rows_per_stage(DOWN_K) * nseg<qw::wfmt>(DOWN_K)));
+static_assert(!MOE || PAIRS_PER_STAGE <= MINTER, "a stage's pairs span two experts at most");
 static_assert(SPLIT || (rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
                         rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
                         rows_per_stage<qw::BF16>(qw::hidden) >= 1),
@@ -219,7 +241,12 @@ static_assert(!SPLIT || (items_per_stage<qw::wfmt>(qw::hidden) >= 1 &&
 static_assert(!SPLIT || RING_FLOATS + RING_ROWS <= 4096, "the row table fits in 16 KB");
 static_assert(qw::group + 2 <= CWARPS, "a consumer warp per query head of a group, plus two");
 
-enum Phase { QKV = 0, ATTN, OPROJ, GATEUP, DOWN, NPHASES };
+// A layer's phases in stream order (a mixture of experts' layers have the router's between
+// o_proj and gate/up; a dense build has no ROUTER phase).
+constexpr int QKV = 0, ATTN = 1, OPROJ = 2, ROUTER = MOE ? 3 : -1, GATEUP = MOE ? 4 : 3,
+              DOWN = GATEUP + 1, NPHASES = DOWN + 1;
+// Tags a layer uses (megakernel.cu): its Q/K/V, attention, o_proj, (router,) gate/up, down.
+constexpr unsigned LAYER_TAGS = MOE ? 6u : 5u;
 
 static_assert(HD >= 32 && KPW >= 1 && KPW % KPASS == 0, "attention lane geometry");
 
@@ -264,6 +291,9 @@ struct MegaLayer {
     const unsigned char* down;
     void* k_cache;  // bf16 rows, or int8 rows then their scales (kv8.cuh)
     void* v_cache;
+#if QW_MK_MOE
+    const bf16_t* router;  // (gate_up and down: every expert's rows, one expert after another)
+#endif
 };
 
 // Values other blocks wait for are "tagged": 8 bytes, the float (or int) bits and the number

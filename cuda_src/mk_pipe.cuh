@@ -7,17 +7,26 @@
 namespace {
 using namespace mk;
 
-// This block's contiguous share of n rows, for the four row counts the phases use (computed
-// once: the producer asks for them at every stage).
-__shared__ int2 row_ranges[4];
+// This block's contiguous share of n rows, for the row counts the phases use (computed once:
+// the producer asks for them at every stage): four, and a mixture of experts' router rows and
+// experts' gate/up rows (equal counts share one range, whichever index they find).
+constexpr int RANGES = MOE ? 6 : 4;
+__shared__ int2 row_ranges[RANGES];
 
 __device__ __forceinline__ int range_index(int n) {
+    if (MOE && n == qwm::EXPERTS) return 4;
+    if (MOE && n == KI) return 5;
     return n == QKV_ROWS ? 0 : n == qw::hidden ? 1 : n == qw::intermediate ? 2 : 3;
 }
 
 __device__ void init_ranges() {
-    if (threadIdx.x < 4) {
-        const int counts[4] = {QKV_ROWS, qw::hidden, qw::intermediate, qw::vocab};
+    if (threadIdx.x < RANGES) {
+#if QW_MK_MOE
+        const int counts[RANGES] = {QKV_ROWS, qw::hidden, qw::intermediate, qw::vocab,
+                                    qwm::EXPERTS, KI};
+#else
+        const int counts[RANGES] = {QKV_ROWS, qw::hidden, qw::intermediate, qw::vocab};
+#endif
         const long long n = counts[threadIdx.x];
         row_ranges[threadIdx.x] = make_int2(static_cast<int>(n * blockIdx.x / gridDim.x),
                                             static_cast<int>(n * (blockIdx.x + 1) / gridDim.x));
@@ -139,7 +148,27 @@ struct Producer {  // (the producer warp's alone)
     unsigned issued;  // stages issued (one per stage released, copying or not), in stream order
     unsigned filled;  // stages actually copied into
     int more, forwards, pos0;
+#if QW_MK_MOE
+    // A mixture of experts: the experts' stages met before the block has routed their layer
+    // are held (their slots taken, nothing copied) and issued once it has (issue_held): the
+    // first one's cursor and slot, and how many.
+    Cursor held_c;
+    unsigned held_slot, held;
+#endif
 };
+
+// A mixture of experts: the block's routing of the layer its experts' stages belong to (every
+// block routes for itself from the router's logits: megakernel.cu, route_block). `routed` is
+// forward x layers + layer + 1 of the routing in `ids` and `weights`, 0 before the first.
+#if QW_MK_MOE
+struct Routing {
+    float logits[qwm::EXPERTS];
+    float weights[qwm::TOPK];
+    int ids[qwm::TOPK];
+    int routed;
+};
+__shared__ Routing routing;
+#endif
 
 // Dynamic shared memory: the stages, then the input vector of a phase (or, while sampling,
 // the radix histograms), then the table of layer pointers.
@@ -155,8 +184,18 @@ __device__ __forceinline__ MegaLayer* layer_table() {
     return reinterpret_cast<MegaLayer*>(stage_mem + STAGES * STAGE + UNION_BYTES);
 }
 
+// Stages of one expert's down rows (a mixture of experts' DOWN phase has TOPK of them).
+__device__ __forceinline__ int expert_down_tiles() {
+    return matrix_tiles<MINTER, qw::wfmt, false>(qw::hidden);
+}
+
 __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
     if (layer == a.num_layers) return matrix_tiles<qw::hidden, qw::BF16, false>(qw::vocab);
+    if constexpr (MOE) {
+        if (phase == ROUTER) return matrix_tiles<qw::hidden, qw::BF16, false>(qwm::EXPERTS);
+        if (phase == GATEUP) return matrix_tiles<qw::hidden, qw::wfmt, true>(KI);
+        if (phase == DOWN) return qwm::TOPK * expert_down_tiles();
+    }
     switch (phase) {
         case QKV: return matrix_tiles<qw::hidden, qw::wfmt, false>(QKV_ROWS);
         case ATTN: {
@@ -170,9 +209,8 @@ __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
     }
 }
 
-// Moves the producer cursor to the next tile of the stream (false at its end).
-__device__ bool advance(const MegaArgs& a) {
-    Cursor c = producer.c;
+// Moves cursor c to the next tile of the stream (false at its end).
+__device__ __forceinline__ bool advance(const MegaArgs& a, Cursor& c) {
     ++c.t;
     while (c.t >= c.count) {
         c.t = 0;
@@ -186,6 +224,13 @@ __device__ bool advance(const MegaArgs& a) {
         }
         c.count = phase_tiles(a, c.layer, c.phase, c.f);
     }
+    return true;
+}
+
+// Moves the producer's cursor to the next tile of the stream (false at its end).
+__device__ bool advance(const MegaArgs& a) {
+    Cursor c = producer.c;
+    if (!advance(a, c)) return false;
     producer.c = c;
     return true;
 }
@@ -227,8 +272,39 @@ __device__ __forceinline__ void matrix_source(TileSource& s, int t, const void* 
     }
 }
 
-__device__ TileSource tile_source(const MegaArgs& a) {
-    const Cursor c = producer.c;
+#if QW_MK_MOE
+// Stage t of the experts' gate/up pairs (whole rows): virtual rows r of KI are expert slot
+// r / MINTER's row r % MINTER, so a stage's rows come from one or two experts (two copies
+// each for the gate and the up rows).
+__device__ __forceinline__ void expert_pairs_source(TileSource& s, int t, const unsigned char* w) {
+    constexpr long long RB = row_bytes<qw::wfmt>(qw::hidden);
+    constexpr int PER = PAIRS_PER_STAGE;
+    int lo, hi;
+    block_range(KI, lo, hi);
+    const int r0 = lo + t * PER, r1 = min(hi, r0 + PER);
+    const int cut = min(r1, (r0 / MINTER + 1) * MINTER);  // where the second expert's rows start
+#pragma unroll
+    for (int piece = 0; piece < 2; ++piece) {
+        const int a = piece ? cut : r0, b = piece ? r1 : cut;
+        const unsigned char* gate =
+            w + routing.ids[min(a / MINTER, qwm::TOPK - 1)] * (2LL * MINTER * RB) + (a % MINTER) * RB;
+        const unsigned bytes = a < b ? static_cast<unsigned>((b - a) * RB) : 0u;
+        const int dst = static_cast<int>((a - r0) * RB);
+        set_copy(s, piece, gate, bytes, dst);
+        set_copy(s, 2 + piece, gate + MINTER * RB, bytes, static_cast<int>(PER * RB) + dst);
+    }
+}
+
+// Whether the tile at c is an expert's, whose rows the block's routing of its layer decides.
+__device__ __forceinline__ bool needs_routing(const MegaArgs& a, const Cursor& c) {
+    return MOE && c.layer < a.num_layers && (c.phase == GATEUP || c.phase == DOWN);
+}
+#endif
+__device__ __forceinline__ int routing_key(const MegaArgs& a, int f, int layer) {
+    return f * a.num_layers + layer + 1;
+}
+
+__device__ TileSource tile_source(const MegaArgs& a, const Cursor c) {
     TileSource s{{}, {0u, 0u, 0u, 0u}, {}, true};
     using qw::hidden;
     if (c.layer == a.num_layers) {
@@ -236,6 +312,25 @@ __device__ TileSource tile_source(const MegaArgs& a) {
         return s;
     }
     const MegaLayer& L = layer_table()[c.layer];
+#if QW_MK_MOE
+    {
+        if (c.phase == ROUTER) {
+            matrix_source<hidden, qw::BF16, false>(s, c.t, L.router, qwm::EXPERTS);
+            return s;
+        }
+        if (c.phase == GATEUP) {
+            expert_pairs_source(s, c.t, L.gate_up);
+            return s;
+        }
+        if (c.phase == DOWN) {  // expert slot k's rows, k = t / (its stages)
+            constexpr long long DOWN_BYTES = qw::hidden * row_bytes<qw::wfmt>(MINTER);
+            const int per = expert_down_tiles(), k = c.t / per;
+            matrix_source<MINTER, qw::wfmt, false>(s, c.t - k * per,
+                                                    L.down + routing.ids[k] * DOWN_BYTES, hidden);
+            return s;
+        }
+    }
+#endif
     switch (c.phase) {
         case QKV: matrix_source<hidden, qw::wfmt, false>(s, c.t, L.qkv, QKV_ROWS); break;
         case OPROJ: matrix_source<qw::q_size, qw::wfmt, false>(s, c.t, L.o, hidden); break;
@@ -272,15 +367,72 @@ __device__ TileSource tile_source(const MegaArgs& a) {
 
 // Issues the cursor's tile into the next stage; called by the producer warp. With TMA its lane 0
 // does it all; without, every lane copies 16-byte pieces and arrives on the stage's barrier.
+// (A mixture of experts: an expert's tile before the block has routed its layer is held, its
+// slot taken and nothing copied, until issue_held.)
+__device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, unsigned slot,
+                                          bool more);
+
 __device__ __noinline__ void issue(const MegaArgs& a) {
     const int lane = threadIdx.x & 31;
-    const int stage = producer.issued % STAGES;
+#if QW_MK_MOE
+    {
+        const Cursor c = producer.c;
+        if (producer.more && (producer.held > 0 ||
+                              (needs_routing(a, c) &&
+                               routing.routed != routing_key(a, c.f, c.layer)))) {
+            __syncwarp();
+            if (lane == 0) {
+                if (producer.held++ == 0) {
+                    producer.held_c = c;
+                    producer.held_slot = producer.issued;
+                }
+                ++producer.filled;
+                producer.more = advance(a);
+                ++producer.issued;
+            }
+            __syncwarp();
+            return;
+        }
+    }
+#endif
+    copy_tile(a, producer.c, producer.issued, producer.more);
+    __syncwarp();
+    if (lane == 0) {
+        if (producer.more) {
+            ++producer.filled;
+            producer.more = advance(a);
+        }
+        ++producer.issued;
+    }
+    __syncwarp();
+}
+
+#if QW_MK_MOE
+// The held experts' tiles, now that the block has routed their layer (the producer warp).
+__device__ void issue_held(const MegaArgs& a) {
+    Cursor c = producer.held_c;
+    const unsigned held = producer.held, slot = producer.held_slot;
+    for (unsigned i = 0; i < held; ++i) {
+        copy_tile(a, c, slot + i, true);
+        advance(a, c);
+    }
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) producer.held = 0;
+    __syncwarp();
+}
+#endif
+
+// The copy of the tile at cursor c into stage slot % STAGES (`more`: the stream has one; with
+// cp.async every lane copies and arrives).
+__device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, unsigned slot,
+                                          bool more) {
+    const int lane = threadIdx.x & 31;
+    const int stage = slot % STAGES;
     unsigned char* dst = stage_mem + stage * STAGE;
     const unsigned bar = smem_u32(stage_bars + stage);
-    const bool more = producer.more;
 #if QW_MK_TMA
     if (lane == 0 && more) {
-        const TileSource s = tile_source(a);
+        const TileSource s = tile_source(a, c);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
             const unsigned total = s.bytes[0] + s.bytes[1] + s.bytes[2] + s.bytes[3];
             // (the consumers' generic reads and writes of this stage before the copy's writes)
@@ -302,7 +454,7 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
     }
 #else
     if (more) {
-        const TileSource s = tile_source(a);
+        const TileSource s = tile_source(a, c);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -313,15 +465,6 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
     }
 #endif
-    __syncwarp();
-    if (lane == 0) {
-        if (more) {
-            ++producer.filled;
-            producer.more = advance(a);
-        }
-        ++producer.issued;
-    }
-    __syncwarp();
 }
 
 // Sets up the stream of `forwards` steps from position pos0; the producer fills every stage.
@@ -335,6 +478,10 @@ __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
                          "r"(CWARPS * 32));
         }
         producer.issued = producer.filled = 0;
+#if QW_MK_MOE
+        producer.held = 0;
+        routing.routed = 0;
+#endif
         producer.pos0 = pos0;
         producer.forwards = forwards;
         producer.c = {0, 0, QKV, -1, 0};

@@ -16,7 +16,9 @@ the layout of a 99 KB card (two 16 KB stages), `--consumer fma` the CUDA-core FP
 `--intermediate 8192` a down projection whose input is polled in batches (8 or more pairs a
 thread: cuda_src/mk_matvec.cuh, take_pairs), `--speculate` replies verified by speculative
 passes (prompt lookup on a prompt that repeats itself: the prefill's kernels on a few tokens
-after the cache, interleaved with megakernel launches).
+after the cache, interleaved with megakernel launches), `--experts` a mixture of experts (16
+experts of 256 rows, 4 a token, every layer sparse: the router's phase, the routing in every
+block and the experts' stages held until it, megakernel.cu route_block).
 """
 
 from __future__ import annotations
@@ -44,10 +46,15 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--speculate", action="store_true")
     parser.add_argument("--kv-cache", default="bf16", choices=("bf16", "int8"))
+    parser.add_argument("--experts", action="store_true")
     args = parser.parse_args()
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
                                  intermediate_size=args.intermediate, vocab_size=4096,
                                  num_attention_heads=4, num_key_value_heads=2)
+    if args.experts:
+        config = dataclasses.replace(config, num_experts=16, num_experts_per_tok=4,
+                                     moe_intermediate_size=256, norm_topk_prob=True,
+                                     tie_word_embeddings=False)
     weights = RandomWeights(config, seed=0, weight_format=args.weights)
     engine = CudaEngine(config, weights, ctx=512, decode="megakernel",
                         megakernel_consumer=args.consumer, megakernel_shared=args.shared,

@@ -68,6 +68,13 @@ MOE_SHAPES = {
     "wide-long": dict(hidden_size=128, intermediate_size=128, head_dim=32,
                       moe_intermediate_size=3200, num_experts=5, num_experts_per_tok=4,
                       norm_topk_prob=True, seed=5),
+    # The decode megakernel's (every layer sparse, whole-line KV rows: head_dim 64)
+    "mk-all": dict(hidden_size=128, intermediate_size=128, head_dim=64, num_attention_heads=2,
+                   num_key_value_heads=1, moe_intermediate_size=128, num_experts=6,
+                   num_experts_per_tok=6, norm_topk_prob=False, mlp_only_layers=[], seed=3),
+    "mk-top4": dict(hidden_size=128, intermediate_size=128, head_dim=64, num_attention_heads=2,
+                    num_key_value_heads=1, moe_intermediate_size=128, num_experts=9,
+                    num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[], seed=4),
 }
 ALL_ROUTED = ("all-tiny", "all-wide")
 FORMATS = ("BF16", "FP8", "AWQ")  # (AWQ: int4 rows are whole groups of 128, so the wide shapes)
@@ -310,3 +317,63 @@ def check_decode_step(engine, model) -> None:
         out += weights[0, j] * (ex["down"] @ (silu(ex["gate"] @ xs) * (ex["up"] @ xs)))
     got = download(engine.x, np.float32, (h,))
     assert np.abs(got - out).max() <= 1e-3 * np.abs(out - x0).max()
+
+
+# --- the decode megakernel routing on the device (megakernel.cu, route_block; mk_pipe.cuh) ---
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_the_megakernel_decodes_a_mixture_of_experts_as_the_reference_does(
+        tmp_path_factory, tiny_tokenizer, dtype):
+    """Every expert routed (mk-all), so the weights are continuous in the router's logits:
+    128 greedy steps, one a launch (the logits of each step), against the reference."""
+    from test_cuda_engine import engines, worst_greedy_decode_error
+
+    gpu_engine, ref = engines(write_moe(tmp_path_factory, tiny_tokenizer, "mk-all", dtype),
+                              decode="megakernel", steps_per_launch=1)
+    try:
+        prompt = [int(i) for i in np.random.default_rng(8).integers(0, 400, 40)]
+        gpu_engine.prefill(prompt)
+        ref.prefill(prompt)
+        assert worst_greedy_decode_error(gpu_engine, ref, 128) <= 2e-2
+    finally:
+        gpu_engine.close()
+
+
+@pytest.fixture(scope="module", params=["mk-top4 BF16", "mk-top4 FP8", "mk-top4 AWQ",
+                                        "qwen3-30b-a3b bf16 3", "qwen3-30b-a3b fp8 6",
+                                        "qwen3-30b-a3b int4 6"])
+def routed_engine(request, tmp_path_factory, tiny_tokenizer):
+    """A megakernel engine on a real top-k: the tiny mk-top4, or Qwen3-30B-A3B's shape (its
+    first N layers, random weights): 128 experts, 8 a token, 2,048-wide rows, gate/up stages
+    that straddle two experts."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.loader import open_model_dir
+    from qwenchat.model.random_weights import RandomWeights
+
+    name, fmt, *layers = request.param.split()
+    if name in MOE_SHAPES:
+        model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, name, fmt))
+        config, weights = model.config, model.checkpoint
+    else:
+        config = dataclasses.replace(PRESETS[name], num_hidden_layers=int(layers[0]))
+        weights = RandomWeights(config, seed=2, weight_format=fmt)
+    engine = CudaEngine(config, weights, ctx=1024, decode="megakernel")
+    assert engine.decode == "megakernel"
+    yield engine
+    engine.close()
+
+
+def test_the_megakernel_routes_as_the_per_op_path_does(routed_engine):
+    """128 greedy tokens on the megakernel and on the per-op path (moe.cu) are equal except at
+    near-ties of the two paths' logits (test_megakernel.py's rule)."""
+    from test_megakernel import greedy_paths_agree, prompt_for
+
+    ties = greedy_paths_agree(routed_engine, prompt_for(routed_engine, seed=5), 128)
+    assert len(ties) <= 2, ties
+
+
+def test_the_megakernel_on_a_mixture_of_experts_repeats_its_sampled_tokens(routed_engine):
+    from test_megakernel import SAMPLED, prompt_for, reply
+
+    prompt = prompt_for(routed_engine, seed=6)
+    first = reply(routed_engine, prompt, 96, seed=11, **SAMPLED)
+    assert reply(routed_engine, prompt, 96, seed=11, **SAMPLED) == first and len(first) == 96

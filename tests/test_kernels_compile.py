@@ -585,15 +585,28 @@ MOE_30B = dataclasses.replace(PRESETS["qwen3-1.7b"], num_hidden_layers=48, num_a
                               norm_topk_prob=True)
 
 
-def test_a_mixture_of_experts_decodes_on_the_graph_and_builds_moe_cu_which_a_dense_run_does_not():
+def test_a_mixture_of_experts_decodes_on_the_megakernel_and_builds_moe_cu_which_a_dense_run_does_not():
     plan = plan_kernels(MOE_30B, "fp8", gpu_shape("sm_90"))
-    assert plan.decode == "layered" and plan.megakernel is None
-    assert plan.why_layered == "the megakernel does not route a mixture of experts yet"
+    assert plan.decode == "megakernel" and plan.why_layered is None
+    mk = dict(plan.megakernel.defines)
+    assert (mk["QW_EXPERTS"], mk["QW_TOPK"], mk["QW_MOE_INTER"]) == (128, 8, 768)
+    assert "QW_MK_SPLIT" not in mk  # (the experts' rows stream whole)
     moe = [build for build in plan.builds if build.source == "moe.cu"]
     assert [build.arch for build in moe] == ["sm_90"]
     assert dict(moe[0].defines)["QW_MOE_INTER"] == 768 and dict(moe[0].defines)["QW_TOPK"] == 8
     dense = plan_kernels(PRESETS["qwen3-0.6b"], "bf16", gpu_shape("sm_90"))
     assert "moe.cu" not in {source for source, _ in _sources(dense)}
+
+
+def test_the_megakernel_leaves_to_the_graph_a_mixture_of_experts_with_dense_layers():
+    mixed = dataclasses.replace(MOE_30B, mlp_only_layers=(0,))
+    plan = plan_kernels(mixed, "bf16", gpu_shape("sm_90"))
+    assert plan.decode == "layered" and plan.megakernel is None
+    assert plan.why_layered == ("the megakernel routes a mixture of experts whose every layer is "
+                                "sparse; this model's mlp_only_layers or decoder_sparse_step "
+                                "leave dense ones")
+    assert megakernel_layout(MOE_30B, 232_448, 132, "bf16", rows="parts") == (
+        "the megakernel streams a mixture of experts' rows whole, not in parts")
 
 
 def moe_build(weights, arch) -> Build:

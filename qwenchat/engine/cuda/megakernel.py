@@ -30,7 +30,7 @@ MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV strea
 MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: ~16-22 KB)
 MEGAKERNEL_SPLIT_STATIC_SHARED = 27 * 1024  # with parts of rows (their row table: ~20-26.5 KB)
 MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's radix bins
-MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers
+MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers (a mixture of experts': 11)
 MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
 MEGAKERNEL_MIN_SHARED = 48 * 1024  # a layout for less shared memory a block is not offered
@@ -89,7 +89,7 @@ class MegakernelLayout:
                 kv_format: str = "bf16") -> dict[str, int | float]:
         # (QW_MK_HOST_UNION: the kernel checks at compile time that it sizes its union region
         # as this layout did, so the layer table after it lies inside the shared memory given.)
-        union = self.fixed - config.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
+        union = self.fixed - config.num_hidden_layers * layer_bytes(config)
         defines = dict(kernel_defines(config, weight_format, kv_format), QW_MK_STAGES=self.stages,
                        QW_MK_STAGE_BYTES=self.stage_bytes, QW_MK_LM_ROWS=self.lm_rows,
                        QW_MK_HOST_UNION=union)
@@ -100,6 +100,11 @@ class MegakernelLayout:
         if self.mma and self.mma_seg != 1024:
             defines["QW_MK_MMA_SEG"] = self.mma_seg
         return defines
+
+
+def layer_bytes(cfg: Qwen3Config) -> int:
+    """Bytes of struct MegaLayer (mk_layout.cuh): a mixture of experts' has the router's too."""
+    return MEGAKERNEL_LAYER_BYTES + (8 if cfg.is_moe else 0)
 
 
 def fp8_on_tensor_cores(arch: str, consumer: str = "auto") -> bool:
@@ -132,6 +137,10 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     if rows not in MEGAKERNEL_ROWS:
         raise QwenchatError(f"unknown megakernel rows {rows!r}; "
                             f"known: {', '.join(MEGAKERNEL_ROWS)}")
+    if cfg.is_moe:  # (the experts' rows stream whole: mk_pipe.cuh, expert_pairs_source)
+        if rows == "parts":
+            return "the megakernel streams a mixture of experts' rows whole, not in parts"
+        rows = "whole"
     # int4 rows always take the tensor cores (their conversion is integer work on any GPU).
     mma = weight_format == "int4" or (f8_mma and weight_format == "fp8")
     wide = mma and bandwidth / sm_count >= MMA_RING_BANDWIDTH
@@ -205,7 +214,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         union = max(MEGAKERNEL_HISTOGRAM_BYTES, vector,
                     4 * (cfg.hidden_size + lm_rows),  # (the logits go after the LM head's input)
                     MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
-        return (union + 127) // 128 * 128 + cfg.num_hidden_layers * MEGAKERNEL_LAYER_BYTES
+        return (union + 127) // 128 * 128 + cfg.num_hidden_layers * layer_bytes(cfg)
 
     fixed = fixed_bytes(f16_vector if mma else 4 * max(widths))
     # The ring is sized as for float vectors even where they are f16: the room they free
@@ -300,8 +309,9 @@ def megakernel_unusable(config: Qwen3Config, device: GpuShape,
     given its layout there (megakernel_layout)."""
     if not device.cooperative_launch:
         return "this GPU cannot launch cooperative kernels"
-    if config.is_moe:
-        return "the megakernel does not route a mixture of experts yet"
+    if config.is_moe and config.sparse_layers < config.num_hidden_layers:
+        return ("the megakernel routes a mixture of experts whose every layer is sparse; this "
+                "model's mlp_only_layers or decoder_sparse_step leave dense ones")
     if config.head_dim < 64:
         # A key/value row must fill whole 128-byte lines: within one launch a line read
         # before part of it is written may be served stale to the bulk copies.
@@ -373,9 +383,13 @@ class MegakernelDecode:
         self.mk_part_ml = self._device_buffer(heads * self.mk_splits * 2 * 4)
         self.mk_cand = self._device_buffer(self.mk_blocks * MEGAKERNEL_CANDIDATES * 8)
         # Tagged values (8 bytes each) and the merge counters, zeroed before every launch.
+        # (a mixture of experts: h holds the chosen experts' SwiGLU outputs, then the router's
+        # logits: H_LEN in mk_layout.cuh)
+        h = cfg.intermediate_size
+        if cfg.is_moe:
+            h = max(h, cfg.num_experts_per_tok * cfg.moe_intermediate_size) + cfg.num_experts
         tagged = {"x": cfg.hidden_size, "qkv": cfg.q_size + 2 * cfg.kv_size,
-                  "attn": cfg.q_size, "h": cfg.intermediate_size, "best": 4 * self.mk_blocks,
-                  "chosen": 2}
+                  "attn": cfg.q_size, "h": h, "best": 4 * self.mk_blocks, "chosen": 2}
         self.mk_tagged = self._device_buffer(8 * sum(tagged.values())
                                              + 4 * cfg.num_key_value_heads)
         self._mk_tagged_ptrs, offset = {}, 0
@@ -385,13 +399,24 @@ class MegakernelDecode:
         self._mk_merge_ptr = self.mk_tagged.ptr + offset
         self.mk_eos = self._device_buffer(64 * 4)
         self.mk_params = self._device_buffer(2 * SAMPLE_PARAMS.itemsize)
-        layer_ptrs = np.array([[w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
-                                w.post_norm.ptr, w.gate_up.ptr, w.down.ptr, kc.ptr, vc.ptr]
-                               for w, kc, vc in zip(self.layers, self.k_cache, self.v_cache,
-                                                    strict=True)], dtype=np.uint64)
+        def pointers(w, kc, vc) -> list[int]:  # struct MegaLayer (a mixture of experts': the
+            if w.router is None:               # experts' rows, and the router's after)
+                return [w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
+                        w.post_norm.ptr, w.gate_up.ptr, w.down.ptr, kc.ptr, vc.ptr]
+            return [w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
+                    w.post_norm.ptr, w.experts_gate_up.ptr, w.experts_down.ptr, kc.ptr, vc.ptr,
+                    w.router.ptr]
+
+        layer_ptrs = np.array([pointers(*layer) for layer in zip(
+            self.layers, self.k_cache, self.v_cache, strict=True)], dtype=np.uint64)
         self.mk_layers = self._device_buffer(layer_ptrs.nbytes)
         self.mk_layers.upload(layer_ptrs)
-        step_seconds = self.weight_bytes / 2e12 + 100e-6
+        # (a mixture of experts reads its chosen experts' rows only)
+        experts = sum(w.experts_gate_up.nbytes + w.experts_down.nbytes
+                      for w in self.layers if w.router is not None)
+        step_bytes = self.weight_bytes - experts * (
+            1 - cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 0)
+        step_seconds = step_bytes / 2e12 + 100e-6
         self.steps_per_launch = int(max(1, min(256, MEGAKERNEL_LAUNCH_SECONDS // step_seconds)))
         # Launches queued behind the running one (0: each launch only once the host has read
         # every token of the one before, so last_logits() is the last read token's; tests).
