@@ -41,13 +41,15 @@
 #if QW_MK_MOE
 namespace {
 // A mixture of experts: every block routes for itself, from the router's logits (tag `tag`),
-// on its warp 0 (moe.cuh, route_warp); then the producer issues the experts' stages it held
-// until now (mk_pipe.cuh, issue_held). `key`: routing_key of the layer.
+// on its producer warp (moe.cuh, route_warp), which then issues the experts' stages it held
+// until now (mk_pipe.cuh, issue_held): the warp that reads the routing to issue stages is the
+// one that writes it, so no other warp's writes can race with its reads. `key`: routing_key
+// of the layer. The consumers read the weights after the block barrier.
 __device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* logits,
                                            unsigned tag, int key) {
     constexpr int PER = qwm::PER_LANE;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp == 0) {
+    if (warp == PRODUCER) {
         const tagged_t* at[PER];
         float got[PER];
 #pragma unroll
@@ -59,9 +61,10 @@ __device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* l
         __syncwarp();
         qwm::route_warp(routing.logits, routing.weights, routing.ids);
         if (lane == 0) routing.routed = key;
+        __syncwarp();
+        issue_held(a);
     }
     __syncthreads();
-    if (warp == PRODUCER) issue_held(a);
 }
 }  // namespace
 #endif

@@ -150,16 +150,18 @@ struct Producer {  // (the producer warp's alone)
     int more, forwards, pos0;
 #if QW_MK_MOE
     // A mixture of experts: the experts' stages met before the block has routed their layer
-    // are held (their slots taken, nothing copied) and issued once it has (issue_held): the
-    // first one's cursor and slot, and how many.
+    // are held, with every stage after them (their slots taken, nothing copied), and issued
+    // once it has (issue_held), up to the next layer's experts: the first one's cursor and
+    // slot, and how many.
     Cursor held_c;
     unsigned held_slot, held;
 #endif
 };
 
 // A mixture of experts: the block's routing of the layer its experts' stages belong to (every
-// block routes for itself from the router's logits: megakernel.cu, route_block). `routed` is
-// forward x layers + layer + 1 of the routing in `ids` and `weights`, 0 before the first.
+// block routes for itself from the router's logits, on its producer warp, which alone reads
+// and writes `ids` and `routed`: megakernel.cu, route_block). `routed` is forward x layers +
+// layer + 1 of the routing in `ids` and `weights`, 0 before the first.
 #if QW_MK_MOE
 struct Routing {
     float logits[qwm::EXPERTS];
@@ -408,16 +410,24 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
 }
 
 #if QW_MK_MOE
-// The held experts' tiles, now that the block has routed their layer (the producer warp).
+// The held tiles, now that the block has routed a layer (the producer warp): in stream order,
+// up to the first of a later layer's experts (a block with few stages a layer can hold the
+// next layer's too), which stay held with the rest.
 __device__ void issue_held(const MegaArgs& a) {
     Cursor c = producer.held_c;
     const unsigned held = producer.held, slot = producer.held_slot;
-    for (unsigned i = 0; i < held; ++i) {
-        copy_tile(a, c, slot + i, true);
+    unsigned n = 0;
+    for (; n < held && !(needs_routing(a, c) && routing.routed != routing_key(a, c.f, c.layer));
+         ++n) {
+        copy_tile(a, c, slot + n, true);
         advance(a, c);
     }
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) producer.held = 0;
+    if ((threadIdx.x & 31) == 0) {
+        producer.held = held - n;
+        producer.held_c = c;
+        producer.held_slot = slot + n;
+    }
     __syncwarp();
 }
 #endif
