@@ -388,7 +388,8 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
                     producer.held_c = c;
                     producer.held_slot = producer.issued;
                 }
-                ++producer.filled;
+                // (not `filled` yet: a launch that stops early never copies it, and pipe_drain
+                // waits only for the stages copied, all before the held ones)
                 producer.more = advance(a);
                 ++producer.issued;
             }
@@ -424,6 +425,7 @@ __device__ void issue_held(const MegaArgs& a) {
     }
     __syncwarp();
     if ((threadIdx.x & 31) == 0) {
+        producer.filled += n;
         producer.held = held - n;
         producer.held_c = c;
         producer.held_slot = slot + n;
