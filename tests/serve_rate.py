@@ -42,7 +42,6 @@ from qwenchat.sampling.params import LiveParams, SamplingParams, eos_token_ids
 from qwenchat.serve import ServedModel
 from qwenchat.session import Progress
 
-
 # One client for every request, as an application keeps one: a new httpx client per request
 # builds its SSL context first, 20 ms on the development machine, which the first-token timing
 # charged to the server before this.

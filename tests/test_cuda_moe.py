@@ -365,7 +365,19 @@ def megakernel_engine(param: str, tmp_path_factory, tiny_tokenizer):
     return engine
 
 
-@pytest.fixture(scope="module", params=["qwen3-30b-a3b bf16 2 8", "qwen3-30b-a3b fp8 3 8",
+# Found by the tests below on the H100 (2026-11-27): at these widths in FP8, the prefill's
+# sparse layers give other outputs than both decode paths at most positions from about the
+# 72nd of a 371-token prefill (the KV rows of layers 1 and 2 differ by 10-200% of their
+# largest; layer 0's agree), with bf16 or e4m3 activations alike; bf16 weights agree. The
+# near-tie check recomputes logits after a prefill, so it fails there on a parting of the
+# two decode paths that the prefill moved. Not fixed yet (issue 43).
+FP8_PREFILL_BUG = pytest.mark.xfail(strict=True, reason="the FP8 mixture-of-experts prefill at "
+                                    "30B-A3B's widths departs from the decode paths (issue 43)")
+
+
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b bf16 2 8",
+                                        pytest.param("qwen3-30b-a3b fp8 3 8",
+                                                     marks=FP8_PREFILL_BUG),
                                         "qwen3-30b-a3b int4 3 8"])
 def all_routed_engine(request, tmp_path_factory, tiny_tokenizer):
     """Qwen3-30B-A3B's widths (2,048-wide rows, experts of 768 rows, eight a token: gate/up
@@ -426,3 +438,43 @@ def test_the_megakernel_on_a_mixture_of_experts_repeats_its_sampled_tokens(route
     first = reply(routed_engine, prompt, 128, seed=11, **SAMPLED)
     assert reply(routed_engine, prompt, 128, seed=11, **SAMPLED) == first and len(first) == 128
     assert reply(routed_engine, prompt, 128, seed=12, **SAMPLED) != first
+
+
+@pytest.mark.parametrize("param", ["qwen3-30b-a3b bf16 2 8 99",
+                                   pytest.param("qwen3-30b-a3b fp8 3 8 339",
+                                                marks=FP8_PREFILL_BUG)])
+def test_a_prefill_writes_the_kv_rows_the_megakernel_wrote_decoding(param, tmp_path_factory,
+                                                                   tiny_tokenizer):
+    """The KV rows of every layer after a greedy reply on the megakernel, against a prefill of
+    the same tokens: within 2e-2 of the largest (the paths round differently), at every
+    position, so that a sparse layer's output is the same on both paths."""
+    from test_megakernel import prompt_for, reply
+
+    from qwenchat.model.floats import bf16_bits_to_f32
+
+    *engine_param, steps = param.split()
+    engine = megakernel_engine(" ".join(engine_param), tmp_path_factory, tiny_tokenizer)
+    cfg = engine.config
+
+    def rows(n: int) -> list[np.ndarray]:
+        engine.stream.synchronize()
+        out = []
+        for buffer in (*engine.k_cache, *engine.v_cache):
+            raw = np.empty(cfg.num_key_value_heads * engine.capacity * cfg.head_dim, np.uint16)
+            buffer.download(raw)
+            out.append(bf16_bits_to_f32(raw).reshape(cfg.num_key_value_heads, engine.capacity,
+                                                     -1)[:, :n])
+        return out
+
+    try:
+        prompt = prompt_for(engine, seed=5)
+        tokens = reply(engine, prompt, int(steps) + 1)
+        n = len(prompt) + int(steps)
+        decoded = rows(n)
+        engine.truncate(0)
+        engine.prefill(prompt + tokens[:-1])
+        for layer, (ours, theirs) in enumerate(zip(decoded, rows(n), strict=True)):
+            error = np.abs(ours - theirs).max(axis=(0, 2)) / np.abs(theirs).max()
+            assert error.max() <= 2e-2, (layer, np.nonzero(error > 2e-2)[0][:8].tolist())
+    finally:
+        engine.close()

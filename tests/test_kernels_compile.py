@@ -585,7 +585,7 @@ MOE_30B = dataclasses.replace(PRESETS["qwen3-1.7b"], num_hidden_layers=48, num_a
                               norm_topk_prob=True)
 
 
-def test_a_mixture_of_experts_decodes_on_the_megakernel_and_builds_moe_cu_which_a_dense_run_does_not():
+def test_a_mixture_of_experts_decodes_on_the_megakernel_and_builds_moe_cu_as_dense_runs_do_not():
     plan = plan_kernels(MOE_30B, "fp8", gpu_shape("sm_90"))
     assert plan.decode == "megakernel" and plan.why_layered is None
     mk = dict(plan.megakernel.defines)
