@@ -365,22 +365,11 @@ def megakernel_engine(param: str, tmp_path_factory, tiny_tokenizer):
     return engine
 
 
-# Found by the tests below on the H100 (2026-11-27): at 30B-A3B's shape in FP8, the prefill
-# gives other outputs than both decode paths at most positions from about the 73rd (the KV rows
-# of layers 1 and 2 differ by 10-200% of their largest; layer 0's agree), with bf16 or e4m3
-# activations alike; bf16 weights agree, and so does the prefill of Qwen3-8B and 32B in FP8. A
-# dense model with 30B-A3B's attention and widths departs the same way, so the bug is in the
-# dense FP8 prefill at this shape, not in the experts (docs/perf.md). The near-tie check
-# recomputes logits after a prefill, so it fails there on a parting of the two decode paths
-# that the prefill moved. Not fixed yet.
-FP8_PREFILL_BUG = pytest.mark.xfail(strict=True, reason="the FP8 prefill at 30B-A3B's shape "
-                                    "departs from the decode paths (docs/perf.md)")
-
-
-@pytest.fixture(scope="module", params=["qwen3-30b-a3b bf16 2 8",
-                                        pytest.param("qwen3-30b-a3b fp8 3 8",
-                                                     marks=FP8_PREFILL_BUG),
-                                        "qwen3-30b-a3b int4 3 8"])
+# (Not FP8 here: FP8 random weights at these widths fall into a greedy loop of two tokens whose
+# logits are bistable, where the GPU's paths and the reference engine all part at the same few
+# positions; docs/perf.md, 2026-11-27 third session. FP8 is checked by the tests on a real
+# top-k below and by the tiny shapes against the reference.)
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b bf16 2 8", "qwen3-30b-a3b int4 3 8"])
 def all_routed_engine(request, tmp_path_factory, tiny_tokenizer):
     """Qwen3-30B-A3B's widths (2,048-wide rows, experts of 768 rows, eight a token: gate/up
     stages that straddle two experts), with eight experts, every one routed."""
@@ -442,9 +431,7 @@ def test_the_megakernel_on_a_mixture_of_experts_repeats_its_sampled_tokens(route
     assert reply(routed_engine, prompt, 128, seed=12, **SAMPLED) != first
 
 
-@pytest.mark.parametrize("param", ["qwen3-30b-a3b bf16 2 8 99",
-                                   pytest.param("qwen3-30b-a3b fp8 3 8 339",
-                                                marks=FP8_PREFILL_BUG)])
+@pytest.mark.parametrize("param", ["qwen3-30b-a3b bf16 2 8 99"])
 def test_a_prefill_writes_the_kv_rows_the_megakernel_wrote_decoding(param, tmp_path_factory,
                                                                    tiny_tokenizer):
     """The KV rows of every layer after a greedy reply on the megakernel, against a prefill of
