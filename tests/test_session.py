@@ -282,6 +282,7 @@ def scripted_session(tiny_model_dir, **engine_options) -> ChatSession:
 
 
 def test_a_long_prefill_reports_its_progress_in_the_engines_passes(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("qwenchat.session.PREFILL_STEP_S", 0.0)  # (a pass a call)
     monkeypatch.setattr("qwenchat.session.PREFILL_REPORT_AFTER_S", 0.02)
     monkeypatch.setattr("qwenchat.session.PROGRESS_INTERVAL_S", 0.0)
     session = scripted_session(tiny_model_dir, capacity=8192)
@@ -309,6 +310,27 @@ def test_a_long_prefill_reports_its_progress_in_the_engines_passes(tiny_model_di
     assert stats.prefill_done == total and stats.generated_tokens > 0
 
 
+def test_a_prefills_calls_take_as_many_passes_as_the_engine_ran_in_a_step_last_time(
+        tiny_model_dir, monkeypatch):
+    """One pass first; then calls of about PREFILL_STEP_S at the rate measured (whole passes),
+    and the next prompt starts at that size: each call ends in a synchronization and the last
+    position's logits, so a GPU's short prompt in one call answers sooner than in passes."""
+    monkeypatch.setattr("qwenchat.session.PREFILL_STEP_S", 0.05)
+    session = scripted_session(tiny_model_dir, capacity=8192)
+    engine = session.engine
+    engine.prefill_chunk, engine.prefill_s_per_token = 50, 2e-4  # 10 ms a pass: 5 in 50 ms
+    calls = []
+    real_prefill = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda ids: (calls.append(len(ids)), real_prefill(ids)))
+    run_turn(session, "word " * 600)
+    total = session.last_reply.stats.prefill_tokens
+    assert calls[0] == 50 and sum(calls) == total > 600
+    assert all(c % 50 == 0 for c in calls[:-1]) and 50 < calls[1] <= 250, calls
+    calls.clear()
+    run_turn(session, "more " * 300)
+    assert 50 < calls[0] <= 250, calls  # (the rate is the engine's, not the turn's)
+
+
 def test_a_short_prefill_reports_nothing_before_the_reply(tiny_model_dir):
     session = scripted_session(tiny_model_dir)
     before_reply = []
@@ -321,6 +343,7 @@ def test_a_short_prefill_reports_nothing_before_the_reply(tiny_model_dir):
 
 def test_cancel_stops_a_long_prefill_between_passes_and_keeps_the_chat_consistent(
         tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("qwenchat.session.PREFILL_STEP_S", 0.0)  # (a pass a call)
     monkeypatch.setattr("qwenchat.session.PREFILL_REPORT_AFTER_S", 0.0)
     session = scripted_session(tiny_model_dir, capacity=8192)
     engine = session.engine
