@@ -525,11 +525,15 @@ class Service:
         system, messages = chat_messages(body)
         model = self.model
         context = ([Message("system", system)] if system else []) + messages
-        self._check_length(len(model.tokenizer.encode_chat(context, thinking)))
+        # (encoded once: the session's rendering of the same conversation reuses it)
+        text = model.tokenizer.render(context, thinking)
+        ids, cuts = model.tokenizer.encode_with_cuts(text)
+        self._check_length(len(ids))
 
         def run(cancel: threading.Event, started_at: float) -> Iterator[Event]:
             session = model.session(params, system, thinking)
             session.messages = messages[:-1]
+            session.remember_encoding(text, ids, cuts)
             return session.send(messages[-1].content, cancel, sent_at=started_at)
 
         return await self._answer(call, run, stream, usage)

@@ -232,6 +232,12 @@ class ChatSession(Conversation):
         yield from self._stream(ids, cancel or threading.Event(), now(), sent_at,
                                 parse_thinking=False, keep=False)
 
+    def remember_encoding(self, text: str, ids: list[int], cuts: list[tuple[int, int]]) -> None:
+        """A rendering already encoded elsewhere (Tokenizer.encode_with_cuts), such as the
+        server's length check of the same conversation: the turn that renders it again does not
+        encode it again."""
+        self._encoder.remember(text, ids, cuts)
+
     def set_speculate(self, most: int) -> None:
         """Propose up to `most` tokens a step from now on (0: off), in a reply streaming now
         too (its next step)."""

@@ -141,6 +141,24 @@ def test_a_prompt_that_extends_the_last_reuses_its_cache(tiny):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
 
+def test_a_chat_request_tokenizes_its_conversation_once(scripted_server, monkeypatch):
+    """The length check's encoding is the session's: for the first token's time, a long
+    prompt is not tokenized twice (only what follows its last special token is again)."""
+    from qwenchat.model.tokenizer import Tokenizer
+
+    running = scripted_server("Fine.")
+    encoded: list[int] = []
+    for name in ("encode", "encode_with_cuts"):
+        real = getattr(Tokenizer, name)
+        monkeypatch.setattr(Tokenizer, name, lambda self, text, real=real: (
+            encoded.append(len(text)), real(self, text))[1])
+    message = "Tell me about the weather. " * 80
+    reply = running.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": message}], max_tokens=4)
+    assert reply.choices[0].message.content
+    assert len(message) < sum(encoded) < len(message) + 400, encoded
+
+
 @pytest.mark.parametrize("think", [True, False])
 def test_thinking_comes_apart_from_the_answer_when_asked_for(scripted_server, think):
     text = "<think>Let me think.</think>The answer." if think else "The answer."

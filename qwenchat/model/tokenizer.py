@@ -184,6 +184,11 @@ class PrefixReuse:
         self._recent.append((text, ids, cuts))
         return list(ids)
 
+    def remember(self, text: str, ids: list[int], cuts: list[tuple[int, int]]) -> None:
+        """Take `text`'s encoding (Tokenizer.encode_with_cuts) as if encode had made it: a
+        later encode of the same text encodes only what follows its last cut."""
+        self._recent.append((text, list(ids), list(cuts)))
+
 
 def shared_prefix_length(a: Sequence, b: Sequence) -> int:
     """How many leading items two sequences of one type (texts, id lists) share: a binary
