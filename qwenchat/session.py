@@ -359,20 +359,19 @@ class ChatSession(Conversation):
         many passes as the engine ran in about PREFILL_STEP_S last time (one pass the first)."""
         chunk = max(1, self.engine.prefill_chunk)
         report_at = began + PREFILL_REPORT_AFTER_S
-        at = 0
+        at, last = 0, began  # (one clock reading a call, as the stats take)
         while at < len(ids) and not cancel.is_set():
             rate = _PREFILL_RATES.get(self.engine)
             step = chunk if rate is None else max(chunk,
                                                   int(rate * PREFILL_STEP_S) // chunk * chunk)
             part = ids[at : at + step]
-            started = now()
             self.engine.prefill(part)
-            took = now() - started
-            if len(part) >= chunk and took > 0:  # (a short call's rate is its overhead's)
-                _PREFILL_RATES[self.engine] = len(part) / took
-            at += len(part)
+            done_at = now()
+            if len(part) >= chunk and done_at > last:  # (a short call's rate is its overhead's)
+                _PREFILL_RATES[self.engine] = len(part) / (done_at - last)
+            at, last = at + len(part), done_at
             stats.prefill_done = at
-            stats.prefill_s = now() - began
+            stats.prefill_s = done_at - began
             stats.position = self.engine.position
             if began + stats.prefill_s >= report_at and stats.prefill_done < len(ids):
                 report_at = began + stats.prefill_s + PROGRESS_INTERVAL_S
