@@ -467,3 +467,22 @@ def test_a_prefill_writes_the_kv_rows_the_megakernel_wrote_decoding(param, tmp_p
             assert error.max() <= 2e-2, (layer, np.nonzero(error > 2e-2)[0][:8].tolist())
     finally:
         engine.close()
+
+
+def test_the_megakernel_stops_a_mixture_of_experts_at_eos_and_goes_on(routed_engine):
+    """A reply that ends at an EOS in the middle of a launch (the stream had issued, or held
+    until routing, stages of the next step: mk_pipe.cuh, issue_held), and the next reply from
+    the same place: the same tokens as without the EOS, nothing after it, no hang."""
+    from test_cuda_engine import greedy_tokens, queued_megakernel
+
+    from qwenchat.engine.base import StopReason
+
+    engine = queued_megakernel((None, None, routed_engine), 8)
+    prompt = [int(i) for i in np.random.default_rng(9).integers(0, 400, 20)]
+    alone, _ = greedy_tokens(engine, prompt, 40)
+    end = alone.index(alone[13])  # the first time the 14th token appears: a stop there
+    tokens, reason = greedy_tokens(engine, prompt, 40, eos=frozenset({alone[end]}))
+    assert reason is StopReason.EOS and tokens == alone[: end + 1]
+    assert engine.megakernel_produced() == end + 1
+    again, _ = greedy_tokens(engine, prompt, 40)
+    assert again == alone
