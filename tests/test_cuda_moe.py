@@ -341,12 +341,14 @@ def test_the_megakernel_decodes_a_mixture_of_experts_as_the_reference_does(
 def megakernel_engine(param: str, tmp_path_factory, tiny_tokenizer):
     """A megakernel engine: "SHAPE FORMAT" (a tiny model of MOE_SHAPES), or "qwen3-30b-a3b
     FORMAT LAYERS [EXPERTS]" (its first LAYERS layers on random weights; EXPERTS: that many
-    experts, every one routed)."""
+    experts, every one routed); "kv8" at the end: an int8 KV cache."""
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.model.loader import open_model_dir
     from qwenchat.model.random_weights import RandomWeights
 
     name, fmt, *rest = param.split()
+    kv_cache = "int8" if rest and rest[-1] == "kv8" else "bf16"
+    rest = [r for r in rest if r != "kv8"]
     if name in MOE_SHAPES:
         model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, name, fmt))
         config, weights = model.config, model.checkpoint
@@ -360,8 +362,9 @@ def megakernel_engine(param: str, tmp_path_factory, tiny_tokenizer):
     # logits recomputed after a prefill are those of the decode paths; its default e4m3
     # activations move the KV rows of later layers by up to 2x of their largest on these
     # random weights, issue 40)
-    engine = CudaEngine(config, weights, ctx=1024, decode="megakernel", fp8_activations="bf16")
-    assert engine.decode == "megakernel"
+    engine = CudaEngine(config, weights, ctx=1024, decode="megakernel", fp8_activations="bf16",
+                        kv_cache=kv_cache)
+    assert engine.decode == "megakernel" and engine.kv_format == kv_cache
     return engine
 
 
@@ -390,7 +393,7 @@ def test_the_megakernels_greedy_tokens_are_the_per_op_paths_on_every_expert(all_
 
 @pytest.fixture(scope="module", params=["mk-top4 BF16", "mk-top4 FP8", "mk-top4 AWQ",
                                         "qwen3-30b-a3b bf16 2", "qwen3-30b-a3b fp8 4",
-                                        "qwen3-30b-a3b int4 4"])
+                                        "qwen3-30b-a3b int4 4", "qwen3-30b-a3b fp8 4 kv8"])
 def routed_engine(request, tmp_path_factory, tiny_tokenizer):
     """A megakernel engine on a real top-k: the tiny mk-top4, or Qwen3-30B-A3B's shape (its
     first layers, random weights): 128 experts, 8 a token."""
