@@ -20,6 +20,20 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float x) {
 // SwiGLU's gate activation, x . sigmoid(x).
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// act[i, j] = bf16(silu(gu[i, j]) * gu[i, I + j]) for n rows of gu = [gate | up], I columns
+// each, over the whole grid: a prefill's down-projection input (dense, or an expert's).
+template <int I>
+__device__ __forceinline__ void swiglu_rows_of(const float* __restrict__ gu, int n,
+                                               bf16_t* __restrict__ act) {
+    const long long total = static_cast<long long>(n) * I;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long row = i / I, col = i % I;
+        const float* g = gu + row * 2 * I;
+        act[i] = f32_to_bf16(silu(g[col]) * g[I + col]);
+    }
+}
+
 // Two floats to one 32-bit register holding (lo, hi) as bf16, lo in the low half.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;

@@ -75,19 +75,9 @@ __device__ __forceinline__ void convert_tile_int4(bf16_t (*dst)[LDS],
     if (r >= BN) return;
     const uint4 codes = *reinterpret_cast<const uint4*>(&src[r][0]);
     const unsigned words[4] = {codes.x, codes.y, codes.z, codes.w};
-    const float scale = int4_scale(rec);
-    const unsigned zero2 = int4_zero2(rec);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // columns 8j .. 8j + 7
-        unsigned p[4], o[4];
-        int4x8_f16x2(words[j], zero2, p);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float2 v = f16x2_floats(p[k]);
-            o[k] = pack_bf16x2(v.x * scale, v.y * scale);
-        }
-        *reinterpret_cast<uint4*>(&dst[r][8 * j]) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
+    for (int j = 0; j < 4; ++j)  // columns 8j .. 8j + 7
+        *reinterpret_cast<uint4*>(&dst[r][8 * j]) = int4x8_bf16(words[j], rec);
 }
 
 // The block's tile: rows m0.. of C, columns blockIdx.x * BN...

@@ -116,13 +116,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 // act[i, j] = bf16(silu(gu[i, j]) * gu[i, I + j]) for n rows: prefill's down_proj input.
 extern "C" __global__ void swiglu_rows(const float* __restrict__ gu, int n,
                                        bf16_t* __restrict__ act) {
-    const long long total = static_cast<long long>(n) * qw::intermediate;
-    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
-         i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const long long row = i / qw::intermediate, col = i % qw::intermediate;
-        const float* g = gu + row * 2 * qw::intermediate;
-        act[i] = f32_to_bf16(silu(g[col]) * g[qw::intermediate + col]);
-    }
+    swiglu_rows_of<qw::intermediate>(gu, n, act);
 }
 
 // For token t (blockIdx.x) and head h (blockIdx.y over q heads then kv heads): RMSNorm over
@@ -290,15 +284,6 @@ extern "C" __global__ void dequant_int4_rows(const unsigned char* __restrict__ W
         const unsigned char* row = W + r * row_b;
         const unsigned w = __ldg(reinterpret_cast<const unsigned*>(row) + c);
         const unsigned rec = __ldg(reinterpret_cast<const unsigned*>(row + cols / 2) + c * 8 / qw::FP8_BLOCK);
-        unsigned p[4];
-        int4x8_f16x2(w, int4_zero2(rec), p);
-        const float s = int4_scale(rec);
-        unsigned o[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float2 v = f16x2_floats(p[k]);
-            o[k] = pack_bf16x2(v.x * s, v.y * s);
-        }
-        out[i] = make_uint4(o[0], o[1], o[2], o[3]);
+        out[i] = int4x8_bf16(w, rec);
     }
 }

@@ -6,7 +6,7 @@
 #include "sampling.cuh"
 #include "weights.cuh"
 // A mixture of experts (its builds define the router's shape, compiler.py kernel_defines):
-// every layer's MLP is routed on the device, inside the step (megakernel.cu, moe_layer).
+// every layer's MLP is routed on the device, inside the step (megakernel.cu, route_block).
 #ifdef QW_EXPERTS
 #define QW_MK_MOE 1
 #else
@@ -148,7 +148,6 @@ constexpr int STAGE_PARTS =
                    rows_per_stage<qw::BF16>(qw::hidden) * nseg(qw::hidden))),
          cmax(2 * PAIRS_PER_STAGE * nseg<qw::wfmt>(qw::hidden),
               rows_per_stage(DOWN_K) * nseg<qw::wfmt>(DOWN_K)));
-static_assert(!MOE || PAIRS_PER_STAGE <= MINTER, "a stage's pairs span two experts at most");
 static_assert(SPLIT || (rows_per_stage(qw::hidden) >= 1 && rows_per_stage(qw::q_size) >= 1 &&
                         rows_per_stage(qw::intermediate) >= 1 && PAIRS_PER_STAGE >= 1 &&
                         rows_per_stage<qw::BF16>(qw::hidden) >= 1),

@@ -299,7 +299,7 @@ __device__ __forceinline__ void expert_pairs_source(TileSource& s, int t, const 
 
 // Whether the tile at c is an expert's, whose rows the block's routing of its layer decides.
 __device__ __forceinline__ bool needs_routing(const MegaArgs& a, const Cursor& c) {
-    return MOE && c.layer < a.num_layers && (c.phase == GATEUP || c.phase == DOWN);
+    return c.layer < a.num_layers && (c.phase == GATEUP || c.phase == DOWN);
 }
 #endif
 __device__ __forceinline__ int routing_key(const MegaArgs& a, int f, int layer) {
@@ -367,13 +367,55 @@ __device__ TileSource tile_source(const MegaArgs& a, const Cursor c) {
     return s;
 }
 
+// The copy of the tile at cursor c into stage slot % STAGES (`more`: the stream has one; with
+// cp.async every lane copies and arrives).
+__device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, unsigned slot,
+                                          bool more) {
+    const int lane = threadIdx.x & 31;
+    const int stage = slot % STAGES;
+    unsigned char* dst = stage_mem + stage * STAGE;
+    const unsigned bar = smem_u32(stage_bars + stage);
+#if QW_MK_TMA
+    if (lane == 0 && more) {
+        const TileSource s = tile_source(a, c);
+        if (!((QW_MK_SKIP & 1) && s.weights)) {
+            const unsigned total = s.bytes[0] + s.bytes[1] + s.bytes[2] + s.bytes[3];
+            // (the consumers' generic reads and writes of this stage before the copy's writes)
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                         "r"(total)
+                         : "memory");
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (s.bytes[i])
+                    asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+                    "[%1], %2, [%3];" ::"r"(smem_u32(dst + s.dst[i])),
+                    "l"(s.src[i]), "r"(s.bytes[i]), "r"(bar)
+                    : "memory");
+        } else {
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+        }
+    }
+#else
+    if (more) {
+        const TileSource s = tile_source(a, c);
+        if (!((QW_MK_SKIP & 1) && s.weights)) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                for (unsigned off = lane * 16; off < s.bytes[i]; off += 32 * 16)
+                    cp_async_16(dst + s.dst[i] + off, static_cast<const unsigned char*>(s.src[i]) + off,
+                                16);
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
+    }
+#endif
+}
+
 // Issues the cursor's tile into the next stage; called by the producer warp. With TMA its lane 0
 // does it all; without, every lane copies 16-byte pieces and arrives on the stage's barrier.
 // (A mixture of experts: an expert's tile before the block has routed its layer is held, its
-// slot taken and nothing copied, until issue_held.)
-__device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, unsigned slot,
-                                          bool more);
-
+// slot taken and nothing copied, with every tile after it, until issue_held.)
 __device__ __noinline__ void issue(const MegaArgs& a) {
     const int lane = threadIdx.x & 31;
 #if QW_MK_MOE
@@ -433,51 +475,6 @@ __device__ void issue_held(const MegaArgs& a) {
     __syncwarp();
 }
 #endif
-
-// The copy of the tile at cursor c into stage slot % STAGES (`more`: the stream has one; with
-// cp.async every lane copies and arrives).
-__device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, unsigned slot,
-                                          bool more) {
-    const int lane = threadIdx.x & 31;
-    const int stage = slot % STAGES;
-    unsigned char* dst = stage_mem + stage * STAGE;
-    const unsigned bar = smem_u32(stage_bars + stage);
-#if QW_MK_TMA
-    if (lane == 0 && more) {
-        const TileSource s = tile_source(a, c);
-        if (!((QW_MK_SKIP & 1) && s.weights)) {
-            const unsigned total = s.bytes[0] + s.bytes[1] + s.bytes[2] + s.bytes[3];
-            // (the consumers' generic reads and writes of this stage before the copy's writes)
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                         "r"(total)
-                         : "memory");
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (s.bytes[i])
-                    asm volatile(
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
-                    "[%1], %2, [%3];" ::"r"(smem_u32(dst + s.dst[i])),
-                    "l"(s.src[i]), "r"(s.bytes[i]), "r"(bar)
-                    : "memory");
-        } else {
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-        }
-    }
-#else
-    if (more) {
-        const TileSource s = tile_source(a, c);
-        if (!((QW_MK_SKIP & 1) && s.weights)) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                for (unsigned off = lane * 16; off < s.bytes[i]; off += 32 * 16)
-                    cp_async_16(dst + s.dst[i] + off, static_cast<const unsigned char*>(s.src[i]) + off,
-                                16);
-        }
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
-    }
-#endif
-}
 
 // Sets up the stream of `forwards` steps from position pos0; the producer fills every stage.
 __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {

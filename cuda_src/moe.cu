@@ -191,14 +191,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // Prefill: act[row] = bf16(silu(gate) * up) of gu[row] = [gate | up] (QW_MOE_INTER each).
 extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, int rows,
                                       bf16_t* __restrict__ act) {
-    constexpr int I = qwm::INTER;
-    const long long total = static_cast<long long>(rows) * I;
-    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
-         i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const long long row = i / I, col = i % I;
-        const float* g = gu + row * 2 * I;
-        act[i] = f32_to_bf16(silu(g[col]) * g[I + col]);
-    }
+    swiglu_rows_of<qwm::INTER>(gu, rows, act);
 }
 
 // Prefill: x[t] += sum over k (in order) of weights[t][k] x y[slot[t x TOPK + k]] (the grouped

@@ -1,8 +1,8 @@
 // A mixture-of-experts layer's router (Qwen3MoeTopKRouter), one warp a token: the softmax of
 // the token's QW_EXPERTS router logits in float32, its QW_TOPK largest (largest first, equal
 // ones to the lower expert), and their weights, divided by their sum when QW_NORM_TOPK
-// (config.json's norm_topk_prob). moe.cu's moe_route routes the per-op path's tokens; the
-// decode megakernel will call route_warp for its one token (issue 43).
+// (config.json's norm_topk_prob). moe.cu's moe_route routes the per-op path's tokens, the
+// decode megakernel's route_block its one token in every block.
 //
 // The experts are chosen on the logits, not on the rounded probabilities: the softmax keeps
 // their order, so the choice is the reference's (qwenchat/engine/reference.py, route) except

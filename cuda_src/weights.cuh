@@ -152,6 +152,21 @@ __device__ __forceinline__ float2 f16x2_floats(unsigned h) {
     return make_float2(lo, hi);
 }
 
+// The eight weights of a word, (code - zero) x scale of their group's record, as four bf16
+// pairs (columns in order): dequantized rows (layers.cu) and the grouped products' tiles
+// (gemm.cuh).
+__device__ __forceinline__ uint4 int4x8_bf16(unsigned w, unsigned rec) {
+    unsigned p[4], o[4];
+    int4x8_f16x2(w, int4_zero2(rec), p);
+    const float s = int4_scale(rec);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 v = f16x2_floats(p[k]);
+        o[k] = pack_bf16x2(v.x * s, v.y * s);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // Dot product of 8 int4 weights (one word, code - zero) with 8 floats (columns in order).
 __device__ __forceinline__ float dot8_int4(unsigned w, unsigned zero2, const float* x) {
     unsigned p[4];
