@@ -25,7 +25,8 @@ from qwenchat.sampling.params import LiveParams
 DEFAULT_REPLY_RESERVE = 256  # tokens kept free for the reply when deciding to drop old turns
 PROGRESS_INTERVAL_S = 0.1
 # A prompt's prefill that has run this long reports how far it is (then every
-# PROGRESS_INTERVAL_S); it runs in the engine's own passes and stops between two on cancel.
+# PROGRESS_INTERVAL_S); it runs in calls of the engine's whole passes and stops between two
+# calls on cancel.
 PREFILL_REPORT_AFTER_S = 0.5
 # A prompt's prefill runs in calls of about this long (whole passes of the engine's), so that
 # a cancel waits for one call at most; each call ends in a synchronization and the last

@@ -440,6 +440,7 @@ def test_a_prefill_writes_the_kv_rows_the_megakernel_wrote_decoding(param, tmp_p
     """The KV rows of every layer after a greedy reply on the megakernel, against a prefill of
     the same tokens: within 2e-2 of the largest (the paths round differently), at every
     position, so that a sparse layer's output is the same on both paths."""
+    from test_cuda_engine import download
     from test_megakernel import prompt_for, reply
 
     from qwenchat.model.floats import bf16_bits_to_f32
@@ -447,16 +448,12 @@ def test_a_prefill_writes_the_kv_rows_the_megakernel_wrote_decoding(param, tmp_p
     *engine_param, steps = param.split()
     engine = megakernel_engine(" ".join(engine_param), tmp_path_factory, tiny_tokenizer)
     cfg = engine.config
+    shape = (cfg.num_key_value_heads, engine.capacity, cfg.head_dim)
 
     def rows(n: int) -> list[np.ndarray]:
         engine.stream.synchronize()
-        out = []
-        for buffer in (*engine.k_cache, *engine.v_cache):
-            raw = np.empty(cfg.num_key_value_heads * engine.capacity * cfg.head_dim, np.uint16)
-            buffer.download(raw)
-            out.append(bf16_bits_to_f32(raw).reshape(cfg.num_key_value_heads, engine.capacity,
-                                                     -1)[:, :n])
-        return out
+        return [bf16_bits_to_f32(download(buffer, np.uint16, shape))[:, :n]
+                for buffer in (*engine.k_cache, *engine.v_cache)]
 
     try:
         prompt = prompt_for(engine, seed=5)
@@ -476,11 +473,13 @@ def test_the_megakernel_stops_a_mixture_of_experts_at_eos_and_goes_on(routed_eng
     """A reply that ends at an EOS in the middle of a launch (the stream had issued, or held
     until routing, stages of the next step: mk_pipe.cuh, issue_held), and the next reply from
     the same place: the same tokens as without the EOS, nothing after it, no hang."""
-    from test_cuda_engine import greedy_tokens, queued_megakernel
+    from test_cuda_engine import greedy_tokens
 
     from qwenchat.engine.base import StopReason
 
-    engine = queued_megakernel((None, None, routed_engine), 8)
+    engine = routed_engine
+    engine.decode = "megakernel"
+    engine.steps_per_launch, engine.launches_ahead = 8, 1  # (a launch queued behind)
     prompt = [int(i) for i in np.random.default_rng(9).integers(0, 400, 20)]
     alone, _ = greedy_tokens(engine, prompt, 40)
     end = alone.index(alone[13])  # the first time the 14th token appears: a stop there

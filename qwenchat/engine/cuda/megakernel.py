@@ -399,23 +399,21 @@ class MegakernelDecode:
         self._mk_merge_ptr = self.mk_tagged.ptr + offset
         self.mk_eos = self._device_buffer(64 * 4)
         self.mk_params = self._device_buffer(2 * SAMPLE_PARAMS.itemsize)
-        def pointers(w, kc, vc) -> list[int]:  # struct MegaLayer (a mixture of experts': the
-            if w.router is None:               # experts' rows, and the router's after)
-                return [w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
-                        w.post_norm.ptr, w.gate_up.ptr, w.down.ptr, kc.ptr, vc.ptr]
-            return [w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr,
-                    w.post_norm.ptr, w.experts_gate_up.ptr, w.experts_down.ptr, kc.ptr, vc.ptr,
-                    w.router.ptr]
-
-        layer_ptrs = np.array([pointers(*layer) for layer in zip(
-            self.layers, self.k_cache, self.v_cache, strict=True)], dtype=np.uint64)
+        # struct MegaLayer; a mixture of experts' layer: every expert's rows, and the router's
+        layer_ptrs = np.array([
+            [w.input_norm.ptr, w.qkv.ptr, w.q_norm.ptr, w.k_norm.ptr, w.o.ptr, w.post_norm.ptr,
+             *((w.gate_up.ptr, w.down.ptr) if w.router is None
+               else (w.experts_gate_up.ptr, w.experts_down.ptr)),
+             kc.ptr, vc.ptr, *(() if w.router is None else (w.router.ptr,))]
+            for w, kc, vc in zip(self.layers, self.k_cache, self.v_cache, strict=True)],
+            dtype=np.uint64)
         self.mk_layers = self._device_buffer(layer_ptrs.nbytes)
         self.mk_layers.upload(layer_ptrs)
-        # (a mixture of experts reads its chosen experts' rows only)
-        experts = sum(w.experts_gate_up.nbytes + w.experts_down.nbytes
-                      for w in self.layers if w.router is not None)
-        step_bytes = self.weight_bytes - experts * (
-            1 - cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 0)
+        step_bytes = self.weight_bytes
+        if cfg.is_moe:  # (a step reads its chosen experts' rows only)
+            experts = sum(w.experts_gate_up.nbytes + w.experts_down.nbytes
+                          for w in self.layers if w.router is not None)
+            step_bytes -= experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
         step_seconds = step_bytes / 2e12 + 100e-6
         self.steps_per_launch = int(max(1, min(256, MEGAKERNEL_LAUNCH_SECONDS // step_seconds)))
         # Launches queued behind the running one (0: each launch only once the host has read

@@ -1,7 +1,7 @@
 """A mixture of experts' layers on the per-op path (cuda_src/moe.cu): the router and the chosen
 experts for one token (the layered decode) and for a pass's tokens (prefill and the speculative
-pass), grouped by expert on the device: no host round trip in either. The megakernel does not
-route experts yet (issue 43), so these models decode on the per-op graph."""
+pass), grouped by expert on the device: no host round trip in either. The megakernel routes its
+own (megakernel.cu) where every layer is sparse; elsewhere these models decode here."""
 
 from __future__ import annotations
 
