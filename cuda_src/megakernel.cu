@@ -66,6 +66,29 @@ __device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* l
     }
     __syncthreads();
 }
+
+// The experts' down rows as one phase (DOWN1): each virtual row's sum (expert slot k's share of
+// hidden row r) goes to its slot here, and the one that completes a row's TOPK adds them in slot
+// order, so the sum never depends on which warp finished first. Written and read with integer
+// atomics, relaxed, ordered by the fences and the count (as rows_phase_whole's stage sums).
+__shared__ float expert_sums[qwm::TOPK][DOWN1 ? DOWN_ROWS : 1];
+__shared__ unsigned expert_counts[DOWN1 ? DOWN_ROWS : 1];
+
+// Virtual row v's sum s, of a block with n hidden rows; returns whether row v % n is complete,
+// with its total.
+__device__ __forceinline__ bool expert_row_done(int v, int n, float s, float& total) {
+    const int k = v / n, r = v - k * n;
+    unsigned* sums = reinterpret_cast<unsigned*>(&expert_sums[0][0]);
+    atomicExch(sums + k * DOWN_ROWS + r, __float_as_uint(s));
+    __threadfence_block();  // the sum before its count
+    if (atomicAdd(&expert_counts[r], 1u) + 1u != qwm::TOPK) return false;
+    expert_counts[r] = 0u;
+    __threadfence_block();  // the other sums after their counts
+    total = 0.f;
+#pragma unroll
+    for (int j = 0; j < qwm::TOPK; ++j) total += __uint_as_float(atomicOr(sums + j * DOWN_ROWS + r, 0u));
+    return true;
+}
 }  // namespace
 #endif
 
@@ -81,6 +104,9 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     if (threadIdx.x == 0) args_sh = args;
     init_ranges();
     init_stage_sums();
+#if QW_MK_MOE
+    for (int i = threadIdx.x; i < (DOWN1 ? DOWN_ROWS : 0); i += THREADS) expert_counts[i] = 0u;
+#endif
     QW_TL_INIT();
     __syncthreads();
     const MegaArgs& a = args_sh;
@@ -169,8 +195,31 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                         no_pre, [&](int r, float g, float u, int) {
                             put(a.h + r, routing.weights[r / MINTER] * (silu(g) * u), t + 4u);
                         });
-                    // Their down rows, expert after expert in rank order, added to the residual
-                    // rows in that order; the last one's sums are the layer's output, tag t + 5.
+                    // Their down rows as one phase (every slot's part of h staged, the rows of
+                    // a hidden row's experts summed in slot order), the layer's output, tag t + 5.
+                    if constexpr (DOWN1) {
+                        const int nb = row_ranges[1].y - hid_lo;
+                        rows_phase_whole<MINTER, false, qw::wfmt, true>(
+                            a, consumed, qw::hidden,
+                            [&](Vec<MINTER>&) {
+                                if constexpr (NARROW_MMA) {
+                                    return stage_f16<KI, MINTER, DOWN_PAD>(a.h, nullptr, t + 4u,
+                                                                           nullptr, 0.f);
+                                } else {
+                                    stage_vector<KI>(a.h, nullptr, t + 4u, false);
+                                    return 1.f;
+                                }
+                            },
+                            no_pre, [&](int v, float s, float, int) {
+                                float total;
+                                if (expert_row_done(v, nb, s, total))
+                                    put(a.x + hid_lo + v % nb, resid[v % nb] += total, t + 5u);
+                            });
+                        continue;
+                    }
+                    // (QW_MK_DOWN1 0) Their down rows, expert after expert in rank order, added
+                    // to the residual rows in that order; the last one's sums are the layer's
+                    // output, tag t + 5.
                     for (int k = 0; k < qwm::TOPK; ++k) {
                         const bool last = k + 1 == qwm::TOPK;
                         rows_phase<MINTER, false>(

@@ -254,7 +254,7 @@ constexpr int CAND = 64;
 constexpr int LM_ROWS = QW_MK_LM_ROWS;
 
 constexpr int HIST_BYTES = WARPS * 256 * 8;
-constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
+constexpr int VEC_FLOATS = cmax(cmax(cmax(qw::hidden, qw::q_size), qw::intermediate), MOE ? KI : 0);
 // The matrix phases' input vectors: floats, or (narrow rows on the tensor cores) f16 padded to whole
 // 256-column steps. The LM head's input is floats either way (its own term below).
 // The union after the stages: a phase's input vector, or the warps' attention partial sums,
@@ -263,10 +263,25 @@ constexpr int VEC_FLOATS = cmax(cmax(qw::hidden, qw::q_size), qw::intermediate);
 // Whole int4 rows (int4_pair_dot) take the vector in 512-column steps, in the order its lanes
 // read it (stage_f16), and the sums of its 64-column windows after it.
 constexpr bool INT4_PAIRS = qw::int4 && !SPLIT;
+// A mixture of experts' down rows stream as one phase (QW_MK_DOWN1; 0: one phase an expert, for
+// comparisons): virtual rows v = k n + r of the block's n hidden rows, expert slot k's down row
+// lo + r, whose input is slot k's part of h. Narrow rows on the tensor cores take h as f16 with
+// each slot's part padded to whole steps of their consumer (256 columns; int4, 512), so that a
+// row's dot product reads only its own part (mk_matvec.cuh, stage_f16's SEG).
+#ifndef QW_MK_DOWN1
+#define QW_MK_DOWN1 1
+#endif
+constexpr bool DOWN1 = MOE && QW_MK_DOWN1 != 0;
+constexpr int DOWN_PAD = !NARROW_MMA ? MINTER : INT4_PAIRS ? (MINTER + 511) / 512 * 512
+                                                           : steps(MINTER) * STEP;
+constexpr int DOWN_KP = DOWN1 ? qwm::TOPK * DOWN_PAD : 0;  // h's columns as staged
+constexpr int DOWN_ROWS = 64;  // hidden rows a block may own (the host checks: megakernel.py)
+static_assert(!DOWN1 || MINTER % 8 == 0, "an expert's part of h in whole 8-value chunks");
 constexpr int VEC_F16_BYTES =
-    INT4_PAIRS ? 1024 * ((VEC_FLOATS + 511) / 512)
-               : 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate));
-constexpr int WINDOW_SUMS = INT4_PAIRS ? (VEC_FLOATS + 511) / 512 * 8 : 0;
+    cmax(INT4_PAIRS ? 1024 * ((VEC_FLOATS + 511) / 512)
+                    : 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate)),
+         INT4_PAIRS ? 1024 * (DOWN_KP / 512) : 2 * DOWN_KP);
+constexpr int WINDOW_SUMS = INT4_PAIRS ? cmax((VEC_FLOATS + 511) / 512, DOWN_KP / 512) * 8 : 0;
 constexpr int VEC_BYTES = NARROW_MMA ? VEC_F16_BYTES + 4 * WINDOW_SUMS : 4 * VEC_FLOATS;
 constexpr int UNION_BYTES =
     (cmax(cmax(HIST_BYTES, VEC_BYTES),

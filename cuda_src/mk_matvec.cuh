@@ -213,13 +213,14 @@ __device__ __forceinline__ int int4_slot(int i) {
 }
 
 // Lane (g, t)'s 16 f16 vector values of a 512-column step j (columns 512 j + 64 g + 16 t ..),
-// zeros past K: int4_pair_dot's B operands.
+// zeros past K: int4_pair_dot's B operands. (xstep: the staged vector's step j + xstep.)
 template <int K>
-__device__ __forceinline__ void int4_vector(int j, uint4& xa, uint4& xb) {
+__device__ __forceinline__ void int4_vector(int j, uint4& xa, uint4& xb, int xstep = 0) {
     const int lane = threadIdx.x & 31, col = 512 * j + 64 * (lane >> 2) + 16 * (lane & 3);
     xa = xb = make_uint4(0u, 0u, 0u, 0u);
     if (K % 512 == 0 || col < K) {
-        const uint4* x = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vec_buf()) + 1024 * j);
+        const uint4* x = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(vec_buf()) +
+                                                        1024 * (j + xstep));
         xa = x[lane];
         xb = x[32 + lane];
     }
@@ -251,10 +252,17 @@ __device__ __forceinline__ void stage_window_sums() {
 // (f16 holds up to 65,504), zero from K to the end of the last 256-column step. Returns what a
 // row's dot product with it is multiplied by: 1/S, and 1/rms of the vector for a norm
 // (Σ w·(x·g)/rms = (1/rms)·Σ w·(x·g), so the norm needs only one scalar at the end).
-template <int K>
+// SEG > 0: the vector is K / SEG parts of SEG values (the experts' parts of h), part p staged
+// from column p PSEG, zeros between.
+template <int K, int SEG = 0, int PSEG = 0>
 __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* row, unsigned tag,
                                            const bf16_t* norm, float eps, bool wait = true) {
     constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
+    static_assert(SEG == 0 || (K % SEG == 0 && SEG % 2 == 0 && PSEG >= SEG), "whole parts");
+    constexpr int KS = SEG ? K / SEG * PSEG : K;  // the staged columns
+    const auto at = [](int i) {  // where pair i goes, in pairs
+        return SEG ? 2 * i / SEG * (PSEG / 2) + 2 * i % SEG / 2 : i;
+    };
     unsigned* buf = reinterpret_cast<unsigned*>(vec_buf());  // f16 pairs
     unsigned g[NQ];
 #pragma unroll
@@ -295,14 +303,21 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
         if (i < K / 2) {
             unsigned h;
             asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(v[q].y * s), "f"(v[q].x * s));
-            buf[INT4_PAIRS ? int4_slot(i) : i] = h;
+            buf[INT4_PAIRS ? int4_slot(at(i)) : at(i)] = h;
+        }
+    }
+    if constexpr (SEG > 0 && PSEG > SEG) {  // the zeros between the parts
+        constexpr int GAP = (PSEG - SEG) / 2;
+        for (int i = threadIdx.x; i < K / SEG * GAP; i += THREADS) {
+            const int p = i / GAP * (PSEG / 2) + SEG / 2 + i % GAP;
+            buf[INT4_PAIRS ? int4_slot(p) : p] = 0u;
         }
     }
     if constexpr (INT4_PAIRS) {  // (int4_vector reads no column past K) the windows' sums
         __syncthreads();
-        stage_window_sums<K>();
+        stage_window_sums<KS>();
     } else {
-        for (int i = K / 2 + threadIdx.x; i < steps(K) * 128; i += THREADS) buf[i] = 0u;
+        for (int i = KS / 2 + threadIdx.x; i < steps(KS) * 128; i += THREADS) buf[i] = 0u;
     }
     __syncthreads();
     return (norm ? rsqrtf(total / K + eps) : 1.f) / s;
@@ -397,6 +412,25 @@ __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>&
     return warp_sum(acc);
 }
 
+// row_dot with the vector's columns at x in shared memory (the experts' down rows: each row's
+// expert has its own part of h), not in the warp's registers.
+template <int K, int WF>
+__device__ __forceinline__ float row_dot_at(const unsigned char* row, const float* x) {
+    Vec<K> v;
+#pragma unroll
+    for (int q = 0; q < cpl(K); ++q) {
+        const int c = lane_chunk<K>(q);
+        if (c < chunks(K)) {
+            const float4 lo = *reinterpret_cast<const float4*>(x + c * 8);
+            const float4 hi = *reinterpret_cast<const float4*>(x + c * 8 + 4);
+            const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v.v[q][j] = e[j];
+        }
+    }
+    return row_dot<K, WF>(row, v);
+}
+
 // FP8 rows on the tensor cores (int4 rows: int4_pair_dot, below): mma m16n8k16 (f16 in, f32
 // out) dots two rows with the vector at once, each in eight windows of 32 columns. A's rows
 // 0-7 are row0's windows g = 0..7 of a 256-column step, rows 8-15 row1's; B's column g is the
@@ -439,7 +473,7 @@ __device__ __forceinline__ float narrow_pairs(const unsigned char* row, const un
 
 template <int K, int WF>
 __device__ __forceinline__ float2 narrow_pair_dot(const unsigned char* row0, const unsigned char* row1,
-                                                  bool has1, int j0, int j1) {
+                                                  bool has1, int j0, int j1, int xoff = 0) {
     static_assert(WF == qw::FP8, "int4 rows take int4_pair_dot");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned char* xh = reinterpret_cast<const unsigned char*>(vec_buf());
@@ -451,7 +485,7 @@ __device__ __forceinline__ float2 narrow_pair_dot(const unsigned char* row0, con
         unsigned p0[4], p1[4];
         const float sc0 = narrow_pairs<WF>(row0, row0 + code_bytes<WF>(K), col, in, p0);
         const float sc1 = narrow_pairs<WF>(row1, row1 + code_bytes<WF>(K), col, in && has1, p1);
-        const uint4 x = *reinterpret_cast<const uint4*>(xh + 2 * col);
+        const uint4 x = *reinterpret_cast<const uint4*>(xh + 2 * (col + xoff));
         const unsigned b0[2] = {x.x, x.y}, b1[2] = {x.z, x.w};
         const unsigned a0[4] = {p0[0], p1[0], p0[1], p1[1]};
         const unsigned a1[4] = {p0[2], p1[2], p0[3], p1[3]};
@@ -476,9 +510,11 @@ __device__ __forceinline__ float2 narrow_pair_dot(const unsigned char* row0, con
 // one group). About 1.6 times fewer instructions a weight than narrow_pair_dot's 8 columns a
 // lane with the zero taken off every pair (docs/perf.md). Returns the lane's share of each
 // row's dot product over steps [j0, j1) (diagonal lanes only; a warp_sum completes it).
+// (xstep, and narrow_pair_dot's xoff: where the row's column 0 is in the staged vector, in
+// steps or columns.)
 template <int K>
 __device__ __forceinline__ float2 int4_pair_dot(const unsigned char* row0, const unsigned char* row1,
-                                                bool has1, int j0, int j1) {
+                                                bool has1, int j0, int j1, int xstep = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const bool odd = g & 1;
     const unsigned* rec0 = reinterpret_cast<const unsigned*>(row0 + K / 2);
@@ -500,8 +536,8 @@ __device__ __forceinline__ float2 int4_pair_dot(const unsigned char* row0, const
             }
         }
         uint4 xa, xb;
-        int4_vector<K>(j, xa, xb);
-        const float S = sums[8 * j + g];
+        int4_vector<K>(j, xa, xb, xstep);
+        const float S = sums[8 * (j + xstep) + g];
         unsigned p0[4], q0[4], p1[4], q1[4];
         int4x8_biased(w0.x, p0);
         int4x8_biased(w0.y, q0);
@@ -616,9 +652,15 @@ __shared__ unsigned stage_arrivals[STAGES][SPLIT ? 1 : STAGE_OUTS];
 // (loads the emit will need). With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE
 // rows) the matching up rows, and `up` is the up row's sum. WF: the rows' format (qw::wfmt, or
 // qw::BF16: the LM head). Not inlined: each phase gets all the registers.
-template <int K, bool PAIRS, int WF = qw::wfmt, typename Load, typename Pre, typename Emit>
+// EXPERTS: a mixture of experts' down rows as one phase (DOWN1, mk_layout.cuh; n_rows is
+// hidden): the rows are the virtual rows v = k n + r of the block's n hidden rows (expert slot
+// k's row lo + r, expert_down_source), `load` stages all of h in shared memory (each slot's
+// part from column k DOWN_PAD), each row is dotted with its slot's part, and `emit` gets v.
+template <int K, bool PAIRS, int WF = qw::wfmt, bool EXPERTS = false, typename Load, typename Pre,
+          typename Emit>
 __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consumed, int n_rows,
                                               Load load, Pre pre, Emit emit) {
+    static_assert(!EXPERTS || (DOWN1 && !PAIRS && K == MINTER), "the experts' down rows");
     constexpr bool MMA = mma_rows<WF>();  // two rows a warp on the tensor cores
     constexpr int NSEG = nseg<WF>(K), GROUPS = CWARPS / NSEG;
     constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<WF>(K);
@@ -629,7 +671,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     static_assert(!MMA || K % 8 == 0, "the tensor-core consumer takes 8 columns a lane");
     QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
                 : PAIRS ? mk_timeline::GATE_UP
-                : K == qw::intermediate ? mk_timeline::DOWN
+                : EXPERTS || K == qw::intermediate ? mk_timeline::DOWN
                 : n_rows == QKV_ROWS ? mk_timeline::QKV : mk_timeline::O_PROJ);
     Vec<K> v;
     const float scale = load(v);  // what each dot product is multiplied by
@@ -638,19 +680,26 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     const int seg = warp % NSEG, group = warp / NSEG;
     int lo, hi;
     block_range(n_rows, lo, hi);
+    int per = PER;  // rows a stage
+    const int nb = hi - lo;  // (EXPERTS) the block's rows of each expert
+    if constexpr (EXPERTS) {
+        per = expert_down_per(nb);
+        lo = 0;
+        hi = qwm::TOPK * nb;
+    }
     // The producer refills the phase's stages as the consumers release them. (It takes part in
     // the input: left out of it, so that it could refill meanwhile, the step measured 6-14%
     // slower, docs/perf.md 2026-11-27.)
     if (warp == PRODUCER) {
-        for (int r0 = lo; r0 < hi; r0 += PER) pipe_produce(a, consumed);
+        for (int r0 = lo; r0 < hi; r0 += per) pipe_produce(a, consumed);
         return;
     }
     // The MMA consumer's share of the columns: steps [j0, j1) of the segment (256 columns, or
     // 512 for int4 rows: int4_pair_dot).
     constexpr int STEPS = WF == qw::INT4 ? (K + 511) / 512 : steps(K);
     const int j0 = seg * STEPS / NSEG, j1 = (seg + 1) * STEPS / NSEG;
-    for (int r0 = lo; r0 < hi; r0 += PER) {
-        const int n = min(PER, hi - r0);
+    for (int r0 = lo; r0 < hi; r0 += per) {
+        const int n = min(per, hi - r0);
         const int slot = consumed % STAGES;
         const unsigned char* tile = pipe_wait(consumed);
         QW_TL_MARK_IF(r0 == lo, WEIGHTS);
@@ -687,17 +736,31 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
                 // take turns at the first pairs, so that where a stage holds fewer pairs than
                 // there are groups (long segments: few groups, rows of many bytes), every
                 // group still gets its share of the phase.
-                const int pairs = (span + 1) / 2, t = (r0 - lo) / PER;
+                const int pairs = (span + 1) / 2, t = (r0 - lo) / per;
                 const int first = (group + GROUPS - (t * pairs) % GROUPS) % GROUPS;
                 for (int r = 2 * first; r < span; r += 2 * GROUPS) {
                     const bool use0 = !PAIRS || r % PER < n;
                     const bool use1 = r + 1 < span && (!PAIRS || (r + 1) % PER < n);
                     if (!use0 && !use1) continue;
+                    // Two rows with one vector: the tensor cores dot both with the same
+                    // columns. (EXPERTS: rows of two experts, each with its own part of h,
+                    // are dotted one at a time.)
+                    const auto dot2 = [&](int ra, bool two, int k) {
+                        constexpr int UNIT = WF == qw::INT4 ? 512 : 1;  // xstep's or xoff's
+                        const int x = EXPERTS ? k * DOWN_PAD / UNIT : 0;
+                        if constexpr (WF == qw::INT4)
+                            return int4_pair_dot<K>(tile + ra * RB, tile + (ra + 1) * RB, two, j0, j1, x);
+                        else
+                            return narrow_pair_dot<K, WF>(tile + ra * RB, tile + (ra + 1) * RB, two, j0,
+                                                          j1, x);
+                    };
                     float2 d;
-                    if constexpr (WF == qw::INT4)
-                        d = int4_pair_dot<K>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
-                    else
-                        d = narrow_pair_dot<K, WF>(tile + r * RB, tile + (r + 1) * RB, use1, j0, j1);
+                    const int k0 = EXPERTS ? (r0 + r) / nb : 0, k1 = EXPERTS ? (r0 + r + 1) / nb : 0;
+                    if (EXPERTS && use1 && k1 != k0) {
+                        d = make_float2(dot2(r, false, k0).x, dot2(r + 1, false, k1).x);
+                    } else {
+                        d = dot2(r, use1, k0);
+                    }
                     const float d0 = warp_sum(d.x), d1 = warp_sum(d.y);
                     if (lane != 0) continue;
                     if (use0) finish(r, d0, pre(r0 + (PAIRS ? r % PER : r)));
@@ -707,7 +770,9 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
                 for (int r = group; r < span; r += GROUPS) {
                     if (PAIRS && r % PER >= n) continue;
                     const int extra = lane == 0 ? pre(r0 + (PAIRS ? r % PER : r)) : 0;
-                    const float d = row_dot<K, WF>(tile + r * RB, v);
+                    const float d = EXPERTS ? row_dot_at<K, WF>(tile + r * RB,
+                                                                vec_buf() + (r0 + r) / nb * DOWN_PAD)
+                                            : row_dot<K, WF>(tile + r * RB, v);
                     if (lane == 0) finish(r, d, extra);
                 }
             }

@@ -186,9 +186,22 @@ __device__ __forceinline__ MegaLayer* layer_table() {
     return reinterpret_cast<MegaLayer*>(stage_mem + STAGES * STAGE + UNION_BYTES);
 }
 
-// Stages of one expert's down rows (a mixture of experts' DOWN phase has TOPK of them).
+// Stages of one expert's down rows (QW_MK_DOWN1 0: the DOWN phase is TOPK of them).
 __device__ __forceinline__ int expert_down_tiles() {
     return matrix_tiles<MINTER, qw::wfmt, false>(qw::hidden);
+}
+
+// The experts' down rows as one phase (DOWN1, mk_layout.cuh): the virtual rows a stage takes
+// for a block of n hidden rows. At most 3n + 1, so that a stage's rows come from four experts
+// at most (one copy each: expert_down_source).
+__device__ __forceinline__ int expert_down_per(int n) {
+    return min(rows_per_stage<qw::wfmt>(MINTER), 3 * n + 1);
+}
+__device__ __forceinline__ int expert_down_stages() {
+    int lo, hi;
+    block_range(qw::hidden, lo, hi);
+    const int per = expert_down_per(hi - lo);
+    return (qwm::TOPK * (hi - lo) + per - 1) / per;
 }
 
 __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
@@ -196,7 +209,7 @@ __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
     if constexpr (MOE) {
         if (phase == ROUTER) return matrix_tiles<qw::hidden, qw::BF16, false>(qwm::EXPERTS);
         if (phase == GATEUP) return matrix_tiles<qw::hidden, qw::wfmt, true>(KI);
-        if (phase == DOWN) return qwm::TOPK * expert_down_tiles();
+        if (phase == DOWN) return DOWN1 ? expert_down_stages() : qwm::TOPK * expert_down_tiles();
     }
     switch (phase) {
         case QKV: return matrix_tiles<qw::hidden, qw::wfmt, false>(QKV_ROWS);
@@ -297,6 +310,26 @@ __device__ __forceinline__ void expert_pairs_source(TileSource& s, int t, const 
     }
 }
 
+// Stage t of the experts' down rows as one phase (DOWN1): virtual rows [v0, v1), v = k n + r
+// being expert slot k's down row lo + r; each slot's run of them is one copy, to the stage
+// offset of its first row (four at most: expert_down_per).
+__device__ __forceinline__ void expert_down_source(TileSource& s, int t, const unsigned char* w) {
+    constexpr long long RB = row_bytes<qw::wfmt>(MINTER), DOWN_BYTES = qw::hidden * RB;
+    int lo, hi;
+    block_range(qw::hidden, lo, hi);
+    const int n = hi - lo, per = expert_down_per(n);
+    const int v0 = t * per, v1 = min(qwm::TOPK * n, v0 + per);
+#pragma unroll
+    for (int piece = 0; piece < 4; ++piece) {
+        const int k = v0 / n + piece;
+        const int a = max(v0, k * n), b = min(v1, (k + 1) * n);
+        const unsigned char* rows =
+            w + routing.ids[min(k, qwm::TOPK - 1)] * DOWN_BYTES + (lo + a - k * n) * RB;
+        set_copy(s, piece, rows, a < b ? static_cast<unsigned>((b - a) * RB) : 0u,
+                 static_cast<int>((a - v0) * RB));
+    }
+}
+
 // Whether the tile at c is an expert's, whose rows the block's routing of its layer decides.
 __device__ __forceinline__ bool needs_routing(const MegaArgs& a, const Cursor& c) {
     return c.layer < a.num_layers && (c.phase == GATEUP || c.phase == DOWN);
@@ -324,7 +357,11 @@ __device__ TileSource tile_source(const MegaArgs& a, const Cursor c) {
             expert_pairs_source(s, c.t, L.gate_up);
             return s;
         }
-        if (c.phase == DOWN) {  // expert slot k's rows, k = t / (its stages)
+        if (DOWN1 && c.phase == DOWN) {
+            expert_down_source(s, c.t, L.down);
+            return s;
+        }
+        if (c.phase == DOWN) {  // (one phase an expert) slot k's rows, k = t / (its stages)
             constexpr long long DOWN_BYTES = qw::hidden * row_bytes<qw::wfmt>(MINTER);
             const int per = expert_down_tiles(), k = c.t / per;
             matrix_source<MINTER, qw::wfmt, false>(s, c.t - k * per,

@@ -41,6 +41,7 @@ from qwenchat.engine.cuda.megakernel import (
     WHOLE_RING_BYTES,
     fp8_on_tensor_cores,
     megakernel_layout,
+    megakernel_static_shared,
     stage_fill,
 )
 from qwenchat.engine.cuda.moe import MOE_KERNELS
@@ -803,27 +804,32 @@ def static_shared(cubin: bytes, kernel: str) -> int:
     raise AssertionError(f"no .nv.shared.{kernel} section")
 
 
-def _widest_plan(weights, bandwidth):
-    return plan_kernels(PRESETS["qwen3-32b"], weights, gpu_shape("sm_90", bandwidth=bandwidth))
+def _widest_plan(weights, bandwidth, model="qwen3-32b"):
+    return plan_kernels(PRESETS[model], weights, gpu_shape("sm_90", bandwidth=bandwidth))
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(("weights", "split", "bandwidth"),
-                         [("bf16", True, H100_BANDWIDTH), ("fp8", False, H100_BANDWIDTH),
-                          pytest.param("fp8", False, H200_BANDWIDTH, marks=COMPILE_MATRIX)])
-@compiled_ahead(lambda weights, bandwidth, **_: [
-    ("megakernel.cu", "sm_90", dict(_widest_plan(weights, bandwidth).megakernel.defines))])
+@pytest.mark.parametrize(("weights", "split", "bandwidth", "model"),
+                         [("bf16", True, H100_BANDWIDTH, "qwen3-32b"),
+                          ("fp8", False, H100_BANDWIDTH, "qwen3-32b"),
+                          ("int4", False, H100_BANDWIDTH, "qwen3-30b-a3b"),
+                          pytest.param("fp8", False, H200_BANDWIDTH, "qwen3-32b",
+                                       marks=COMPILE_MATRIX)])
+@compiled_ahead(lambda weights, bandwidth, model, **_: [
+    ("megakernel.cu", "sm_90", dict(_widest_plan(weights, bandwidth, model).megakernel.defines))])
 def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(
-        weights, split, bandwidth, nvrtc_pool):
-    # The layout gives the dynamic part all but MEGAKERNEL_STATIC_SHARED (whole rows) or
-    # MEGAKERNEL_SPLIT_STATIC_SHARED (parts of rows); 32B's static part is the largest (its
-    # attention groups of 8 heads; with parts of rows, its row table). On an H200 its FP8
-    # rows take two 62 KB stages and 2,560-column warp segments.
-    plan = _widest_plan(weights, bandwidth)
-    assert plan.megakernel_layout.split is split
-    assert plan.megakernel_layout.mma_seg == (2560 if bandwidth == H200_BANDWIDTH else 1024)
+        weights, split, bandwidth, model, nvrtc_pool):
+    # The layout gives the dynamic part all but megakernel_static_shared: whole rows, parts of
+    # rows (their row table) or experts (their routing and down rows' sums). 32B's static part
+    # is the largest of the dense models (its attention groups of 8 heads; with parts of rows,
+    # its row table), int4 30B-A3B's of the experts'. On an H200 32B's FP8 rows take two 62 KB
+    # stages and 2,560-column warp segments.
+    plan = _widest_plan(weights, bandwidth, model)
+    assert plan.decode == "megakernel" and plan.megakernel_layout.split is split
+    if model == "qwen3-32b":
+        assert plan.megakernel_layout.mma_seg == (2560 if bandwidth == H200_BANDWIDTH else 1024)
     cubin = nvrtc_pool.cubin("megakernel.cu", "sm_90", dict(plan.megakernel.defines))
-    static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
+    static = megakernel_static_shared(PRESETS[model], split)
     assert 16 * 1024 < static_shared(cubin, "decode_megakernel") <= static
 
 

@@ -29,10 +29,13 @@ MEGAKERNEL_THREADS = 512
 MEGAKERNEL_STAGE_BYTES = 32768  # one shared-memory stage of the weight/KV stream
 MEGAKERNEL_STATIC_SHARED = 24 * 1024  # its static shared memory, rounded up (ptxas: ~16-22 KB)
 MEGAKERNEL_SPLIT_STATIC_SHARED = 27 * 1024  # with parts of rows (their row table: ~20-26.5 KB)
+# with experts (the routing, the down rows' expert sums: ~25-26.5 KB)
+MEGAKERNEL_MOE_STATIC_SHARED = 27 * 1024
 MEGAKERNEL_HISTOGRAM_BYTES = MEGAKERNEL_THREADS // 32 * 256 * 8  # the sampler's radix bins
 MEGAKERNEL_LAYER_BYTES = 10 * 8  # struct MegaLayer: ten pointers (a mixture of experts': 11)
 MEGAKERNEL_CANDIDATES = 64  # sampling candidates a block offers at most (CAND in megakernel.cu)
 MEGAKERNEL_PARTS = {"weights": 1, "attention": 2, "waits": 4, "sampling": 8}
+MEGAKERNEL_EXPERT_ROWS = 64  # hidden rows a block may own with experts (DOWN_ROWS, mk_layout.cuh)
 MEGAKERNEL_MIN_SHARED = 48 * 1024  # a layout for less shared memory a block is not offered
 MEGAKERNEL_CONSUMERS = ("auto", "fma")  # how FP8 rows are dotted (fp8_on_tensor_cores)
 MEGAKERNEL_ROWS = ("auto", "whole", "parts")  # what a stage holds (megakernel_layout)
@@ -193,10 +196,17 @@ def stage_fill(cfg: Qwen3Config, layout: MegakernelLayout, weight_format: str) -
                fill(cfg.hidden_size, weight_format, pairs=True), fill(cfg.hidden_size, "bf16"))
 
 
+def megakernel_static_shared(cfg: Qwen3Config, split: bool) -> int:
+    """The megakernel's static shared memory, rounded up: what its layout leaves it."""
+    if split:
+        return MEGAKERNEL_SPLIT_STATIC_SHARED
+    return MEGAKERNEL_MOE_STATIC_SHARED if cfg.is_moe else MEGAKERNEL_STATIC_SHARED
+
+
 def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_format: str,
             mma: bool, split: bool, wide: bool = False) -> MegakernelLayout | str:
     """megakernel_layout for one way of streaming the weights."""
-    static = MEGAKERNEL_SPLIT_STATIC_SHARED if split else MEGAKERNEL_STATIC_SHARED
+    static = megakernel_static_shared(cfg, split)
     stage = MEGAKERNEL_STAGE_BYTES
     blocks = min(sm_count, 512)  # one block per SM (its scratch holds 512)
     # Beside the stages, one region (UNION_BYTES in megakernel.cu) holds in turn a phase's
@@ -207,8 +217,14 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
     # The matrix phases' input vectors: floats, or (FP8 on the tensor cores) f16 padded to
     # whole 256-column steps (VEC_BYTES in mk_layout.cuh).
     f16_vector = 2 * 256 * max(math.ceil(k / 256) for k in widths)
+    int4_steps = math.ceil(max(widths) / 512)
+    if cfg.is_moe:  # the experts' down phase stages all of h, each slot's part padded (DOWN_PAD)
+        k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        widths += (k * inter,)
+        f16_vector = max(f16_vector, 2 * 256 * k * math.ceil(inter / 256))
+        int4_steps = max(int4_steps, k * math.ceil(inter / 512))
     if weight_format == "int4" and not split:  # 512-column steps and their windows' sums
-        f16_vector = (1024 + 4 * 8) * math.ceil(max(widths) / 512)
+        f16_vector = (1024 + 4 * 8) * int4_steps
 
     def fixed_bytes(vector: int) -> int:  # the union region and the layer table
         union = max(MEGAKERNEL_HISTOGRAM_BYTES, vector,
@@ -267,6 +283,8 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
                 f"per block for this model and the GPU has {shared_per_block:,}")
     if math.ceil(cfg.hidden_size / blocks) > 512:
         return "this model is too wide for the decode megakernel on this GPU"
+    if cfg.is_moe and math.ceil(cfg.hidden_size / blocks) > MEGAKERNEL_EXPERT_ROWS:
+        return "this mixture of experts is too wide for the decode megakernel on this GPU"
     if split and math.ceil(cfg.intermediate_size / blocks) > 512:  # PAIR_ROWS in mk_layout.cuh
         return "this model's MLP is too wide for the decode megakernel on this GPU"
     return MegakernelLayout(count, stage, fixed, blocks, lm_rows, mma, split, seg)
