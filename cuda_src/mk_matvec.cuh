@@ -671,6 +671,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     static_assert(!MMA || K % 8 == 0, "the tensor-core consumer takes 8 columns a lane");
     QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
                 : PAIRS ? mk_timeline::GATE_UP
+                : MOE && n_rows == qwm::EXPERTS ? mk_timeline::ROUTER
                 : EXPERTS || K == qw::intermediate ? mk_timeline::DOWN
                 : n_rows == QKV_ROWS ? mk_timeline::QKV : mk_timeline::O_PROJ);
     Vec<K> v;

@@ -20,7 +20,7 @@
 namespace mk_timeline {
 // What a record's phase was (mirrored by tests/step_timeline.py).
 enum Kind : unsigned { QKV = 0, ATTENTION = 1, O_PROJ = 2, GATE_UP = 3, DOWN = 4, LM_HEAD = 5,
-                       SAMPLE = 6 };
+                       SAMPLE = 6, ROUTER = 7 };
 enum Mark { START = 0, INPUT = 1, WEIGHTS = 2, END = 3 };
 enum Cycles { ISSUE = 0, FREE_WAIT = 1, FULL_WAIT = 2 };
 struct Record {

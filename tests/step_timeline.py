@@ -42,8 +42,14 @@ from qwenchat.model.random_weights import RandomWeights
 from qwenchat.sampling.params import LiveParams, SamplingParams
 
 COLOURS = {"qkv": "#4e79a7", "attention": "#f28e2b", "o_proj": "#59a14f", "gate_up": "#b07aa1",
-           "down": "#76b7b2", "lm_head": "#edc948", "sample": "#9c755f"}
+           "down": "#76b7b2", "lm_head": "#edc948", "sample": "#9c755f", "router": "#e15759"}
 SAMPLE = TIMELINE_KINDS.index("sample")
+
+
+def layer_phases(config) -> int:
+    """A layer's phases in the timeline: qkv, attention, o_proj, (a mixture of experts: the
+    router,) gate_up, down."""
+    return 6 if config.is_moe else 5
 
 
 def record_step(config_name: str, quantize: str, position: int, steps: int,
@@ -52,7 +58,7 @@ def record_step(config_name: str, quantize: str, position: int, steps: int,
     """(the records of the last whole step [phase][block], the engine's description)."""
     config = PRESETS[config_name]
     weights = RandomWeights(config, weight_format="bf16" if quantize == "none" else quantize)
-    per_step = 5 * config.num_hidden_layers + 2
+    per_step = layer_phases(config) * config.num_hidden_layers + 2
     engine = CudaEngine(config, weights, ctx=position + steps + 64, decode="megakernel",
                         megakernel_timeline=per_step * steps + 1, megakernel_rows=rows,
                         megakernel_stages=stages, kv_cache=kv_cache)
@@ -248,7 +254,7 @@ def main() -> None:
     parser.add_argument("--kv-cache", default="bf16", choices=KV_CACHE_CHOICES)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--zoom", type=int, default=None, metavar="LAYER",
-                        help="also draw this layer's five phases alone (NAME-layerN.png/svg)")
+                        help="also draw this layer's phases alone (NAME-layerN.png/svg)")
     parser.add_argument("--clock-ghz", type=float, default=1.98,
                         help="the SM clock the pipeline table converts cycles at (H100 SXM: "
                              "1.98)")
@@ -279,7 +285,8 @@ def main() -> None:
         {"described": described, "summary": rows, "pipeline": ring, "stragglers": stragglers,
          "phases": analysis["phases"]}, indent=1))
     if args.zoom is not None:
-        layer = step[5 * args.zoom : 5 * args.zoom + 5]
+        n = layer_phases(PRESETS[args.config])
+        layer = step[n * args.zoom : n * (args.zoom + 1)]
         zoomed = analyse(layer)
         title = f"{described}, layer {args.zoom}"
         write_svg(layer, zoomed, title, named(f"-layer{args.zoom}.svg"))

@@ -488,3 +488,35 @@ def test_the_megakernel_stops_a_mixture_of_experts_at_eos_and_goes_on(routed_eng
     assert engine.megakernel_produced() == end + 1
     again, _ = greedy_tokens(engine, prompt, 40)
     assert again == alone
+
+
+def test_the_timeline_of_a_sparse_layer_has_its_router_between_o_proj_and_gate_up(
+        tmp_path_factory, tiny_tokenizer):
+    """The timeline build (tests/step_timeline.py) on a mixture of experts: every step's phases
+    in the kernel's order (the router's rows between o_proj and gate/up, the experts' down rows
+    as one phase), and the tokens of the plain build."""
+    from test_megakernel import prompt_for, reply
+
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.engine.cuda.megakernel import TIMELINE_KINDS
+    from qwenchat.model.loader import open_model_dir
+
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "mk-top4", "BF16"))
+    layers, steps = model.config.num_hidden_layers, 6
+    per_step = 6 * layers + 2
+    tokens = []
+    for timeline in (0, 1 + per_step * (steps - 1)):  # exactly the launch's phases
+        engine = CudaEngine(model.config, model.checkpoint, ctx=256, decode="megakernel",
+                            megakernel_timeline=timeline)
+        try:
+            engine.steps_per_launch, engine.launches_ahead = steps, 0
+            tokens.append(reply(engine, prompt_for(engine), steps))
+            if timeline:
+                records = engine.megakernel_timeline()
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1]
+    kinds = [TIMELINE_KINDS[k] for k in records["kind"].max(axis=1)]
+    one_step = (["qkv", "attention", "o_proj", "router", "gate_up", "down"] * layers
+                + ["lm_head", "sample"])
+    assert kinds == ["sample"] + one_step * (steps - 1)  # the first samples the prefill's

@@ -49,7 +49,7 @@ MEGAKERNEL_RING = 1024  # token slots in host-mapped memory: two launches' worth
 TIMELINE_RECORD = np.dtype([("start", "<u8"), ("input", "<u8"), ("weights", "<u8"),
                             ("end", "<u8"), ("kind", "<u4"), ("stages", "<u4"),
                             ("issue", "<u8"), ("free_wait", "<u8"), ("full_wait", "<u8")])
-TIMELINE_KINDS = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "sample")
+TIMELINE_KINDS = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "sample", "router")
 
 
 class MegaArgs(ctypes.Structure):
