@@ -44,12 +44,13 @@ namespace {
 // on its producer warp (moe.cuh, route_warp), which then issues the experts' stages it held
 // until now (mk_pipe.cuh, issue_held): the warp that reads the routing to issue stages is the
 // one that writes it, so no other warp's writes can race with its reads. `key`: routing_key
-// of the layer. The consumers read the weights after the block barrier.
-__device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* logits,
-                                           unsigned tag, int key) {
+// of the layer. The consumers read the weights after a block barrier (route_block's, or
+// megakernel's while they stage gate/up's input meanwhile: ROUTE_OVERLAP).
+__device__ __forceinline__ void route_producer(const MegaArgs& a, const tagged_t* logits,
+                                               unsigned tag, int key) {
     constexpr int PER = qwm::PER_LANE;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp == PRODUCER) {
+    const int lane = threadIdx.x & 31;
+    {
         const tagged_t* at[PER];
         float got[PER];
 #pragma unroll
@@ -64,7 +65,41 @@ __device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* l
         __syncwarp();
         issue_held(a);
     }
+}
+
+__device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* logits,
+                                           unsigned tag, int key) {
+    if (threadIdx.x >> 5 == PRODUCER) route_producer(a, logits, tag, key);
     __syncthreads();
+}
+
+// Narrow rows on the tensor cores (their input in shared memory, stage_f16): the consumer
+// warps stage gate/up's input while the producer warp routes (QW_MK_OVERLAP; 0: after it).
+#ifndef QW_MK_OVERLAP
+#define QW_MK_OVERLAP 1
+#endif
+constexpr bool ROUTE_OVERLAP = NARROW_MMA && QW_MK_OVERLAP != 0;
+
+// Routes the block (route_producer) and, ROUTE_OVERLAP, stages gate/up's input meanwhile:
+// returns what its dot products are multiplied by (stage_f16; the consumer warps').
+__device__ __forceinline__ float route_and_stage(const MegaArgs& a, const tagged_t* logits,
+                                                 unsigned tag, int key, const bf16_t* norm) {
+    if constexpr (!ROUTE_OVERLAP) {
+        route_block(a, logits, tag, key);
+        return 0.f;
+    }
+    float scale = 0.f;
+    // Barrier 2: the consumers overwrite the router's input vector only after the producer
+    // read its copy of it too (its arrival); barrier 1 (stage_f16): the consumers alone.
+    if (threadIdx.x >> 5 == PRODUCER) {
+        asm volatile("bar.arrive 2, %0;" ::"n"(THREADS) : "memory");
+        route_producer(a, logits, tag, key);
+    } else {
+        asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory");
+        scale = stage_f16<qw::hidden, 0, 0, CWARPS * 32>(a.x, nullptr, tag - 1u, norm, a.eps);
+    }
+    __syncthreads();  // the routing, and gate/up's input
+    return scale;
 }
 
 // The experts' down rows as one phase (DOWN1): each virtual row's sum (expert slot k's share of
@@ -185,12 +220,14 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                                                                   L.post_norm, a.eps);
                         },
                         no_pre, [&](int r, float s, float, int) { put(logits + r, s, t + 3u); });
-                    route_block(a, logits, t + 3u, routing_key(a, fwd, layer));
+                    const float gu_scale = route_and_stage(a, logits, t + 3u,
+                                                           routing_key(a, fwd, layer), L.post_norm);
                     // The chosen experts' SwiGLU outputs, each times its routing weight, tag t + 4.
                     rows_phase<qw::hidden, true>(
                         a, consumed, KI,
                         [&](VecArg<qw::hidden>& v) {
-                            return load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
+                            if constexpr (ROUTE_OVERLAP) return gu_scale;
+                            else return load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
                         },
                         no_pre, [&](int r, float g, float u, int) {
                             put(a.h + r, routing.weights[r / MINTER] * (silu(g) * u), t + 4u);

@@ -31,6 +31,15 @@ using VecArg = typename VecPick<SPLIT, K>::type;
 // The block's warps sum their squares here (the vector itself goes to vec_buf()).
 __shared__ float warp_sums[WARPS];
 
+// A barrier of the threads that take part in staging a vector: every thread of the block, or
+// (NT = CWARPS x 32) the consumer warps alone, while the producer warp does something else.
+template <int NT>
+__device__ __forceinline__ void sync_threads() {
+    static_assert(NT == THREADS || NT == CWARPS * 32, "the block, or its consumer warps");
+    if constexpr (NT == THREADS) __syncthreads();
+    else asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory");
+}
+
 __device__ __forceinline__ void ld_tagged2(const tagged_t* p, tagged_t& a, tagged_t& b,
                                            bool strong) {
     if (strong)
@@ -81,22 +90,23 @@ __host__ __device__ constexpr int poll_batch(int K) {  // stage_f16
     return pairs_per_thread(K) >= QW_MK_POLL_MIN ? QW_MK_POLL : short_batch(K, 6);
 }
 
-// Pairs threadIdx.x + (q0 + b) THREADS, b < B, of a K-vector (those below K / 2): every first
+// Pairs threadIdx.x + (q0 + b) NT, b < B, of a K-vector (those below K / 2): every first
 // (weak) load is issued before any is checked; a stale one is then polled alone (strong loads).
-template <int K, int B>
+// NT: the threads that take the vector (sync_threads).
+template <int K, int B, int NT = THREADS>
 __device__ __forceinline__ void take_pairs(const tagged_t* src, const bf16_t* row, int q0,
                                            unsigned tag, bool wait, float2 (&e)[B]) {
     static_assert(B > 1, "one pair at a time is take_pair");
     tagged_t w[B][2];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-        const int i = threadIdx.x + (q0 + b) * THREADS;
+        const int i = threadIdx.x + (q0 + b) * NT;
         w[b][0] = w[b][1] = 0ull;
         if (i < K / 2 && !row) ld_tagged2(src + 2 * i, w[b][0], w[b][1], false);
     }
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-        const int i = threadIdx.x + (q0 + b) * THREADS;
+        const int i = threadIdx.x + (q0 + b) * NT;
         e[b] = make_float2(0.f, 0.f);
         if (i >= K / 2) continue;
         if (row) {
@@ -114,24 +124,24 @@ __device__ __forceinline__ void take_pairs(const tagged_t* src, const bf16_t* ro
 // f(q, i, pair) for each of the thread's pairs i = threadIdx.x + q THREADS (i < K / 2) of a
 // K-vector that other blocks are writing with `tag` (or of a bf16 embedding row), taken one
 // at a time (B = 1) or B at a time (take_pairs).
-template <int K, int B, typename F>
+template <int K, int B, int NT = THREADS, typename F>
 __device__ __forceinline__ void for_pairs(const tagged_t* src, const bf16_t* row, unsigned tag,
                                           bool wait, F f) {
-    constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
+    constexpr int NQ = (K / 2 + NT - 1) / NT;
     if constexpr (B == 1) {
 #pragma unroll
         for (int q = 0; q < NQ; ++q) {
-            const int i = threadIdx.x + q * THREADS;
+            const int i = threadIdx.x + q * NT;
             if (i < K / 2) f(q, i, take_pair(src, row, i, tag, wait));
         }
     } else {
 #pragma unroll
         for (int q0 = 0; q0 < NQ; q0 += B) {
             float2 got[B];
-            take_pairs<K, B>(src, row, q0, tag, wait, got);
+            take_pairs<K, B, NT>(src, row, q0, tag, wait, got);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                const int q = q0 + b, i = threadIdx.x + q * THREADS;
+                const int q = q0 + b, i = threadIdx.x + q * NT;
                 if (q < NQ && i < K / 2) f(q, i, got[b]);
             }
         }
@@ -228,12 +238,12 @@ __device__ __forceinline__ void int4_vector(int j, uint4& xa, uint4& xb, int xst
 
 // The window sums, on the tensor cores: with A all ones, D[r][n] of int4_pair_dot's four mma
 // (B: the vector's windows, as there) is window n's sum for every r. A warp a step at a time.
-template <int K>
+template <int K, int NT = THREADS>
 __device__ __forceinline__ void stage_window_sums() {
     constexpr int S512 = (K + 511) / 512;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
-    for (int j = warp; j < S512; j += WARPS) {
+    for (int j = warp; j < S512; j += NT / 32) {
         uint4 xa, xb;
         int4_vector<K>(j, xa, xb);
         const unsigned b[4][2] = {{xa.x, xa.y}, {xa.z, xa.w}, {xb.x, xb.y}, {xb.z, xb.w}};
@@ -254,10 +264,11 @@ __device__ __forceinline__ void stage_window_sums() {
 // (Σ w·(x·g)/rms = (1/rms)·Σ w·(x·g), so the norm needs only one scalar at the end).
 // SEG > 0: the vector is K / SEG parts of SEG values (the experts' parts of h), part p staged
 // from column p PSEG, zeros between.
-template <int K, int SEG = 0, int PSEG = 0>
+// NT: the threads that stage it, the block's or its consumer warps' (sync_threads).
+template <int K, int SEG = 0, int PSEG = 0, int NT = THREADS>
 __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* row, unsigned tag,
                                            const bf16_t* norm, float eps, bool wait = true) {
-    constexpr int NQ = (K / 2 + THREADS - 1) / THREADS;
+    constexpr int NQ = (K / 2 + NT - 1) / NT;
     static_assert(SEG == 0 || (K % SEG == 0 && SEG % 2 == 0 && PSEG >= SEG), "whole parts");
     constexpr int KS = SEG ? K / SEG * PSEG : K;  // the staged columns
     const auto at = [](int i) {  // where pair i goes, in pairs
@@ -267,15 +278,18 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
     unsigned g[NQ];
 #pragma unroll
     for (int q = 0; q < NQ; ++q) {  // the norm weights before the wait: they do not depend on it
-        const int i = threadIdx.x + q * THREADS;
+        const int i = threadIdx.x + q * NT;
         g[q] = norm && i < K / 2 ? __ldg(reinterpret_cast<const unsigned*>(norm) + i) : 0x3f803f80u;
     }
-    __syncthreads();  // (as in stage_vector: the last phase's vector may still be in use)
+    // (as in stage_vector: the last phase's vector may still be in use; written out for the
+    // block, where sync_threads made ptxas schedule the norm weights' loads otherwise)
+    if constexpr (NT == THREADS) __syncthreads();
+    else sync_threads<NT>();
     float2 v[NQ];
     float ss = 0.f, most = 0.f;
 #pragma unroll
     for (int q = 0; q < NQ; ++q) v[q] = make_float2(0.f, 0.f);
-    for_pairs<K, poll_batch(K)>(src, row, tag, wait, [&](int q, int, float2 e) {
+    for_pairs<K, poll_batch(K), NT>(src, row, tag, wait, [&](int q, int, float2 e) {
         ss += e.x * e.x + e.y * e.y;
         v[q] = make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
         most = fmaxf(most, fmaxf(fabsf(v[q].x), fabsf(v[q].y)));
@@ -286,11 +300,11 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
         warp_sums[threadIdx.x >> 5] = ss;
         warp_maxes[threadIdx.x >> 5] = most;
     }
-    __syncthreads();
+    sync_threads<NT>();
     float total = 0.f;
     most = 0.f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = 0; w < NT / 32; ++w) {
         total += warp_sums[w];
         most = fmaxf(most, warp_maxes[w]);
     }
@@ -299,7 +313,7 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
     const float s = ldexpf(1.f, 15 - e);
 #pragma unroll
     for (int q = 0; q < NQ; ++q) {
-        const int i = threadIdx.x + q * THREADS;
+        const int i = threadIdx.x + q * NT;
         if (i < K / 2) {
             unsigned h;
             asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(v[q].y * s), "f"(v[q].x * s));
@@ -308,18 +322,18 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
     }
     if constexpr (SEG > 0 && PSEG > SEG) {  // the zeros between the parts
         constexpr int GAP = (PSEG - SEG) / 2;
-        for (int i = threadIdx.x; i < K / SEG * GAP; i += THREADS) {
+        for (int i = threadIdx.x; i < K / SEG * GAP; i += NT) {
             const int p = i / GAP * (PSEG / 2) + SEG / 2 + i % GAP;
             buf[INT4_PAIRS ? int4_slot(p) : p] = 0u;
         }
     }
     if constexpr (INT4_PAIRS) {  // (int4_vector reads no column past K) the windows' sums
-        __syncthreads();
-        stage_window_sums<KS>();
+        sync_threads<NT>();
+        stage_window_sums<KS, NT>();
     } else {
-        for (int i = KS / 2 + threadIdx.x; i < steps(KS) * 128; i += THREADS) buf[i] = 0u;
+        for (int i = KS / 2 + threadIdx.x; i < steps(KS) * 128; i += NT) buf[i] = 0u;
     }
-    __syncthreads();
+    sync_threads<NT>();
     return (norm ? rsqrtf(total / K + eps) : 1.f) / s;
 }
 
@@ -672,8 +686,9 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
                 : PAIRS ? mk_timeline::GATE_UP
                 : MOE && n_rows == qwm::EXPERTS ? mk_timeline::ROUTER
-                : EXPERTS || K == qw::intermediate ? mk_timeline::DOWN
-                : n_rows == QKV_ROWS ? mk_timeline::QKV : mk_timeline::O_PROJ);
+                : n_rows == QKV_ROWS ? mk_timeline::QKV
+                : EXPERTS || (!MOE && K == qw::intermediate) ? mk_timeline::DOWN
+                : mk_timeline::O_PROJ);
     Vec<K> v;
     const float scale = load(v);  // what each dot product is multiplied by
     QW_TL_MARK(INPUT);
