@@ -683,9 +683,10 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     static_assert(PER <= STAGE_OUTS && (PAIRS ? 2 : 1) * PER * NSEG <= STAGE_PARTS,
                   "a stage holds more rows than its partial sums");
     static_assert(!MMA || K % 8 == 0, "the tensor-core consumer takes 8 columns a lane");
-    QW_TL_ENTER(n_rows == qw::vocab ? mk_timeline::LM_HEAD
-                : PAIRS ? mk_timeline::GATE_UP
+    // (in an order that tells the phases apart in the tiny test shapes too, where widths meet)
+    QW_TL_ENTER(PAIRS ? mk_timeline::GATE_UP
                 : MOE && n_rows == qwm::EXPERTS ? mk_timeline::ROUTER
+                : n_rows == qw::vocab ? mk_timeline::LM_HEAD
                 : n_rows == QKV_ROWS ? mk_timeline::QKV
                 : EXPERTS || (!MOE && K == qw::intermediate) ? mk_timeline::DOWN
                 : mk_timeline::O_PROJ);

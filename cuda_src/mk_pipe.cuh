@@ -405,15 +405,15 @@ __device__ TileSource tile_source(const MegaArgs& a, const Cursor c) {
 }
 
 // The copy of the tile at cursor c into stage slot % STAGES (`more`: the stream has one; with
-// cp.async every lane copies and arrives; with TMA, lane `by` issues it).
+// cp.async every lane copies and arrives).
 __device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, unsigned slot,
-                                          bool more, int by = 0) {
+                                          bool more) {
     const int lane = threadIdx.x & 31;
     const int stage = slot % STAGES;
     unsigned char* dst = stage_mem + stage * STAGE;
     const unsigned bar = smem_u32(stage_bars + stage);
 #if QW_MK_TMA
-    if (lane == by && more) {
+    if (lane == 0 && more) {
         const TileSource s = tile_source(a, c);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
             const unsigned total = s.bytes[0] + s.bytes[1] + s.bytes[2] + s.bytes[3];
@@ -493,32 +493,15 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
 // The held tiles, now that the block has routed a layer (the producer warp): in stream order,
 // up to the first of a later layer's experts (a block with few stages a layer can hold the
 // next layer's too), which stay held with the rest.
-static_assert(STAGES <= 32, "a lane a held stage");
-#ifndef QW_MK_HELD_PAR
-#define QW_MK_HELD_PAR 1  // (0: one after another, for comparisons)
-#endif
-// With TMA, lane j issues the j-th of them, all at once (one after another, each took the
-// producer ~1 µs: the experts' gate/up stages waited for them; docs/perf.md).
 __device__ void issue_held(const MegaArgs& a) {
     Cursor c = producer.held_c;
     const unsigned held = producer.held, slot = producer.held_slot;
     unsigned n = 0;
-#if QW_MK_TMA && QW_MK_HELD_PAR
-    const int lane = threadIdx.x & 31;
-    Cursor mine = c;  // the lane's stage
-    for (; n < held && !(needs_routing(a, c) && routing.routed != routing_key(a, c.f, c.layer));
-         ++n) {
-        if (n == static_cast<unsigned>(lane)) mine = c;
-        advance(a, c);
-    }
-    copy_tile(a, mine, slot + lane, static_cast<unsigned>(lane) < n, lane);
-#else
     for (; n < held && !(needs_routing(a, c) && routing.routed != routing_key(a, c.f, c.layer));
          ++n) {
         copy_tile(a, c, slot + n, true);
         advance(a, c);
     }
-#endif
     __syncwarp();
     if ((threadIdx.x & 31) == 0) {
         producer.filled += n;

@@ -18,7 +18,9 @@ thread: cuda_src/mk_matvec.cuh, take_pairs), `--speculate` replies verified by s
 passes (prompt lookup on a prompt that repeats itself: the prefill's kernels on a few tokens
 after the cache, interleaved with megakernel launches), `--experts` a mixture of experts (16
 experts of 256 rows, 4 a token, every layer sparse: the router's phase, the routing in every
-block and the experts' stages held until it, megakernel.cu route_block).
+block with gate/up's input staged meanwhile and the experts' stages held until it, megakernel.cu
+route_and_stage, and their down rows as one phase). `--define QW_MK_NAME=VALUE` checks a kernel
+variant behind a define.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from consumer_compare import parse_defines
 from test_megakernel import reply
 
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda.engine import CudaEngine
+from qwenchat.engine.cuda.megakernel import EXPERIMENT_DEFINES
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model.presets import PRESETS
 from qwenchat.model.random_weights import RandomWeights
@@ -47,7 +51,10 @@ def main() -> None:
     parser.add_argument("--speculate", action="store_true")
     parser.add_argument("--kv-cache", default="bf16", choices=("bf16", "int8"))
     parser.add_argument("--experts", action="store_true")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="a megakernel define for this run (a variant to check)")
     args = parser.parse_args()
+    EXPERIMENT_DEFINES.update(parse_defines(args.define))
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2, hidden_size=256,
                                  intermediate_size=args.intermediate, vocab_size=4096,
                                  num_attention_heads=4, num_key_value_heads=2)
