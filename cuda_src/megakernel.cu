@@ -74,9 +74,13 @@ __device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* l
 }
 
 // Narrow rows on the tensor cores (their input in shared memory, stage_f16): the consumer
-// warps stage gate/up's input while the producer warp routes (QW_MK_OVERLAP; 0: after it).
+// warps may stage gate/up's input while the producer warp routes (QW_MK_OVERLAP 1; 0, the
+// default: after it). Measured +4% on 30B-A3B FP8 and int4 at position 1 (H100, docs/perf.md),
+// but its first form (the producer's bar.arrive on a named barrier) made racecheck report
+// hazards in every later staging; this form (a block barrier first) is not yet checked, so it
+// stays off until racecheck passes on it.
 #ifndef QW_MK_OVERLAP
-#define QW_MK_OVERLAP 1
+#define QW_MK_OVERLAP 0
 #endif
 constexpr bool ROUTE_OVERLAP = NARROW_MMA && QW_MK_OVERLAP != 0;
 
@@ -87,19 +91,19 @@ __device__ __forceinline__ float route_and_stage(const MegaArgs& a, const tagged
     if constexpr (!ROUTE_OVERLAP) {
         route_block(a, logits, tag, key);
         return 0.f;
-    }
-    float scale = 0.f;
-    // Barrier 2: the consumers overwrite the router's input vector only after the producer
-    // read its copy of it too (its arrival); barrier 1 (stage_f16): the consumers alone.
-    if (threadIdx.x >> 5 == PRODUCER) {
-        asm volatile("bar.arrive 2, %0;" ::"n"(THREADS) : "memory");
-        route_producer(a, logits, tag, key);
     } else {
-        asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory");
-        scale = stage_f16<qw::hidden, 0, 0, CWARPS * 32>(a.x, nullptr, tag - 1u, norm, a.eps);
+        float scale = 0.f;
+        // The consumers overwrite the router's input vector only after every warp has read it
+        // (the producer too: its copy in registers); then they stage gate/up's behind barrier 1
+        // (stage_f16's, the consumer warps alone) while the producer routes.
+        __syncthreads();
+        if (threadIdx.x >> 5 == PRODUCER)
+            route_producer(a, logits, tag, key);
+        else
+            scale = stage_f16<qw::hidden, 0, 0, CWARPS * 32>(a.x, nullptr, tag - 1u, norm, a.eps);
+        __syncthreads();  // the routing, and gate/up's input
+        return scale;
     }
-    __syncthreads();  // the routing, and gate/up's input
-    return scale;
 }
 
 // The experts' down rows as one phase (DOWN1): each virtual row's sum (expert slot k's share of
@@ -220,14 +224,20 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                                                                   L.post_norm, a.eps);
                         },
                         no_pre, [&](int r, float s, float, int) { put(logits + r, s, t + 3u); });
+#if QW_MK_OVERLAP
                     const float gu_scale = route_and_stage(a, logits, t + 3u,
                                                            routing_key(a, fwd, layer), L.post_norm);
+#else  // (the build as measured and checked: no variable, no capture)
+                    route_block(a, logits, t + 3u, routing_key(a, fwd, layer));
+#endif
                     // The chosen experts' SwiGLU outputs, each times its routing weight, tag t + 4.
                     rows_phase<qw::hidden, true>(
                         a, consumed, KI,
                         [&](VecArg<qw::hidden>& v) {
+#if QW_MK_OVERLAP
                             if constexpr (ROUTE_OVERLAP) return gu_scale;
-                            else return load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
+#endif
+                            return load_normed<qw::hidden>(v, a.x, nullptr, t + 2u, L.post_norm, a.eps);
                         },
                         no_pre, [&](int r, float g, float u, int) {
                             put(a.h + r, routing.weights[r / MINTER] * (silu(g) * u), t + 4u);
