@@ -345,10 +345,10 @@ __device__ __forceinline__ int lane_chunk(int q) {
     return seg * cpl(K) * 32 + lane + 32 * q;
 }
 
-// Each of the warp's 8-value chunks c of the staged vector (vec_buf) as out.v[q] = f(q, c, e).
+// Each of the warp's 8-value chunks c of the staged vector (vec_buf, or a part of it at buf) as
+// out.v[q] = f(q, c, e).
 template <int K, typename F>
-__device__ __forceinline__ void from_staged(Vec<K>& out, F f) {
-    const float* buf = vec_buf();
+__device__ __forceinline__ void from_staged(Vec<K>& out, F f, const float* buf = vec_buf()) {
 #pragma unroll
     for (int q = 0; q < cpl(K); ++q) {
         const int c = lane_chunk<K>(q);
@@ -431,17 +431,10 @@ __device__ __forceinline__ float row_dot(const unsigned char* row, const Vec<K>&
 template <int K, int WF>
 __device__ __forceinline__ float row_dot_at(const unsigned char* row, const float* x) {
     Vec<K> v;
+    from_staged<K>(v, [](int, int, const float (&e)[8], float (&o)[8]) {
 #pragma unroll
-    for (int q = 0; q < cpl(K); ++q) {
-        const int c = lane_chunk<K>(q);
-        if (c < chunks(K)) {
-            const float4 lo = *reinterpret_cast<const float4*>(x + c * 8);
-            const float4 hi = *reinterpret_cast<const float4*>(x + c * 8 + 4);
-            const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v.v[q][j] = e[j];
-        }
-    }
+        for (int j = 0; j < 8; ++j) o[j] = e[j];
+    }, x);
     return row_dot<K, WF>(row, v);
 }
 

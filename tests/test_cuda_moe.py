@@ -495,7 +495,7 @@ def test_the_timeline_of_a_sparse_layer_has_its_router_between_o_proj_and_gate_u
     """The timeline build (tests/step_timeline.py) on a mixture of experts: every step's phases
     in the kernel's order (the router's rows between o_proj and gate/up, the experts' down rows
     as one phase), and the tokens of the plain build."""
-    from test_megakernel import prompt_for, reply
+    from test_megakernel import plain_and_timeline
 
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.engine.cuda.megakernel import TIMELINE_KINDS
@@ -503,19 +503,11 @@ def test_the_timeline_of_a_sparse_layer_has_its_router_between_o_proj_and_gate_u
 
     model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "mk-top4", "BF16"))
     layers, steps = model.config.num_hidden_layers, 6
-    per_step = 6 * layers + 2
-    tokens = []
-    for timeline in (0, 1 + per_step * (steps - 1)):  # exactly the launch's phases
-        engine = CudaEngine(model.config, model.checkpoint, ctx=256, decode="megakernel",
-                            megakernel_timeline=timeline)
-        try:
-            engine.steps_per_launch, engine.launches_ahead = steps, 0
-            tokens.append(reply(engine, prompt_for(engine), steps))
-            if timeline:
-                records = engine.megakernel_timeline()
-        finally:
-            engine.close()
-    assert tokens[0] == tokens[1]
+    plain, timed, records = plain_and_timeline(
+        lambda timeline: CudaEngine(model.config, model.checkpoint, ctx=256,
+                                    decode="megakernel", megakernel_timeline=timeline),
+        steps, 6 * layers + 2)
+    assert plain == timed
     kinds = [TIMELINE_KINDS[k] for k in records["kind"].max(axis=1)]
     one_step = (["qkv", "attention", "o_proj", "router", "gate_up", "down"] * layers
                 + ["lm_head", "sample"])

@@ -163,10 +163,22 @@ def test_the_same_seed_gives_the_same_512_tokens_run_after_run(shape_engine, sam
         assert reply(shape_engine, prompt, STEPS, seed=12, **params) != first
 
 
-def reply_tokens(engine, steps: int) -> list[int]:
-    request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=steps)),
-                              frozenset(), seed=0)
-    return list(engine.generate(request))
+def plain_and_timeline(make_engine, steps: int, per_step: int):
+    """Greedy replies of `steps` tokens in one launch on a plain build and on a timeline build
+    that records exactly the launch's phases (`per_step` a step; the first step samples the
+    prefill's logits): (the plain tokens, the timeline's tokens, its records).
+    `make_engine(timeline)` makes the engine."""
+    tokens = []
+    for timeline in (0, 1 + per_step * (steps - 1)):
+        engine = make_engine(timeline)
+        try:
+            engine.steps_per_launch, engine.launches_ahead = steps, 0
+            tokens.append(reply(engine, prompt_for(engine), steps))
+            if timeline:
+                records = engine.megakernel_timeline()
+        finally:
+            engine.close()
+    return tokens[0], tokens[1], records
 
 
 def test_a_timeline_build_records_every_phase_of_every_block_in_order_and_same_tokens():
@@ -182,20 +194,12 @@ def test_a_timeline_build_records_every_phase_of_every_block_in_order_and_same_t
     from qwenchat.model.random_weights import RandomWeights
 
     config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=4)
-    steps, per_step = 6, 5 * 4 + 2
-    tokens = []
-    for timeline in (0, 1 + per_step * (steps - 1)):  # exactly the launch's phases
-        engine = CudaEngine(config, RandomWeights(config, seed=1), ctx=256,
-                            decode="megakernel", megakernel_timeline=timeline)
-        try:
-            engine.prefill(prompt_for(engine))
-            engine.steps_per_launch, engine.launches_ahead = steps, 0
-            tokens.append(reply_tokens(engine, steps))
-            if timeline:
-                records = engine.megakernel_timeline()
-        finally:
-            engine.close()
-    assert tokens[0] == tokens[1]
+    steps = 6
+    plain, timed, records = plain_and_timeline(
+        lambda timeline: CudaEngine(config, RandomWeights(config, seed=1), ctx=256,
+                                    decode="megakernel", megakernel_timeline=timeline),
+        steps, 5 * 4 + 2)
+    assert plain == timed
     kinds = [TIMELINE_KINDS[k] for k in records["kind"].max(axis=1)]
     one_step = ["qkv", "attention", "o_proj", "gate_up", "down"] * 4 + ["lm_head", "sample"]
     assert kinds == ["sample"] + one_step * (steps - 1)  # the first samples the prefill's
