@@ -294,7 +294,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
     const int len = pos + 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int part = lane % LPK, slot = lane / LPK;
-    float* comb = vec_buf();  // [WARPS][G][HD]: the warps' scaled partial outputs
+    float* comb = vec_buf();  // [COMB_SLOTS][G][HD]: the warps' scaled partial outputs
     // (QW_MK_DEFER) the producer's refill after the block's last stage of keys waits until
     // this phase's outputs are written: the merges' block barriers would otherwise wait for
     // it (issuing a stage takes the producer ~1 µs), and the outputs are what o_proj waits for.
@@ -548,27 +548,41 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
             return mx;
         };
-        if constexpr (TC_ATTN) {
-            const int g = lane >> 2, t = lane & 3;
+        // The warp's outputs, scaled to the chunk's max, into slot `slot` of comb (`add`: added
+        // to what is there).
+        const auto outputs = [&](int slot, bool add) {
+            const auto store = [add](float& to, float v) { to = add ? to + v : v; };
+            if constexpr (TC_ATTN) {
+                const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int h = 2 * t + e;
-                if (h >= G) continue;
-                const float f = m8[e] == QW_NEG_INF ? 0.f : __expf(m8[e] - warps_max(h));
-                float* out = comb + (warp * G + h) * HD;
+                for (int e = 0; e < 2; ++e) {
+                    const int h = 2 * t + e;
+                    if (h >= G) continue;
+                    const float f = m8[e] == QW_NEG_INF ? 0.f : __expf(m8[e] - warps_max(h));
+                    float* out = comb + (slot * G + h) * HD;
 #pragma unroll
-                for (int i = 0; i < HD / 16; ++i) {
-                    out[tc_dim(i, g)] = acc8[i][e] * f;
-                    out[tc_dim(i, g + 8)] = acc8[i][e + 2] * f;
+                    for (int i = 0; i < HD / 16; ++i) {
+                        store(out[tc_dim(i, g)], acc8[i][e] * f);
+                        store(out[tc_dim(i, g + 8)], acc8[i][e + 2] * f);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    const float e = m[h] == QW_NEG_INF ? 0.f : __expf(m[h] - warps_max(h));
+#pragma unroll
+                    for (int d = 0; d < DPL; ++d)
+                        store(comb[(slot * G + h) * HD + lane * DPL + d], acc[h][d] * e);
                 }
             }
-        } else {
-#pragma unroll
-            for (int h = 0; h < G; ++h) {
-                const float e = m[h] == QW_NEG_INF ? 0.f : __expf(m[h] - warps_max(h));
-#pragma unroll
-                for (int d = 0; d < DPL; ++d) comb[(warp * G + h) * HD + lane * DPL + d] = acc[h][d] * e;
-            }
+        };
+        // Each warp its own slot; or (COMB_HALF, mk_layout.cuh) the first half of the warps
+        // theirs, then each warp of the second half adds its own to slot warp - COMB_SLOTS: a
+        // fixed order, so the sums repeat bit for bit.
+        if (!COMB_HALF || warp < COMB_SLOTS) outputs(warp, false);
+        if constexpr (COMB_HALF) {
+            __syncthreads();
+            if (warp >= COMB_SLOTS) outputs(warp - COMB_SLOTS, true);
         }
         if (warp == 0 && lane < G) {
             const int h = lane;
@@ -584,7 +598,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         for (int out = threadIdx.x; out < G * HD; out += THREADS) {
             const int h = out / HD, head = kvh * G + h, d = out % HD;
             float total = 0.f;
-            for (int w = 0; w < WARPS; ++w) total += comb[(w * G + h) * HD + d];
+            for (int w = 0; w < COMB_SLOTS; ++w) total += comb[(w * G + h) * HD + d];
             if (g.splits == 1) {
                 put(a.attn + head * HD + d, total / sh.gl[h], tag + 1);
             } else {

@@ -283,9 +283,17 @@ constexpr int VEC_F16_BYTES =
          INT4_PAIRS ? 1024 * (DOWN_KP / 512) : 2 * DOWN_KP);
 constexpr int WINDOW_SUMS = INT4_PAIRS ? cmax((VEC_FLOATS + 511) / 512, DOWN_KP / 512) * 8 : 0;
 constexpr int VEC_BYTES = NARROW_MMA ? VEC_F16_BYTES + 4 * WINDOW_SUMS : 4 * VEC_FLOATS;
+// The attention's partial outputs (mk_attention.cuh): a slot a warp, or (QW_MK_COMB_HALF, the
+// host's choice where shared memory is short: 8 query heads a kv head on a 99 KB card) a slot
+// for two warps, the second adding its outputs to the first's.
+#ifndef QW_MK_COMB_HALF
+#define QW_MK_COMB_HALF 0
+#endif
+constexpr bool COMB_HALF = QW_MK_COMB_HALF != 0;
+constexpr int COMB_SLOTS = COMB_HALF ? WARPS / 2 : WARPS;
 constexpr int UNION_BYTES =
     (cmax(cmax(HIST_BYTES, VEC_BYTES),
-          cmax(4 * (qw::hidden + LM_ROWS), WARPS * qw::group * HD * 4)) + 127) / 128 * 128;
+          cmax(4 * (qw::hidden + LM_ROWS), COMB_SLOTS * qw::group * HD * 4)) + 127) / 128 * 128;
 #ifdef QW_MK_HOST_UNION
 static_assert(UNION_BYTES == QW_MK_HOST_UNION,
               "the host's megakernel_layout sizes the union region as the kernel does");

@@ -341,14 +341,16 @@ def test_the_megakernel_decodes_a_mixture_of_experts_as_the_reference_does(
 def megakernel_engine(param: str, tmp_path_factory, tiny_tokenizer):
     """A megakernel engine: "SHAPE FORMAT" (a tiny model of MOE_SHAPES), or "qwen3-30b-a3b
     FORMAT LAYERS [EXPERTS]" (its first LAYERS layers on random weights; EXPERTS: that many
-    experts, every one routed); "kv8" at the end: an int8 KV cache."""
+    experts, every one routed); "kv8" at the end: an int8 KV cache; "small": the layout of a
+    99 KB card (RTX 4090: two 16 KB stages, the attention's sums in half the slots)."""
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.model.loader import open_model_dir
     from qwenchat.model.random_weights import RandomWeights
 
     name, fmt, *rest = param.split()
-    kv_cache = "int8" if rest and rest[-1] == "kv8" else "bf16"
-    rest = [r for r in rest if r != "kv8"]
+    kv_cache = "int8" if "kv8" in rest else "bf16"
+    shared = 101_376 if "small" in rest else None
+    rest = [r for r in rest if r not in ("kv8", "small")]
     if name in MOE_SHAPES:
         model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, name, fmt))
         config, weights = model.config, model.checkpoint
@@ -363,8 +365,9 @@ def megakernel_engine(param: str, tmp_path_factory, tiny_tokenizer):
     # activations move the KV rows of later layers by up to 2x of their largest on these
     # random weights, issue 40)
     engine = CudaEngine(config, weights, ctx=1024, decode="megakernel", fp8_activations="bf16",
-                        kv_cache=kv_cache)
+                        kv_cache=kv_cache, megakernel_shared=shared)
     assert engine.decode == "megakernel" and engine.kv_format == kv_cache
+    assert engine.mk_layout.comb_half == (shared is not None)
     return engine
 
 
@@ -372,7 +375,8 @@ def megakernel_engine(param: str, tmp_path_factory, tiny_tokenizer):
 # logits are bistable, where the GPU's paths and the reference engine all part at the same few
 # positions; docs/perf.md, 2026-11-27 third session. FP8 is checked by the tests on a real
 # top-k below and by the tiny shapes against the reference.)
-@pytest.fixture(scope="module", params=["qwen3-30b-a3b bf16 2 8", "qwen3-30b-a3b int4 3 8"])
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b bf16 2 8", "qwen3-30b-a3b int4 3 8",
+                                        "qwen3-30b-a3b bf16 2 8 small"])
 def all_routed_engine(request, tmp_path_factory, tiny_tokenizer):
     """Qwen3-30B-A3B's widths (2,048-wide rows, experts of 768 rows, eight a token: gate/up
     stages that straddle two experts), with eight experts, every one routed."""
@@ -393,7 +397,8 @@ def test_the_megakernels_greedy_tokens_are_the_per_op_paths_on_every_expert(all_
 
 @pytest.fixture(scope="module", params=["mk-top4 BF16", "mk-top4 FP8", "mk-top4 AWQ",
                                         "qwen3-30b-a3b bf16 2", "qwen3-30b-a3b fp8 4",
-                                        "qwen3-30b-a3b int4 4", "qwen3-30b-a3b fp8 4 kv8"])
+                                        "qwen3-30b-a3b int4 4", "qwen3-30b-a3b fp8 4 kv8",
+                                        "qwen3-30b-a3b int4 4 small"])
 def routed_engine(request, tmp_path_factory, tiny_tokenizer):
     """A megakernel engine on a real top-k: the tiny mk-top4, or Qwen3-30B-A3B's shape (its
     first layers, random weights): 128 experts, 8 a token."""

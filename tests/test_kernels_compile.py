@@ -742,8 +742,45 @@ def test_stages_hold_parts_of_rows_where_whole_rows_fill_them_poorly_or_do_not_f
         assert static + small.fixed + small.stages * small.stage_bytes <= card[0]
     down_row = FP8.row_bytes(PRESETS["qwen3-14b"].intermediate_size)
     assert plan("qwen3-14b", "fp8", "sm_89").stage_bytes < down_row
-    for name, fmt in (("qwen3-14b", "bf16"), ("qwen3-32b", "fp8")):  # their vectors do not fit
-        assert "shared memory" in plan(name, fmt, "sm_89")
+    assert "shared memory" in plan("qwen3-14b", "bf16", "sm_89")  # its vectors do not fit
+    assert "shared memory" in plan("qwen3-32b", "bf16", "sm_89")
+
+
+def test_eight_query_heads_a_kv_head_fit_a_99_kb_card_with_the_attention_sums_halved():
+    # 32B and 30B-A3B (8 query heads a kv head) keep a slot of attention partial outputs a warp
+    # (64 KB of the union region) wherever that fits, and on a 99 KB card a slot for two warps
+    # (QW_MK_COMB_HALF), which makes them fit; every other layout is as before.
+    card = GPUS["sm_89"]
+    for name, fmt in (("qwen3-30b-a3b", "int4"), ("qwen3-30b-a3b", "fp8"),
+                      ("qwen3-30b-a3b", "bf16"), ("qwen3-32b", "fp8"), ("qwen3-32b", "int4")):
+        cfg = PRESETS[name]
+        small = megakernel_layout(cfg, *card, fmt, fmt == "fp8")
+        assert not isinstance(small, str) and small.comb_half and small.stages >= 2, name
+        assert dict(small.defines(cfg, fmt))["QW_MK_COMB_HALF"] == 1
+        static = megakernel_static_shared(cfg, small.split)
+        assert static + small.fixed + small.stages * small.stage_bytes <= card[0], name
+        assert small.split == (name == "qwen3-32b"), name  # (32B's SwiGLU vector: parts)
+        for arch in ("sm_80", "sm_90"):  # where the whole slots fit
+            big = megakernel_layout(cfg, *GPUS[arch], fmt, fmt == "fp8")
+            assert not big.comb_half and "QW_MK_COMB_HALF" not in dict(big.defines(cfg, fmt))
+    for name in ("qwen3-8b", "qwen3-14b"):  # (4 and 5 query heads: they fit as they were)
+        layout = megakernel_layout(PRESETS[name], *card, "fp8", True)
+        assert not isinstance(layout, str) and not layout.comb_half, name
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b",
+                                   pytest.param("qwen3-32b", marks=COMPILE_MATRIX)])
+@compiled_ahead(lambda model: [
+    ("megakernel.cu", "sm_89",
+     dict(plan_kernels(PRESETS[model], "int4", gpu_shape("sm_89")).megakernel.defines))])
+def test_the_megakernel_with_halved_attention_sums_compiles_and_its_static_memory_fits(
+        model, nvrtc_pool):
+    plan = plan_kernels(PRESETS[model], "int4", gpu_shape("sm_89"))
+    assert plan.decode == "megakernel" and plan.megakernel_layout.comb_half
+    cubin = nvrtc_pool.cubin("megakernel.cu", "sm_89", dict(plan.megakernel.defines))
+    static = megakernel_static_shared(PRESETS[model], plan.megakernel_layout.split)
+    assert 16 * 1024 < static_shared(cubin, "decode_megakernel") <= static
 
 
 def test_how_stages_hold_rows_can_be_forced_and_an_unknown_way_is_refused():

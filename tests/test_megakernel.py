@@ -30,14 +30,15 @@ RTX_4090_SHARED = 101_376  # opt-in shared memory a block on an RTX 4090 (sm_89)
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-0.6b fp8",
                                         "qwen3-4b fp8", "qwen3-8b fp8 99KB", "qwen3-4b bf16 99KB",
-                                        "qwen3-14b fp8 99KB 8", "qwen3-0.6b bf16 parts",
-                                        "qwen3-4b fp8 parts"])
+                                        "qwen3-14b fp8 99KB 8", "qwen3-32b int4 99KB 4",
+                                        "qwen3-0.6b bf16 parts", "qwen3-4b fp8 parts"])
 def shape_engine(request):
     """A CUDA engine on seeded random weights of a real shape (every layer, or the first N),
     megakernel on. FP8: the megakernel dots them on the tensor cores (H100), the graph on the
     CUDA cores. 99KB: the megakernel laid out for an RTX 4090's shared memory, as it runs
     there: two 16 KB stages of whole rows (8B FP8), or stages that hold parts of rows (4B bf16:
-    15 KB; 14B FP8: 13 KB, less than one of its 17.5 KB down rows). 4B bf16 on the H100 streams
+    15 KB; 14B FP8: 13 KB, less than one of its 17.5 KB down rows; 32B int4: 8 KB, the attention's
+    sums in half the slots: mk_layout.cuh, COMB_HALF). 4B bf16 on the H100 streams
     parts of rows too (its whole rows fill a stage to 62%); "parts" forces them where the layout
     would take whole rows."""
     from qwenchat.engine.cuda.engine import CudaEngine

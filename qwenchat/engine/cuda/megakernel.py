@@ -87,6 +87,7 @@ class MegakernelLayout:
     mma: bool = False  # narrow (FP8, int4) rows on the tensor cores, their vectors staged as f16
     split: bool = False  # stages hold parts of rows (runs of 256-column items)
     mma_seg: int = 1024  # (mma, whole rows) columns of a row that one consumer warp dots
+    comb_half: bool = False  # the attention's partial outputs in half the slots (COMB_HALF)
 
     def defines(self, config: Qwen3Config, weight_format: str = "bf16",
                 kv_format: str = "bf16") -> dict[str, int | float]:
@@ -102,6 +103,8 @@ class MegakernelLayout:
             defines["QW_MK_SPLIT"] = 1
         if self.mma and self.mma_seg != 1024:
             defines["QW_MK_MMA_SEG"] = self.mma_seg
+        if self.comb_half:
+            defines["QW_MK_COMB_HALF"] = 1
         return defines
 
 
@@ -147,17 +150,36 @@ def megakernel_layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int,
     # int4 rows always take the tensor cores (their conversion is integer work on any GPU).
     mma = weight_format == "int4" or (f8_mma and weight_format == "fp8")
     wide = mma and bandwidth / sm_count >= MMA_RING_BANDWIDTH
-    if rows != "auto":
-        return _layout(cfg, shared_per_block, sm_count, weight_format, mma, rows == "parts",
-                       wide)
-    whole = _layout(cfg, shared_per_block, sm_count, weight_format, mma, split=False,
-                    wide=wide)
-    if isinstance(whole, str) or (not mma and stage_fill(cfg, whole, weight_format)
-                                  < SPLIT_BELOW_FILL):
-        split = _layout(cfg, shared_per_block, sm_count, weight_format, mma, split=True)
-        if not isinstance(split, str) or isinstance(whole, str):
-            return split
-    return whole
+
+    def choose(comb_half: bool) -> MegakernelLayout | str:
+        if rows != "auto":
+            return _layout(cfg, shared_per_block, sm_count, weight_format, mma,
+                           rows == "parts", wide, comb_half)
+        whole = _layout(cfg, shared_per_block, sm_count, weight_format, mma, False, wide,
+                        comb_half)
+        if isinstance(whole, str) or (not mma and stage_fill(cfg, whole, weight_format)
+                                      < SPLIT_BELOW_FILL):
+            split = _layout(cfg, shared_per_block, sm_count, weight_format, mma, True,
+                            comb_half=comb_half)
+            if not isinstance(split, str) or isinstance(whole, str):
+                return split
+        return whole
+
+    # Where it does not fit, the attention's partial outputs in half the slots (COMB_HALF in
+    # mk_layout.cuh) may make it: 8 query heads a kv head (32B, 30B-A3B) on a 99 KB card.
+    layout = choose(False)
+    if isinstance(layout, str) and attention_sums_bytes(cfg) > MEGAKERNEL_HISTOGRAM_BYTES:
+        halved = choose(True)
+        if not isinstance(halved, str):
+            return halved
+    return layout
+
+
+def attention_sums_bytes(cfg: Qwen3Config, comb_half: bool = False) -> int:
+    """The attention phase's partial outputs in the union region: a slot a warp, or (COMB_HALF)
+    a slot for two warps, the second adding its outputs to the first's."""
+    slots = MEGAKERNEL_THREADS // 32 // (2 if comb_half else 1)
+    return slots * cfg.group_size * cfg.head_dim * 4
 
 
 SPLIT_BELOW_FILL = 0.65  # whole rows fill a stage less: stream parts of rows (measured)
@@ -204,7 +226,8 @@ def megakernel_static_shared(cfg: Qwen3Config, split: bool) -> int:
 
 
 def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_format: str,
-            mma: bool, split: bool, wide: bool = False) -> MegakernelLayout | str:
+            mma: bool, split: bool, wide: bool = False,
+            comb_half: bool = False) -> MegakernelLayout | str:
     """megakernel_layout for one way of streaming the weights."""
     static = megakernel_static_shared(cfg, split)
     stage = MEGAKERNEL_STAGE_BYTES
@@ -226,10 +249,12 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
     if weight_format == "int4" and not split:  # 512-column steps and their windows' sums
         f16_vector = (1024 + 4 * 8) * int4_steps
 
+    comb = attention_sums_bytes(cfg, comb_half)
+
     def fixed_bytes(vector: int) -> int:  # the union region and the layer table
         union = max(MEGAKERNEL_HISTOGRAM_BYTES, vector,
                     4 * (cfg.hidden_size + lm_rows),  # (the logits go after the LM head's input)
-                    MEGAKERNEL_THREADS // 32 * cfg.group_size * cfg.head_dim * 4)
+                    comb)
         return (union + 127) // 128 * 128 + cfg.num_hidden_layers * layer_bytes(cfg)
 
     fixed = fixed_bytes(f16_vector if mma else 4 * max(widths))
@@ -287,7 +312,7 @@ def _layout(cfg: Qwen3Config, shared_per_block: int, sm_count: int, weight_forma
         return "this mixture of experts is too wide for the decode megakernel on this GPU"
     if split and math.ceil(cfg.intermediate_size / blocks) > 512:  # PAIR_ROWS in mk_layout.cuh
         return "this model's MLP is too wide for the decode megakernel on this GPU"
-    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, mma, split, seg)
+    return MegakernelLayout(count, stage, fixed, blocks, lm_rows, mma, split, seg, comb_half)
 
 
 MMA_SEG_MOST = 2560  # columns of a row a warp dots on the tensor cores, at most (FP8)
