@@ -106,12 +106,13 @@ __device__ __forceinline__ float route_and_stage(const MegaArgs& a, const tagged
     }
 }
 
-// The experts' down rows as one phase (DOWN1): each virtual row's sum (expert slot k's share of
-// hidden row r) goes to its slot here, and the one that completes a row's TOPK adds them in slot
-// order, so the sum never depends on which warp finished first. Written and read with integer
-// atomics, relaxed, ordered by the fences and the count (as rows_phase_whole's stage sums).
-__shared__ float expert_sums[qwm::TOPK][DOWN1 ? DOWN_ROWS : 1];
-__shared__ unsigned expert_counts[DOWN1 ? DOWN_ROWS : 1];
+// The experts' down rows (one phase, mk_layout.cuh): each virtual row's sum (expert slot k's
+// share of hidden row r) goes to its slot here, and the one that completes a row's TOPK adds
+// them in slot order, so the sum never depends on which warp finished first. Written and read
+// with integer atomics, relaxed, ordered by the fences and the count (as rows_phase_whole's
+// stage sums).
+__shared__ float expert_sums[qwm::TOPK][DOWN_ROWS];
+__shared__ unsigned expert_counts[DOWN_ROWS];
 
 // Virtual row v's sum s, of a block with n hidden rows; returns whether row v % n is complete,
 // with its total.
@@ -144,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
     init_ranges();
     init_stage_sums();
 #if QW_MK_MOE
-    for (int i = threadIdx.x; i < (DOWN1 ? DOWN_ROWS : 0); i += THREADS) expert_counts[i] = 0u;
+    for (int i = threadIdx.x; i < DOWN_ROWS; i += THREADS) expert_counts[i] = 0u;
 #endif
     QW_TL_INIT();
     __syncthreads();
@@ -244,41 +245,24 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
                         });
                     // Their down rows as one phase (every slot's part of h staged, the rows of
                     // a hidden row's experts summed in slot order), the layer's output, tag t + 5.
-                    if constexpr (DOWN1) {
-                        const int nb = row_ranges[1].y - hid_lo;
-                        rows_phase_whole<MINTER, false, qw::wfmt, true>(
-                            a, consumed, qw::hidden,
-                            [&](Vec<MINTER>&) {
-                                if constexpr (NARROW_MMA) {
-                                    return stage_f16<KI, MINTER, DOWN_PAD>(a.h, nullptr, t + 4u,
-                                                                           nullptr, 0.f);
-                                } else {
-                                    stage_vector<KI>(a.h, nullptr, t + 4u, false);
-                                    return 1.f;
-                                }
-                            },
-                            no_pre, [&](int v, float s, float, int) {
-                                float total;
-                                if (expert_row_done(v, nb, s, total))
-                                    put(a.x + hid_lo + v % nb, resid[v % nb] += total, t + 5u);
-                            });
-                        continue;
-                    }
-                    // (QW_MK_DOWN1 0) Their down rows, expert after expert in rank order, added
-                    // to the residual rows in that order; the last one's sums are the layer's
-                    // output, tag t + 5.
-                    for (int k = 0; k < qwm::TOPK; ++k) {
-                        const bool last = k + 1 == qwm::TOPK;
-                        rows_phase<MINTER, false>(
-                            a, consumed, qw::hidden,
-                            [&](VecArg<MINTER>& v) {
-                                return load_plain<MINTER>(v, a.h + k * MINTER, t + 4u);
-                            },
-                            no_pre, [&](int r, float s, float, int) {
-                                const float sum = resid[r - hid_lo] += s;
-                                if (last) put(a.x + r, sum, t + 5u);
-                            });
-                    }
+                    // (Eight phases, one an expert, were 21-30% slower: docs/perf.md.)
+                    const int nb = row_ranges[1].y - hid_lo;
+                    rows_phase_whole<MINTER, false, qw::wfmt, true>(
+                        a, consumed, qw::hidden,
+                        [&](Vec<MINTER>&) {
+                            if constexpr (NARROW_MMA) {
+                                return stage_f16<KI, MINTER, DOWN_PAD>(a.h, nullptr, t + 4u,
+                                                                       nullptr, 0.f);
+                            } else {
+                                stage_vector<KI>(a.h, nullptr, t + 4u, false);
+                                return 1.f;
+                            }
+                        },
+                        no_pre, [&](int v, float s, float, int) {
+                            float total;
+                            if (expert_row_done(v, nb, s, total))
+                                put(a.x + hid_lo + v % nb, resid[v % nb] += total, t + 5u);
+                        });
                     continue;
                 }
 #endif

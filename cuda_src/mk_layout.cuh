@@ -263,20 +263,16 @@ constexpr int VEC_FLOATS = cmax(cmax(cmax(qw::hidden, qw::q_size), qw::intermedi
 // Whole int4 rows (int4_pair_dot) take the vector in 512-column steps, in the order its lanes
 // read it (stage_f16), and the sums of its 64-column windows after it.
 constexpr bool INT4_PAIRS = qw::int4 && !SPLIT;
-// A mixture of experts' down rows stream as one phase (QW_MK_DOWN1; 0: one phase an expert, for
-// comparisons): virtual rows v = k n + r of the block's n hidden rows, expert slot k's down row
-// lo + r, whose input is slot k's part of h. Narrow rows on the tensor cores take h as f16 with
-// each slot's part padded to whole steps of their consumer (256 columns; int4, 512), so that a
-// row's dot product reads only its own part (mk_matvec.cuh, stage_f16's SEG).
-#ifndef QW_MK_DOWN1
-#define QW_MK_DOWN1 1
-#endif
-constexpr bool DOWN1 = MOE && QW_MK_DOWN1 != 0;
+// A mixture of experts' down rows stream as one phase: virtual rows v = k n + r of the block's
+// n hidden rows, expert slot k's down row lo + r, whose input is slot k's part of h. Narrow
+// rows on the tensor cores take h as f16 with each slot's part padded to whole steps of their
+// consumer (256 columns; int4, 512), so that a row's dot product reads only its own part
+// (mk_matvec.cuh, stage_f16's SEG).
 constexpr int DOWN_PAD = !NARROW_MMA ? MINTER : INT4_PAIRS ? (MINTER + 511) / 512 * 512
                                                            : steps(MINTER) * STEP;
-constexpr int DOWN_KP = DOWN1 ? qwm::TOPK * DOWN_PAD : 0;  // h's columns as staged
+constexpr int DOWN_KP = MOE ? qwm::TOPK * DOWN_PAD : 0;  // h's columns as staged
 constexpr int DOWN_ROWS = 64;  // hidden rows a block may own (the host checks: megakernel.py)
-static_assert(!DOWN1 || MINTER % 8 == 0, "an expert's part of h in whole 8-value chunks");
+static_assert(!MOE || MINTER % 8 == 0, "an expert's part of h in whole 8-value chunks");
 constexpr int VEC_F16_BYTES =
     cmax(INT4_PAIRS ? 1024 * ((VEC_FLOATS + 511) / 512)
                     : 2 * 256 * cmax(cmax(steps(qw::hidden), steps(qw::q_size)), steps(qw::intermediate)),

@@ -659,7 +659,7 @@ __shared__ unsigned stage_arrivals[STAGES][SPLIT ? 1 : STAGE_OUTS];
 // (loads the emit will need). With PAIRS a stage holds gate rows and then (at PAIRS_PER_STAGE
 // rows) the matching up rows, and `up` is the up row's sum. WF: the rows' format (qw::wfmt, or
 // qw::BF16: the LM head). Not inlined: each phase gets all the registers.
-// EXPERTS: a mixture of experts' down rows as one phase (DOWN1, mk_layout.cuh; n_rows is
+// EXPERTS: a mixture of experts' down rows as one phase (mk_layout.cuh, DOWN_PAD; n_rows is
 // hidden): the rows are the virtual rows v = k n + r of the block's n hidden rows (expert slot
 // k's row lo + r, expert_down_source), `load` stages all of h in shared memory (each slot's
 // part from column k DOWN_PAD), each row is dotted with its slot's part, and `emit` gets v.
@@ -667,7 +667,7 @@ template <int K, bool PAIRS, int WF = qw::wfmt, bool EXPERTS = false, typename L
           typename Emit>
 __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consumed, int n_rows,
                                               Load load, Pre pre, Emit emit) {
-    static_assert(!EXPERTS || (DOWN1 && !PAIRS && K == MINTER), "the experts' down rows");
+    static_assert(!EXPERTS || (MOE && !PAIRS && K == MINTER), "the experts' down rows");
     constexpr bool MMA = mma_rows<WF>();  // two rows a warp on the tensor cores
     constexpr int NSEG = nseg<WF>(K), GROUPS = CWARPS / NSEG;
     constexpr int PER = PAIRS ? PAIRS_PER_STAGE : rows_per_stage<WF>(K);

@@ -186,12 +186,7 @@ __device__ __forceinline__ MegaLayer* layer_table() {
     return reinterpret_cast<MegaLayer*>(stage_mem + STAGES * STAGE + UNION_BYTES);
 }
 
-// Stages of one expert's down rows (QW_MK_DOWN1 0: the DOWN phase is TOPK of them).
-__device__ __forceinline__ int expert_down_tiles() {
-    return matrix_tiles<MINTER, qw::wfmt, false>(qw::hidden);
-}
-
-// The experts' down rows as one phase (DOWN1, mk_layout.cuh): the virtual rows a stage takes
+// The experts' down rows, one phase (mk_layout.cuh): the virtual rows a stage takes
 // for a block of n hidden rows. At most 3n + 1, so that a stage's rows come from four experts
 // at most (one copy each: expert_down_source).
 __device__ __forceinline__ int expert_down_per(int n) {
@@ -209,7 +204,7 @@ __device__ int phase_tiles(const MegaArgs& a, int layer, int phase, int f) {
     if constexpr (MOE) {
         if (phase == ROUTER) return matrix_tiles<qw::hidden, qw::BF16, false>(qwm::EXPERTS);
         if (phase == GATEUP) return matrix_tiles<qw::hidden, qw::wfmt, true>(KI);
-        if (phase == DOWN) return DOWN1 ? expert_down_stages() : qwm::TOPK * expert_down_tiles();
+        if (phase == DOWN) return expert_down_stages();
     }
     switch (phase) {
         case QKV: return matrix_tiles<qw::hidden, qw::wfmt, false>(QKV_ROWS);
@@ -310,7 +305,7 @@ __device__ __forceinline__ void expert_pairs_source(TileSource& s, int t, const 
     }
 }
 
-// Stage t of the experts' down rows as one phase (DOWN1): virtual rows [v0, v1), v = k n + r
+// Stage t of the experts' down rows (one phase): virtual rows [v0, v1), v = k n + r
 // being expert slot k's down row lo + r; each slot's run of them is one copy, to the stage
 // offset of its first row (four at most: expert_down_per).
 __device__ __forceinline__ void expert_down_source(TileSource& s, int t, const unsigned char* w) {
@@ -357,15 +352,8 @@ __device__ TileSource tile_source(const MegaArgs& a, const Cursor c) {
             expert_pairs_source(s, c.t, L.gate_up);
             return s;
         }
-        if (DOWN1 && c.phase == DOWN) {
+        if (c.phase == DOWN) {
             expert_down_source(s, c.t, L.down);
-            return s;
-        }
-        if (c.phase == DOWN) {  // (one phase an expert) slot k's rows, k = t / (its stages)
-            constexpr long long DOWN_BYTES = qw::hidden * row_bytes<qw::wfmt>(MINTER);
-            const int per = expert_down_tiles(), k = c.t / per;
-            matrix_source<MINTER, qw::wfmt, false>(s, c.t - k * per,
-                                                    L.down + routing.ids[k] * DOWN_BYTES, hidden);
             return s;
         }
     }
