@@ -121,9 +121,9 @@ __device__ __forceinline__ void take_pairs(const tagged_t* src, const bf16_t* ro
     }
 }
 
-// f(q, i, pair) for each of the thread's pairs i = threadIdx.x + q THREADS (i < K / 2) of a
+// f(q, i, pair) for each of the thread's pairs i = threadIdx.x + q NT (i < K / 2) of a
 // K-vector that other blocks are writing with `tag` (or of a bf16 embedding row), taken one
-// at a time (B = 1) or B at a time (take_pairs).
+// at a time (B = 1) or B at a time (take_pairs); NT threads take part (take_pairs).
 template <int K, int B, int NT = THREADS, typename F>
 __device__ __forceinline__ void for_pairs(const tagged_t* src, const bf16_t* row, unsigned tag,
                                           bool wait, F f) {
