@@ -1074,3 +1074,15 @@ def test_a_detached_compile_outlives_the_process_that_started_it(tmp_path):
         time.sleep(0.05)
     assert cache.cached(build) == compile_source("sampling.cu", "sm_90",
                                                  kernel_defines(PRESETS["qwen3-0.6b"]))
+
+
+def test_a_mixture_of_experts_with_more_hidden_rows_a_block_than_the_down_sums_hold_is_refused():
+    # The experts' down rows meet in a table of MEGAKERNEL_EXPERT_ROWS hidden rows a block
+    # (DOWN_ROWS in mk_layout.cuh): 30B-A3B's 2,048 rows need 32 blocks at least.
+    from qwenchat.engine.cuda.megakernel import MEGAKERNEL_EXPERT_ROWS
+
+    cfg = PRESETS["qwen3-30b-a3b"]
+    fewest = -(-cfg.hidden_size // MEGAKERNEL_EXPERT_ROWS)
+    assert not isinstance(megakernel_layout(cfg, GPUS["sm_90"][0], fewest, "fp8", True), str)
+    too_few = megakernel_layout(cfg, GPUS["sm_90"][0], fewest - 1, "fp8", True)
+    assert isinstance(too_few, str) and "too wide" in too_few
