@@ -1086,3 +1086,113 @@ def test_a_mixture_of_experts_with_more_hidden_rows_a_block_than_the_down_sums_h
     assert not isinstance(megakernel_layout(cfg, GPUS["sm_90"][0], fewest, "fp8", True), str)
     too_few = megakernel_layout(cfg, GPUS["sm_90"][0], fewest - 1, "fp8", True)
     assert isinstance(too_few, str) and "too wide" in too_few
+
+
+@needs_nvrtc
+def test_a_build_another_compilation_is_compiling_is_waited_for_not_compiled_again(
+        src, tmp_path, compiles, monkeypatch):
+    # An early start (qwenchat/engine/cuda/early.py) and the engine's own compilation ask for
+    # the same builds: the second waits for the first's compile, and reports it as its own.
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    spy = compiler._compile
+
+    def held(*args, **kwargs):
+        started.set()
+        release.wait(10)
+        return spy(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "_compile", held)
+    cache = KernelCache(tmp_path / "cubins", src)
+    build = KernelBuild.of("tiny.cu", "sm_90", TINY_DEFINES)
+    early = cache.start([build])
+    assert started.wait(10)
+    progress: list[str] = []
+    second = cache.start([build], progress=progress.append)
+    release.set()
+    assert second.cubin(build) == early.cubin(build)
+    assert second.cubin(build).startswith(ELF_MAGIC)
+    assert compiles == ["tiny.cu"] and second.to_compile == [build]
+    assert len(progress) == 1 and progress[0].startswith("compiled tiny.cu in ")
+    assert not compiler._IN_FLIGHT  # (nothing left under way)
+    assert cache.start([build]).to_compile == []  # and it is in the cache
+
+
+# --- compiles started before the driver is up (qwenchat/engine/cuda/early.py) ---------------
+class FakeNvml:
+    """libnvidia-ml's calls that early.py makes, answering for GPUs of these capabilities."""
+
+    def __init__(self, capabilities, init=0):
+        self.capabilities, self.init, self.shut = capabilities, init, False
+
+    def nvmlInit_v2(self):
+        return self.init
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.capabilities)
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index + 1
+        return 0
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+        major._obj.value, minor._obj.value = self.capabilities[handle.value - 1]
+        return 0
+
+    def nvmlShutdown(self):
+        self.shut = True
+        return 0
+
+
+def test_the_architecture_is_guessed_only_where_every_gpu_has_the_same():
+    from qwenchat.engine.cuda import early
+
+    h100s = FakeNvml([(9, 0), (9, 0)])
+    assert early.nvml_capabilities(lambda _: h100s) == [(9, 0), (9, 0)] and h100s.shut
+    assert early.architecture_of([(9, 0), (9, 0)]) == "sm_90"
+    assert early.architecture_of([(8, 9)]) == "sm_89"
+    assert early.architecture_of([(9, 0), (8, 9)]) is None  # (CUDA's order is not NVML's)
+    assert early.architecture_of([]) is None
+    assert early.nvml_capabilities(lambda _: FakeNvml([(9, 0)], init=9)) == []
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    assert early.nvml_capabilities(missing) == []
+
+
+def test_no_guess_where_cuda_sees_no_gpu(monkeypatch):
+    from qwenchat.engine.cuda import early
+
+    monkeypatch.setattr(early, "nvml_capabilities", lambda: [(9, 0)])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert early.guess_architecture() is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert early.guess_architecture() == "sm_90"
+
+
+@pytest.mark.parametrize(("name", "weights", "kv"), [("qwen3-0.6b", "bf16", "bf16"),
+                                                     ("qwen3-8b", "fp8", "int8"),
+                                                     ("qwen3-30b-a3b", "int4", "bf16")])
+def test_an_early_start_compiles_the_builds_the_engines_plan_will_ask_for(
+        name, weights, kv, monkeypatch):
+    # The same builds as plan_kernels' on that GPU, less the megakernel (which waits for the
+    # GPU's shared memory): the engine's compilation then waits for them (compiler.py).
+    from qwenchat.engine.cuda import early
+    from qwenchat.model.fp8 import with_quantization
+    from qwenchat.model.random_weights import RandomWeights
+
+    started: list[list[KernelBuild]] = []
+    monkeypatch.setattr(KernelCache, "start", lambda self, builds, *a, **k: started.append(
+        list(builds)))
+    config = PRESETS[name]
+    source = with_quantization(RandomWeights(config), "none" if weights == "bf16" else weights)
+    early.start_early_compiles(config, source, kv, guess=lambda: "sm_90").join(30)
+    plan = plan_kernels(config, weights, gpu_shape("sm_90"), kv_format=kv)
+    assert plan.megakernel is not None
+    assert started == [[b for b in plan.builds if b != plan.megakernel]]
+    started.clear()
+    early.start_early_compiles(config, source, kv, guess=lambda: None).join(30)
+    assert started == []

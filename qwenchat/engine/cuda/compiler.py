@@ -255,8 +255,16 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# Compiles under way in this process, by cache entry: a Compilation that needs a build another
+# one is already compiling (an early start, qwenchat/engine/cuda/early.py) waits for that
+# compile instead of running it again.
+_IN_FLIGHT: dict[Path, Future[bytes]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
 class Compilation:
-    """The cubins of a run's builds, being read from the cache or compiled on worker threads.
+    """The cubins of a run's builds, being read from the cache or compiled on worker threads
+    (or waited for, where another Compilation of this process is compiling one already).
 
     `cubin(build)` waits for one; `cancel()` drops the compiles not yet started (those under
     way finish on their thread, NVRTC cannot be interrupted, and are stored)."""
@@ -283,7 +291,16 @@ class Compilation:
         self.to_compile = [build for build, _, _ in missing]
         if not missing:
             return
-        threads = max(1, min(len(missing), workers or usable_cpus()))
+        own = []  # (the others are compiling already: their futures are waited for)
+        with _IN_FLIGHT_LOCK:
+            for build, options, path in missing:
+                under_way = _IN_FLIGHT.get(path)
+                if under_way is not None and not under_way.cancelled():
+                    self._futures[build] = under_way
+                    self._follow(build, under_way)
+                else:
+                    own.append((build, options, path))
+        threads = max(1, min(len(own) or 1, workers or usable_cpus()))
         if announce is not None:
             if len(missing) == 1:
                 announce(f"compiling {missing[0][0]} (once per model and GPU)")
@@ -291,24 +308,45 @@ class Compilation:
                 arches = " and ".join(dict.fromkeys(b.arch for b in self.to_compile))
                 announce(f"compiling {len(missing)} kernels for {arches} on {threads} "
                          f"thread{'s' * (threads > 1)} (once per model and GPU)")
+        if not own:
+            return
         executor = ThreadPoolExecutor(threads, thread_name_prefix="qwenchat-nvrtc")
-        for build, options, path in missing:
-            self._futures[build] = executor.submit(self._compile, build, options, path)
+        with _IN_FLIGHT_LOCK:
+            for build, options, path in own:
+                self._futures[build] = _IN_FLIGHT[path] = executor.submit(
+                    self._compile, build, options, path)
         executor.shutdown(wait=False)  # its threads end once the queue is empty
 
     def _compile(self, build: KernelBuild, options: list[str], path: Path) -> bytes:
         started = time.perf_counter()
-        cubin = _compile(build.source, build.arch, options, self._sources)
-        self._cache._store(path, cubin)
+        try:
+            cubin = _compile(build.source, build.arch, options, self._sources)
+            self._cache._store(path, cubin)
+        finally:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.pop(path, None)
+        self._done(build, time.perf_counter() - started)
+        return cubin
+
+    def _follow(self, build: KernelBuild, under_way: Future[bytes]) -> None:
+        """Report the build's compile in another Compilation as this one's when it ends."""
+        started = time.perf_counter()
+        under_way.add_done_callback(
+            lambda done: self._done(build, time.perf_counter() - started, done))
+
+    def _done(self, build: KernelBuild, seconds: float,
+              future: Future[bytes] | None = None) -> None:
+        """A compile ended (here, or in the Compilation this one waits on: `future`)."""
+        if future is not None and (future.cancelled() or future.exception() is not None):
+            return
         with self._lock:
-            self.compiled[build] = time.perf_counter() - started
+            self.compiled[build] = seconds
             left = [b.name for b in self.to_compile if b not in self.compiled]
-            line = (f"compiled {build.name} in {self.compiled[build]:.1f} s "
+            line = (f"compiled {build.name} in {seconds:.1f} s "
                     f"({len(self.compiled)} of {len(self.to_compile)}"
                     + (f"; to go: {', '.join(left)}" if left else "") + ")")
         if self._progress is not None:
             self._progress(line)
-        return cubin
 
     def cubin(self, build: KernelBuild) -> bytes:
         """The build's cubin, once compiled (a compile error is raised here)."""

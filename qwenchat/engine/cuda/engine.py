@@ -216,14 +216,8 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
             raise QwenchatError(f"the megakernel's shared memory must be {MEGAKERNEL_MIN_SHARED:,} "
                                 f"to {shared:,} bytes on this GPU; got {megakernel_shared:,}")
         shared = megakernel_shared
-    hopper = device.arch == "sm_90"
-    if prefill_kernels == "hopper" and not hopper:
-        raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {device.arch}")
-    hopper_gemm = hopper and prefill_kernels != "portable"
-    hopper_attention = hopper_gemm and config.head_dim in (64, 128)
-    # (each 128-row box of the fused Q/K/V rows must lie in one of Q, K, V: one block scale)
-    fp8_gemm = (hopper_gemm and weight_format == "fp8" and fp8_activations != "bf16"
-                and config.q_size % 128 == 0 and config.kv_size % 128 == 0)
+    hopper_gemm, hopper_attention, fp8_gemm = prefill_paths(config, weight_format, device.arch,
+                                                            prefill_kernels, fp8_activations)
     layout = megakernel_layout(config, shared, device.sm_count, weight_format,
                                fp8_on_tensor_cores(device.arch, megakernel_consumer),
                                megakernel_rows, device.memory_bandwidth)
@@ -243,6 +237,22 @@ def plan_kernels(config: Qwen3Config, weight_format: str, device: GpuShape,
                       kernel_builds(config, weight_format, device.arch, hopper_gemm=hopper_gemm,
                                     hopper_attention=hopper_attention, megakernel=build,
                                     kv_format=kv_format, fp8_gemm=fp8_gemm))
+
+
+def prefill_paths(config: Qwen3Config, weight_format: str, arch: str,
+                  prefill_kernels: str = "auto", fp8_activations: str = "auto"
+                  ) -> tuple[bool, bool, bool]:
+    """(the Hopper GEMMs, the Hopper prefill attention, FP8 products on e4m3 activations) for
+    a run on `arch` (plan_kernels; qwenchat/engine/cuda/early.py asks before the driver is up)."""
+    hopper = arch == "sm_90"
+    if prefill_kernels == "hopper" and not hopper:
+        raise BackendUnavailable(f"the Hopper prefill needs an sm_90 GPU; this is {arch}")
+    hopper_gemm = hopper and prefill_kernels != "portable"
+    hopper_attention = hopper_gemm and config.head_dim in (64, 128)
+    # (each 128-row box of the fused Q/K/V rows must lie in one of Q, K, V: one block scale)
+    fp8_gemm = (hopper_gemm and weight_format == "fp8" and fp8_activations != "bf16"
+                and config.q_size % 128 == 0 and config.kv_size % 128 == 0)
+    return hopper_gemm, hopper_attention, fp8_gemm
 
 
 def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
