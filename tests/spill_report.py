@@ -26,7 +26,8 @@ from qwenchat.model.presets import PRESETS
 
 H100 = (232_448, 132, 3.35e12)  # shared memory a block, SMs, bandwidth: the layout's inputs
 CONFIGS = ("qwen3-0.6b:bf16", "qwen3-0.6b:int4", "qwen3-0.6b:fp8", "qwen3-4b:int4",
-           "qwen3-8b:bf16", "qwen3-8b:fp8", "qwen3-8b:int4", "qwen3-32b:fp8")
+           "qwen3-8b:bf16", "qwen3-8b:fp8", "qwen3-8b:int4", "qwen3-32b:fp8",
+           "qwen3-30b-a3b:fp8", "qwen3-30b-a3b:int4")
 FUNCTION = re.compile(r"Function properties for (\S+)")
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
