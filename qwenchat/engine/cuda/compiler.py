@@ -300,7 +300,9 @@ class Compilation:
                     self._follow(build, under_way)
                 else:
                     own.append((build, options, path))
-        threads = max(1, min(len(own) or 1, workers or usable_cpus()))
+        # (threads: as many as compile at once for this run, counting those another
+        # compilation runs for it)
+        threads = max(1, min(len(missing), workers or usable_cpus()))
         if announce is not None:
             if len(missing) == 1:
                 announce(f"compiling {missing[0][0]} (once per model and GPU)")
@@ -310,7 +312,7 @@ class Compilation:
                          f"thread{'s' * (threads > 1)} (once per model and GPU)")
         if not own:
             return
-        executor = ThreadPoolExecutor(threads, thread_name_prefix="qwenchat-nvrtc")
+        executor = ThreadPoolExecutor(min(threads, len(own)), thread_name_prefix="qwenchat-nvrtc")
         with _IN_FLIGHT_LOCK:
             for build, options, path in own:
                 self._futures[build] = _IN_FLIGHT[path] = executor.submit(
