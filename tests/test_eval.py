@@ -223,3 +223,29 @@ def test_the_command_prints_figures_and_refuses_a_bad_window_in_one_line(tiny_mo
     assert bad.stderr.splitlines() == ["qwenchat: error: --window 64 is longer than --ctx 32: a "
                                        "window must fit the KV cache; lower --window or raise "
                                        "--ctx"]
+
+
+def test_the_scores_in_float32_rows_agree_with_a_float64_computation():
+    # eval keeps a window's logits in float32 and only each row's log-sum-exp in float64
+    # (Rows): the target's log probability, the top-1 and KL(base || ours) against float64
+    # log-softmaxes of the same logits.
+    from qwenchat.eval import Rows, kl_full, kl_top
+
+    def log_softmax(x):
+        x = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    rng = np.random.default_rng(5)
+    base = (rng.standard_normal((64, 5000)) * 4).astype(np.float32)
+    ours = base + (rng.standard_normal(base.shape) * 0.05).astype(np.float32)
+    lb, lo = log_softmax(base), log_softmax(ours)
+    rb, ro = Rows.of(base), Rows.of(ours)
+    targets = rng.integers(0, 5000, 64)
+    assert np.abs(ro.target_logp(targets) - lo[np.arange(64), targets]).max() < 1e-6
+    assert (ro.argmax() == lo.argmax(-1)).all()
+    expected = np.sum(np.exp(lb) * (lb - lo), axis=-1)
+    assert np.abs(kl_full(rb, ro) - expected).max() < 1e-7 and expected.min() > 1e-4
+    assert kl_full(rb, rb).max() == 0.0
+    every = np.argsort(-lb, axis=-1)  # (a base saved with every id: the same KL)
+    top = kl_top(every, np.take_along_axis(lb, every, axis=-1), ro)
+    assert np.abs(top - expected).max() < 1e-7
