@@ -80,11 +80,14 @@ def start_early_compiles(config: Qwen3Config, weights: WeightSource, kv_cache: s
             if arch is None:
                 return
             from qwenchat.engine.cuda.compiler import KernelCache
-            from qwenchat.engine.cuda.engine import kernel_builds, prefill_paths, unsupported_reason
-            from qwenchat.model import fp8
-            from qwenchat.model.formats import gpu_format
+            from qwenchat.engine.cuda.engine import (
+                kernel_builds,
+                prefill_paths,
+                run_weights,
+                unsupported_reason,
+            )
 
-            weight_format = gpu_format(fp8.with_quantization(weights, "none").weight_format).name
+            _, weight_format = run_weights(weights)
             if unsupported_reason(config, weight_format):
                 return
             hopper_gemm, hopper_attention, fp8_gemm = prefill_paths(

@@ -107,6 +107,14 @@ LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
 
 
+def run_weights(weights: WeightSource) -> tuple[WeightSource, str]:
+    """The weights the kernels run and their format's name: unquantized checkpoints in bf16
+    whatever their dtype; FP8 ones stay FP8 (with any layer the file left in bf16 quantized, so
+    every linear layer has one format); AWQ ones run their 4-bit codes (Int4Weights)."""
+    weights = fp8.with_quantization(weights, "none")
+    return weights, gpu_format(weights.weight_format).name
+
+
 def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str | None:
     """Why the kernels cannot run this model, or None: a shape off their grid (they need
     16-byte aligned rows: 8 bf16 values, 16 FP8 ones; int4 rows are whole groups of 128; an
@@ -327,11 +335,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
             choices = ", ".join(PREFILL_KERNELS)
             raise QwenchatError(f"prefill_kernels must be one of {choices}; "
                                 f"got {prefill_kernels!r}")
-        # Unquantized checkpoints run in bf16 whatever their dtype; FP8 ones stay FP8 (with
-        # any layer the file left in bf16 quantized, so every linear layer has one format);
-        # AWQ ones run their 4-bit codes (Int4Weights).
-        weights = fp8.with_quantization(weights, "none")
-        self.weight_format = gpu_format(weights.weight_format).name
+        weights, self.weight_format = run_weights(weights)
         self.kv_format = kv_cache
         reason = unsupported_reason(config, self.weight_format)
         if reason:
