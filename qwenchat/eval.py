@@ -218,7 +218,11 @@ def kl_full(base: Rows, ours: Rows) -> np.ndarray:
 
 def kl_top(base_ids: np.ndarray, base_logp: np.ndarray, ours: Rows) -> np.ndarray:
     """KL(base || ours) a row over the base's saved top-k ids and the rest as one outcome."""
-    ours_top = ours.logp_at(base_ids)
+    return kl_top_logp(base_logp, ours.logp_at(base_ids))
+
+
+def kl_top_logp(base_logp: np.ndarray, ours_top: np.ndarray) -> np.ndarray:
+    """kl_top from our log probabilities at the base's top-k ids (float64, n x k)."""
     p_base = np.exp(base_logp.astype(np.float64))
     terms = np.sum(p_base * (base_logp - ours_top), axis=-1)
     base_rest = np.clip(1.0 - p_base.sum(axis=-1), 0.0, 1.0)
@@ -340,6 +344,8 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
     if options.limit is not None:
         total = min(total, options.limit)
     scores = Scores()
+    # The GPU engine's prefill windows are scored where their logits are (scoring.py)
+    on_device = options.path == "prefill" and hasattr(engine, "window_rows")
     started = time.perf_counter()
     stopped = False
     try:
@@ -351,10 +357,14 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
                 ids = documents[d][w.begin:w.end]
                 rows = slice(w.first - 1 - w.begin, w.end - 1 - w.begin)
                 targets = np.asarray(documents[d][w.first:w.end])[:left]
-                ours = Rows.of(window_logits(engine, ids, options.path)[rows][:left])
-                _score(scores, ours, targets, base_engine, saved, ids, rows, options.path)
-                if writer is not None:
-                    writer.add(ours, targets)
+                if on_device:
+                    _score_on_device(scores, engine, base_engine, saved, writer, ids,
+                                     rows.start, targets)
+                else:
+                    ours = Rows.of(window_logits(engine, ids, options.path)[rows][:left])
+                    _score(scores, ours, targets, base_engine, saved, ids, rows, options.path)
+                    if writer is not None:
+                        writer.add(ours, targets)
                 advance(len(targets))
     except KeyboardInterrupt:
         stopped = True
@@ -382,6 +392,44 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
             "for those")
         return 130
     return 0
+
+
+def _score_on_device(scores: Scores, engine, base_engine, saved: SavedBase | None,
+                     writer: LogitsWriter | None, ids: Sequence[int], first: int,
+                     targets: np.ndarray) -> None:
+    """A window on the GPU engine: its rows reduced on the device (score.cu), against a base
+    engine on the same GPU there too; a base on the CPU, or a top-k to save, takes our rows to
+    the host."""
+    n = len(targets)
+    engine.truncate(0)
+    mine = engine.window_rows(ids)
+    live = (base_engine is not None and hasattr(base_engine, "window_rows")
+            and base_engine.device.index == engine.device.index)
+    theirs = None
+    if live:
+        base_engine.truncate(0)
+        theirs = base_engine.window_rows(ids)
+    got = engine.score_rows(mine, first, targets, theirs)
+    lse = got[:, 0]
+    scores.nll.extend((lse - got[:, 1]).tolist())
+    if live:
+        scores.base_nll.extend((got[:, 4] - got[:, 5]).tolist())
+        scores.kl.extend(got[:, 3].tolist())
+        scores.same_top1.extend((got[:, 2] == got[:, 6]).tolist())
+    elif saved is not None:
+        top_ids, top_logp, target = saved.take(n)
+        ours_top = engine.gather_rows(mine, first, top_ids).astype(np.float64) - lse[:, None]
+        scores.base_nll.extend((-target.astype(np.float64)).tolist())
+        scores.kl.extend(kl_top_logp(top_logp, ours_top).tolist())
+        scores.same_top1.extend((top_ids[:, 0] == got[:, 2]).tolist())
+    elif base_engine is not None:
+        ours = Rows(engine.download_rows(mine, first, n), lse)
+        base = Rows.of(window_logits(base_engine, ids, "prefill")[first:first + n])
+        scores.base_nll.extend((-base.target_logp(targets)).tolist())
+        scores.kl.extend(kl_full(base, ours).tolist())
+        scores.same_top1.extend((base.argmax() == ours.argmax()).tolist())
+    if writer is not None:
+        writer.add(Rows(engine.download_rows(mine, first, n), lse), targets)
 
 
 def _score(scores: Scores, ours: Rows, targets: np.ndarray, base_engine,

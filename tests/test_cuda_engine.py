@@ -1105,3 +1105,52 @@ def test_yarn_prefill_and_decode_past_the_original_length_follow_the_reference(d
         assert worst_greedy_decode_error(gpu, ref, 64) <= 2e-2
     finally:
         gpu.close()
+
+
+# ------------------------------------------------------------------------------ eval's rows
+@pytest.mark.parametrize("n", [300, 7])  # a prefill's rows; a window the speculative pass runs
+def test_evals_rows_and_their_scores_on_the_device_are_the_hosts(model_dir, n):
+    """window_rows (the LM head as products of the window's rows) gives the per-row path's
+    logits, and score.cu's numbers are eval.py's from those logits on the host."""
+    from qwenchat import eval as ev
+    from qwenchat.engine.cuda.engine import CudaEngine
+
+    gpu_engine, _ = engines(model_dir)
+    model = open_model_dir(model_dir)
+    other = CudaEngine(model.config, model.checkpoint, decode="layered")
+    rng = np.random.default_rng(n)
+    vocab = model.config.vocab_size
+    ids = rng.integers(0, vocab, n).tolist()
+    other_ids = rng.integers(0, vocab, n).tolist()  # a base whose rows differ from ours
+    try:
+        host = gpu_engine.prefill_logits(ids)  # a row at a time: the LM head's GEMV
+        gpu_engine.truncate(0)
+        rows = gpu_engine.window_rows(ids)
+        got = gpu_engine.download_rows(rows, 0, n)
+        assert rel_err(got, host) < 5e-5
+        base_host = other.prefill_logits(other_ids)
+        other.truncate(0)
+        base_rows = other.window_rows(other_ids)
+        first = 1
+        targets = rng.integers(0, vocab, n - first)
+        figures = gpu_engine.score_rows(rows, first, targets, base_rows)
+        ours, theirs = ev.Rows.of(got[first:]), ev.Rows.of(other.download_rows(base_rows, first,
+                                                                                n - first))
+        at = np.arange(n - first)
+        np.testing.assert_allclose(figures[:, 0], ours.lse, rtol=0, atol=2e-6)
+        assert np.array_equal(figures[:, 1], ours.logits[at, targets].astype(np.float64))
+        assert np.array_equal(figures[:, 2], ours.argmax())
+        np.testing.assert_allclose(figures[:, 3], ev.kl_full(theirs, ours), rtol=1e-4, atol=1e-7)
+        assert figures[:, 3].min() > 1e-3  # (different contexts: far apart)
+        np.testing.assert_allclose(figures[:, 4], theirs.lse, rtol=0, atol=2e-6)
+        assert np.array_equal(figures[:, 5], theirs.logits[at, targets].astype(np.float64))
+        assert np.array_equal(figures[:, 6], theirs.argmax())
+        assert rel_err(theirs.logits, base_host[first:]) < 5e-5
+        alone = gpu_engine.score_rows(rows, first, targets)  # no base: those four are NaN
+        assert np.array_equal(alone[:, :3], figures[:, :3]) and np.isnan(alone[:, 3:7]).all()
+        top = rng.integers(0, vocab, (n - first, 5))
+        assert np.array_equal(gpu_engine.gather_rows(rows, first, top),
+                              np.take_along_axis(got[first:], top, axis=-1))
+    finally:
+        gpu_engine.close()
+        other.close()

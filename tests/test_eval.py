@@ -249,3 +249,87 @@ def test_the_scores_in_float32_rows_agree_with_a_float64_computation():
     every = np.argsort(-lb, axis=-1)  # (a base saved with every id: the same KL)
     top = kl_top(every, np.take_along_axis(lb, every, axis=-1), ro)
     assert np.abs(top - expected).max() < 1e-7
+
+
+# ----------------------------------------------------------------------------- the GPU's path
+class NumpyScoring:
+    """The GPU engine's scoring part (qwenchat/engine/cuda/scoring.py) in NumPy, as its
+    contract says, on a reference engine: eval's device path run on the CPU. (The GPU test of
+    score.cu holds the kernels to these same numbers: test_cuda_engine.py.)"""
+
+    device = type("Device", (), {"index": 0})()
+
+    def window_rows(self, ids):
+        return self.prefill_logits(list(ids))
+
+    def score_rows(self, rows, first, targets, base=None):
+        n = len(targets)
+        ours, at = ev.Rows.of(rows[first:first + n]), np.arange(n)
+        out = np.full((n, 8), np.nan)
+        out[:, 0], out[:, 1], out[:, 2], out[:, 7] = ours.lse, ours.logits[at, targets], \
+            ours.argmax(), 0.0
+        if base is not None:
+            theirs = ev.Rows.of(base[first:first + n])
+            out[:, 3], out[:, 4] = ev.kl_full(theirs, ours), theirs.lse
+            out[:, 5], out[:, 6] = theirs.logits[at, targets], theirs.argmax()
+        return out
+
+    def gather_rows(self, rows, first, ids):
+        return np.take_along_axis(rows[first:first + len(ids)], ids, axis=-1)
+
+    def download_rows(self, rows, first, n):
+        return np.array(rows[first:first + n], np.float32)
+
+
+def run_device_path(monkeypatch, model_dir, file, **flags) -> dict:
+    """eval with --backend cuda on reference engines that score as the GPU's do."""
+    real = ev.create_engine
+
+    def create(backend, *args, **kwargs):
+        engine = real("cpu", *args, **kwargs)
+        if backend == "cuda":
+            engine.__class__ = type("GpuLike", (NumpyScoring, type(engine)), {})
+        return engine
+
+    monkeypatch.setattr(ev, "create_engine", create)
+    out = io.StringIO()
+    options = ev.EvalOptions(file, str(model_dir), backend="cuda", as_json=True, **flags)
+    assert ev.run_eval(options, out, io.StringIO()) == 0
+    monkeypatch.setattr(ev, "create_engine", real)
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("base", ["bf16", "cpu", "saved", None])
+def test_the_gpu_path_gives_the_host_paths_figures(tiny_model_dir, text_file, tmp_path,
+                                                   monkeypatch, base):
+    """Scored where the logits are (a live base beside them, a saved one gathered, one on the
+    CPU brought over) or on the host, the figures are the same."""
+    flags = dict(window=40, quantize="fp8")
+    if base == "saved":
+        saved = tmp_path / "base.npz"
+        assert run(tiny_model_dir, text_file, window=40, save_logits=saved, top_k=16)[0] == 0
+        flags["base"] = str(saved)
+    elif base is not None:
+        flags["base"] = base
+    _, host, _ = run(tiny_model_dir, text_file, **flags)
+    device = run_device_path(monkeypatch, tiny_model_dir, text_file, **flags)
+    assert device["tokens_scored"] == host["tokens_scored"] > 40
+    assert device["perplexity"] == pytest.approx(host["perplexity"], rel=1e-12)
+    if base is None:
+        assert "kl" not in device
+        return
+    for figure in ("mean", "median", "p99", "max"):
+        assert device["kl"][figure] == pytest.approx(host["kl"][figure], rel=1e-9, abs=1e-12)
+    assert device["top1_agreement"] == host["top1_agreement"]
+    assert device["base_perplexity"] == pytest.approx(host["base_perplexity"], rel=1e-12)
+
+
+def test_logits_saved_on_the_gpu_path_are_the_host_paths(tiny_model_dir, text_file, tmp_path,
+                                                         monkeypatch):
+    host, device = tmp_path / "host.npz", tmp_path / "device.npz"
+    assert run(tiny_model_dir, text_file, window=40, save_logits=host, top_k=8)[0] == 0
+    run_device_path(monkeypatch, tiny_model_dir, text_file, window=40, save_logits=device,
+                    top_k=8)
+    with np.load(host) as a, np.load(device) as b:
+        for name in ("top_ids", "top_logp", "target_logp"):
+            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)

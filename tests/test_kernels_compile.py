@@ -625,6 +625,15 @@ def test_a_mixture_of_experts_kernels_compile_for_its_shape(weights, arch, nvrtc
     assert kernel_names(KernelBuild.of(*moe_build(weights, arch))) == MOE_KERNELS
 
 
+@needs_nvrtc
+@compiled_ahead(lambda: [("score.cu", "sm_90", {})])
+def test_evals_scoring_kernels_compile_with_no_model_defines(nvrtc_pool):
+    """score.cu takes the vocabulary as an argument: one build a GPU for every model."""
+    from qwenchat.engine.cuda.scoring import SCORE_KERNELS
+
+    assert exported(nvrtc_pool.cubin("score.cu", "sm_90", {}), SCORE_KERNELS) == set(SCORE_KERNELS)
+
+
 def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():
     plan = plan_kernels(PRESETS["qwen3-4b"], "fp8", gpu_shape("sm_89"))
     assert _sources(plan) == [

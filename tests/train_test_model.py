@@ -36,7 +36,7 @@ from pathlib import Path
 
 # hidden, layers, query heads, key/value heads, intermediate, steps, sequences a step, length
 SIZES = {
-    "test": dict(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1536, steps=3000,
+    "test": dict(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1536, steps=1500,
                  batch=32, length=512, lr=2e-3),
     "draft": dict(hidden=256, layers=2, heads=4, kv_heads=1, intermediate=768, steps=3000,
                   batch=32, length=512, lr=3e-3),

@@ -51,6 +51,7 @@ from qwenchat.engine.cuda.prefill import (
     prefill_attention_shared,
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
+from qwenchat.engine.cuda.scoring import Scoring
 from qwenchat.engine.cuda.verify import VERIFY_KERNELS, VERIFY_ROWS, VerifyPass
 from qwenchat.engine.cuda.weights import WeightUpload
 from qwenchat.errors import BackendUnavailable, QwenchatError
@@ -102,7 +103,7 @@ def kernel_names(build: KernelBuild) -> tuple[str, ...] | None:
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
 # builds start in this order, so the longest never waits behind the short ones.
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "gemm_fp8_sm90.cu", "attention.cu", "sampling.cu",
-                 "attention_sm90.cu", "gemm.cu", "verify.cu", "layers.cu", "moe.cu")
+                 "attention_sm90.cu", "gemm.cu", "verify.cu", "layers.cu", "moe.cu", "score.cu")
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
 
@@ -283,11 +284,11 @@ def compile_kernels(config: Qwen3Config, weight_format: str, device: int = 0,
 
 
 class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers, WeightUpload,
-                 CacheBookkeeping):
+                 CacheBookkeeping, Scoring):
     """The engine protocol on one GPU. Its parts live beside it, one module each, as the
     kernels do: weight upload (weights.py), prefill (prefill.py), the per-op decode graph
-    (layered.py), the decode megakernel (megakernel.py), the speculative pass (verify.py) and
-    a mixture of experts' layers (moe.py);
+    (layered.py), the decode megakernel (megakernel.py), the speculative pass (verify.py),
+    a mixture of experts' layers (moe.py) and eval's windows (scoring.py);
     this class owns the device, the buffers they share, and the reply's bookkeeping."""
 
     def __init__(

@@ -1,0 +1,170 @@
+"""`qwenchat eval`'s windows on the GPU: every position's logits from products of the window's
+rows with the LM head (gemm.cu, bf16, whatever the layers' format; the normed rows split in two
+bf16 parts, so the logits are the float rows' as decoding computes them), reduced on the
+device (score.cu) to a few numbers a row: the log-sum-exp, the target's logit, the first
+maximum and, against a base engine's rows on the same GPU, the KL divergence. Only those come
+back, where the per-row path (prefill_logits) brings 151,936 floats a row to the host."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from qwenchat.engine.cuda import runtime as rt
+from qwenchat.engine.cuda.compiler import KernelBuild, KernelCache, kernel_defines
+from qwenchat.engine.cuda.prefill import GEMM_TILE, gemm_shared_bytes
+
+# score.cu's kernels (eval's only: built on first use)
+SCORE_KERNELS = ("rmsnorm_rows_split", "score_rows", "gather_logits")
+SCORE_FIELDS = 8  # score.cu's out: a row's eight doubles
+SCORE_THREADS = 512
+
+
+@dataclass(frozen=True)
+class DeviceRows:
+    """A window's rows of logits on the GPU (float32, `vocab` apart), valid until the engine
+    that made them scores its next window."""
+
+    engine: object
+    ptr: int
+    rows: int
+    vocab: int
+
+    def row(self, r: int) -> int:
+        return self.ptr + r * self.vocab * 4
+
+
+class Scoring:
+    """CudaEngine's part for eval (a mixin: it uses the engine's buffers and launches)."""
+
+    _score_kernels: dict[str, rt.Kernel] | None = None
+    _score_logits: rt.DeviceBuffer | None = None
+    _score_lo: rt.DeviceBuffer | None = None
+    _score_small: tuple[rt.DeviceBuffer, rt.DeviceBuffer] | None = None
+
+    def window_rows(self, token_ids: Sequence[int]) -> DeviceRows:
+        """Prefill `token_ids` after whatever the cache holds, keeping every position's logits
+        on the device."""
+        cfg = self.config
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("window_rows needs at least one token")
+        self.device.make_current()
+        kernels = self._scoring_kernels()
+        logits = self._score_rows_buffer(n)
+        row_bytes = cfg.vocab_size * 4
+        for a in range(0, n, self.chunk):
+            part = list(token_ids[a : a + self.chunk])
+            self.prefill(part)  # (x: every row's hidden state, whichever pass ran it)
+            c_int, m = ctypes.c_int, len(part)
+            lo = self._score_lo_buffer()
+            rt.launch(kernels["rmsnorm_rows_split"], m, 256,
+                      [self.x, self.final_norm, c_int(cfg.hidden_size),
+                       ctypes.c_float(cfg.rms_norm_eps), self.xn, lo], stream=self.stream)
+            grid = (math.ceil(cfg.vocab_size / GEMM_TILE), math.ceil(m / GEMM_TILE))
+            out = rt.Ptr(logits.ptr + a * row_bytes)
+            for kernel, a_rows in (("gemm_store", self.xn), ("gemm_add", lo)):
+                rt.launch(kernels[kernel], grid, 256,
+                          [a_rows, self.lm_head, out, c_int(m), c_int(cfg.vocab_size),
+                           c_int(cfg.hidden_size), c_int(cfg.vocab_size)],
+                          shared=gemm_shared_bytes("bf16"), stream=self.stream)
+        self.stream.synchronize()  # (another engine's stream may read them: a live base)
+        return DeviceRows(self, logits.ptr, n, cfg.vocab_size)
+
+    def score_rows(self, rows: DeviceRows, first: int, targets: np.ndarray,
+                   base: DeviceRows | None = None) -> np.ndarray:
+        """score.cu's eight numbers for rows first.. (one a target), as (n, 8) float64."""
+        n = len(targets)
+        if first < 0 or first + n > rows.rows or (base is not None and base.rows < first + n):
+            raise ValueError(f"rows {first}..{first + n} of a window of {rows.rows}")
+        if base is not None and base.vocab != rows.vocab:
+            raise ValueError("a base with another vocabulary")
+        self.device.make_current()
+        ids, out = self._score_scratch(n, 1)
+        ids.upload(np.ascontiguousarray(targets, np.int32), stream=self.stream)
+        rt.launch(self._scoring_kernels()["score_rows"], n, SCORE_THREADS,
+                  [rt.Ptr(rows.row(first)), rt.Ptr(base.row(first) if base else 0),
+                   ctypes.c_longlong(rows.vocab), ctypes.c_int(rows.vocab), ids,
+                   out], stream=self.stream)
+        result = np.empty((n, SCORE_FIELDS), np.float64)
+        out.download(result, stream=self.stream)
+        self.stream.synchronize()
+        return result
+
+    def gather_rows(self, rows: DeviceRows, first: int, ids: np.ndarray) -> np.ndarray:
+        """Our logits at `ids` (n x k) for rows first.., as float32."""
+        n, k = ids.shape
+        self.device.make_current()
+        ids_buffer, out = self._score_scratch(n, k)
+        ids_buffer.upload(np.ascontiguousarray(ids, np.int32), stream=self.stream)
+        rt.launch(self._scoring_kernels()["gather_logits"], n, 256,
+                  [rt.Ptr(rows.row(first)), ctypes.c_longlong(rows.vocab), ids_buffer,
+                   ctypes.c_int(k), out], stream=self.stream)
+        result = np.empty((n, k), np.float32)
+        out.download(result, stream=self.stream)
+        self.stream.synchronize()
+        return result
+
+    def download_rows(self, rows: DeviceRows, first: int, n: int) -> np.ndarray:
+        """Rows first.. of the window to the host (a base on the CPU, a top-k to save)."""
+        self.device.make_current()
+        out = np.empty((n, rows.vocab), np.float32)
+        self._score_logits.download(out, offset=(rows.row(first) - self._score_logits.ptr),
+                                    stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    # ----------------------------------------------------------------------------- set-up
+    def _scoring_kernels(self) -> dict[str, rt.Kernel]:
+        """score.cu and a bf16 gemm.cu (the LM head is bf16 in every format), compiled on
+        first use (once per model and GPU: the kernel cache keeps them)."""
+        if self._score_kernels is None:
+            arch = self.device.arch
+            builds = [KernelBuild.of("score.cu", arch, {}),
+                      KernelBuild.of("gemm.cu", arch, kernel_defines(self.config, "bf16"))]
+            compilation = KernelCache().start(builds)
+            kernels = {}
+            for build, cubin in compilation.wait().items():
+                module = rt.Module(cubin)
+                self._modules.append(module)
+                names = SCORE_KERNELS if build.source == "score.cu" else ("gemm_store", "gemm_add")
+                for name in names:
+                    kernels[name] = module.function(name)
+            for name in ("gemm_store", "gemm_add"):
+                kernels[name].set_max_dynamic_shared(gemm_shared_bytes("bf16"))
+            self._score_kernels = kernels
+        return self._score_kernels
+
+    def _score_lo_buffer(self) -> rt.DeviceBuffer:
+        """The normed rows' second bf16 part, a chunk's rows (xn holds the first)."""
+        if self._score_lo is None:
+            self._score_lo = self._device_buffer(self.chunk * self.config.hidden_size * 2)
+        return self._score_lo
+
+    def _score_rows_buffer(self, n: int) -> rt.DeviceBuffer:
+        nbytes = n * self.config.vocab_size * 4
+        if self._score_logits is None or self._score_logits.nbytes < nbytes:
+            if self._score_logits is not None:
+                self._buffers.remove(self._score_logits)
+                self._score_logits.free()
+            self._score_logits = rt.DeviceBuffer(nbytes)
+            self._buffers.append(self._score_logits)
+        return self._score_logits
+
+    def _score_scratch(self, n: int, k: int) -> tuple[rt.DeviceBuffer, rt.DeviceBuffer]:
+        """(ids: n x k int32, out: n x max(k, 2 SCORE_FIELDS) floats), grown as needed."""
+        need_ids, need_out = n * k * 4, n * max(k * 4, SCORE_FIELDS * 8)
+        small = self._score_small
+        if small is None or small[0].nbytes < need_ids or small[1].nbytes < need_out:
+            if small is not None:
+                for buffer in small:
+                    self._buffers.remove(buffer)
+                    buffer.free()
+            small = (rt.DeviceBuffer(max(need_ids, 4096)), rt.DeviceBuffer(max(need_out, 4096)))
+            self._buffers.extend(small)
+            self._score_small = small
+        return small
