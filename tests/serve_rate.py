@@ -194,11 +194,14 @@ def main() -> None:
         first = []
         for _ in range(args.repeats):
             engine.truncate(0)  # (the server's worker is idle between requests)
+            count = len(lines) + 1
             served_s = first_content_s(url, LONG_PROMPT, 8)
+            logged_ttft = logged(count).split("TTFT ")[1].split(" ·")[0]
             own_s, used = engine_first_text_s(engine, tokenizer, ids, 8, eos)
             first.append((served_s, own_s))
             print(f"first text of {len(ids)} prompt tokens: through the server "
-                  f"{1000 * served_s:.1f} ms, the engine's own {1000 * own_s:.1f} ms "
+                  f"{1000 * served_s:.1f} ms (its log's TTFT, from the reply's start on the "
+                  f"engine's thread: {logged_ttft}), the engine's own {1000 * own_s:.1f} ms "
                   f"({used} token{'s' if used > 1 else ''})", flush=True)
         settings = BenchSettings(prompts=(1,), positions=(32,), steps=args.tokens,
                                  repeats=args.repeats)
