@@ -1108,14 +1108,19 @@ def test_yarn_prefill_and_decode_past_the_original_length_follow_the_reference(d
 
 
 # ------------------------------------------------------------------------------ eval's rows
+@pytest.mark.parametrize("hopper", [False, True])  # the LM head's products: gemm.cu or sm90
 @pytest.mark.parametrize("n", [300, 7])  # a prefill's rows; a window the speculative pass runs
-def test_evals_rows_and_their_scores_on_the_device_are_the_hosts(model_dir, n):
+def test_evals_rows_and_their_scores_on_the_device_are_the_hosts(model_dir, n, hopper):
     """window_rows (the LM head as products of the window's rows) gives the per-row path's
     logits, and score.cu's numbers are eval.py's from those logits on the host."""
     from qwenchat import eval as ev
     from qwenchat.engine.cuda.engine import CudaEngine
 
     gpu_engine, _ = engines(model_dir)
+    if hopper and not gpu_engine.gemm90:
+        gpu_engine.close()
+        pytest.skip("the Hopper GEMM runs on sm_90 only")
+    gpu_engine.score_on_hopper_gemm = hopper
     model = open_model_dir(model_dir)
     other = CudaEngine(model.config, model.checkpoint, decode="layered")
     rng = np.random.default_rng(n)

@@ -1,6 +1,7 @@
 """`qwenchat eval`'s windows on the GPU: every position's logits from products of the window's
-rows with the LM head (gemm.cu, bf16, whatever the layers' format; the normed rows split in two
-bf16 parts, so the logits are the float rows' as decoding computes them), reduced on the
+rows with the LM head (on the engine's Hopper GEMM where it takes bf16 weights, else gemm.cu
+built for bf16: the LM head is bf16 in every format; the normed rows split in two bf16 parts,
+so the logits are the float rows' as decoding computes them), reduced on the
 device (score.cu) to a few numbers a row: the log-sum-exp, the target's logit, the first
 maximum and, against a base engine's rows on the same GPU, the KL divergence. Only those come
 back, where the per-row path (prefill_logits) brings 151,936 floats a row to the host."""
@@ -16,7 +17,7 @@ import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelBuild, KernelCache, kernel_defines
-from qwenchat.engine.cuda.prefill import GEMM_TILE, gemm_shared_bytes
+from qwenchat.engine.cuda.prefill import GEMM90_BOX, GEMM_TILE, gemm_shared_bytes
 
 # score.cu's kernels (eval's only: built on first use)
 SCORE_KERNELS = ("rmsnorm_rows_split", "score_rows", "gather_logits")
@@ -41,9 +42,14 @@ class DeviceRows:
 class Scoring:
     """CudaEngine's part for eval (a mixin: it uses the engine's buffers and launches)."""
 
+    # The LM head's products on gemm_sm90.cu where it can: written after the session's last
+    # device run, so off until test_cuda_engine.py's eval test has passed with it on an H100
+    # (the portable GEMM is measured: 28.7K scored tok/s on 0.6B, docs/perf.md).
+    score_on_hopper_gemm = False
     _score_kernels: dict[str, rt.Kernel] | None = None
     _score_logits: rt.DeviceBuffer | None = None
     _score_lo: rt.DeviceBuffer | None = None
+    _score_tensor_maps: tuple[rt.TensorMap, rt.TensorMap, rt.TensorMap] | None = None
     _score_small: tuple[rt.DeviceBuffer, rt.DeviceBuffer] | None = None
 
     def window_rows(self, token_ids: Sequence[int]) -> DeviceRows:
@@ -65,8 +71,14 @@ class Scoring:
             rt.launch(kernels["rmsnorm_rows_split"], m, 256,
                       [self.x, self.final_norm, c_int(cfg.hidden_size),
                        ctypes.c_float(cfg.rms_norm_eps), self.xn, lo], stream=self.stream)
-            grid = (math.ceil(cfg.vocab_size / GEMM_TILE), math.ceil(m / GEMM_TILE))
             out = rt.Ptr(logits.ptr + a * row_bytes)
+            maps = self._score_maps()
+            if maps is not None:  # the engine's Hopper GEMM takes bf16 weights: it runs them
+                for kind, map_a in zip(("store", "add"), maps[:2], strict=True):
+                    self._gemm90(kind, map_a, maps[2], self.lm_head, out, m, cfg.vocab_size,
+                                 cfg.hidden_size, ldc=cfg.vocab_size)
+                continue
+            grid = (math.ceil(cfg.vocab_size / GEMM_TILE), math.ceil(m / GEMM_TILE))
             for kernel, a_rows in (("gemm_store", self.xn), ("gemm_add", lo)):
                 rt.launch(kernels[kernel], grid, 256,
                           [a_rows, self.lm_head, out, c_int(m), c_int(cfg.vocab_size),
@@ -120,12 +132,13 @@ class Scoring:
 
     # ----------------------------------------------------------------------------- set-up
     def _scoring_kernels(self) -> dict[str, rt.Kernel]:
-        """score.cu and a bf16 gemm.cu (the LM head is bf16 in every format), compiled on
-        first use (once per model and GPU: the kernel cache keeps them)."""
+        """score.cu and, where the Hopper GEMM does not take the LM head, gemm.cu built for
+        bf16, compiled on first use (once per model and GPU: the kernel cache keeps them)."""
         if self._score_kernels is None:
             arch = self.device.arch
-            builds = [KernelBuild.of("score.cu", arch, {}),
-                      KernelBuild.of("gemm.cu", arch, kernel_defines(self.config, "bf16"))]
+            builds = [KernelBuild.of("score.cu", arch, {})]
+            if self._score_maps() is None:
+                builds.append(KernelBuild.of("gemm.cu", arch, kernel_defines(self.config, "bf16")))
             compilation = KernelCache().start(builds)
             kernels = {}
             for build, cubin in compilation.wait().items():
@@ -135,9 +148,24 @@ class Scoring:
                 for name in names:
                     kernels[name] = module.function(name)
             for name in ("gemm_store", "gemm_add"):
-                kernels[name].set_max_dynamic_shared(gemm_shared_bytes("bf16"))
+                if name in kernels:
+                    kernels[name].set_max_dynamic_shared(gemm_shared_bytes("bf16"))
             self._score_kernels = kernels
         return self._score_kernels
+
+    def _score_maps(self) -> tuple[rt.TensorMap, rt.TensorMap, rt.TensorMap] | None:
+        """The tensor maps of the LM head's products on gemm_sm90.cu (the two parts of the
+        normed rows, the LM head), where the engine runs that GEMM on bf16 weights (bf16 and
+        int4 layers: int4 ones reach it as bf16 slices); else None (gemm.cu, built for bf16)."""
+        if not (self.score_on_hopper_gemm and self.gemm90) or self.weight_format == "fp8":
+            return None
+        if self._score_tensor_maps is None:
+            cfg, rows = self.config, self.chunk
+            self._score_tensor_maps = (
+                rt.tile_map(self.xn.ptr, rows, cfg.hidden_size, GEMM90_BOX, 64),
+                rt.tile_map(self._score_lo_buffer().ptr, rows, cfg.hidden_size, GEMM90_BOX, 64),
+                rt.tile_map(self.lm_head.ptr, cfg.vocab_size, cfg.hidden_size, GEMM90_BOX, 64))
+        return self._score_tensor_maps
 
     def _score_lo_buffer(self) -> rt.DeviceBuffer:
         """The normed rows' second bf16 part, a chunk's rows (xn holds the first)."""
