@@ -342,6 +342,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         if reason:
             raise BackendUnavailable(f"{reason}; use --backend cpu")
         self.config = config
+        self.notice = notice  # (later compiles announce themselves too: scoring.py's)
         self.device = rt.Device(device)
         self.device_name = self.device.name
         self.name = f"cuda ({self.device.name})"

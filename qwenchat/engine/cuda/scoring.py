@@ -139,7 +139,7 @@ class Scoring:
             builds = [KernelBuild.of("score.cu", arch, {})]
             if self._score_maps() is None:
                 builds.append(KernelBuild.of("gemm.cu", arch, kernel_defines(self.config, "bf16")))
-            compilation = KernelCache().start(builds)
+            compilation = KernelCache().start(builds, announce=getattr(self, "notice", None))
             kernels = {}
             for build, cubin in compilation.wait().items():
                 module = rt.Module(cubin)
