@@ -346,6 +346,10 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
     scores = Scores()
     # The GPU engine's prefill windows are scored where their logits are (scoring.py)
     on_device = options.path == "prefill" and hasattr(engine, "window_rows")
+    if on_device:  # (their first compile before the clock and the ETA start)
+        for scorer in (engine, base_engine):
+            if hasattr(scorer, "prepare_scoring"):
+                scorer.prepare_scoring()
     started = time.perf_counter()
     stopped = False
     try:

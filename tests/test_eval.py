@@ -258,8 +258,13 @@ class NumpyScoring:
     score.cu holds the kernels to these same numbers: test_cuda_engine.py.)"""
 
     device = type("Device", (), {"index": 0})()
+    prepared = False
+
+    def prepare_scoring(self):
+        self.prepared = True
 
     def window_rows(self, ids):
+        assert self.prepared, "scored before its kernels were prepared"
         return self.prefill_logits(list(ids))
 
     def score_rows(self, rows, first, targets, base=None):

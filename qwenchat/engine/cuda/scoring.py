@@ -52,6 +52,11 @@ class Scoring:
     _score_tensor_maps: tuple[rt.TensorMap, rt.TensorMap, rt.TensorMap] | None = None
     _score_small: tuple[rt.DeviceBuffer, rt.DeviceBuffer] | None = None
 
+    def prepare_scoring(self) -> None:
+        """Compile (or load) the scoring kernels now, not in the first window's time."""
+        self.device.make_current()
+        self._scoring_kernels()
+
     def window_rows(self, token_ids: Sequence[int]) -> DeviceRows:
         """Prefill `token_ids` after whatever the cache holds, keeping every position's logits
         on the device."""
