@@ -338,3 +338,13 @@ def test_logits_saved_on_the_gpu_path_are_the_host_paths(tiny_model_dir, text_fi
     with np.load(host) as a, np.load(device) as b:
         for name in ("top_ids", "top_logp", "target_logp"):
             np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_a_window_whose_logits_do_not_fit_the_gpu_is_one_line():
+    from qwenchat.engine.cuda.scoring import SCORE_MARGIN, check_window_memory
+
+    check_window_memory(512, 2**30, 2**30 + SCORE_MARGIN)  # fits exactly
+    with pytest.raises(QwenchatError, match=r"^a window of 32,768 tokens needs 18\.5 GiB of GPU "
+                                            r"memory for its logits and 3\.5 GiB are free; use a "
+                                            r"smaller --window$"):
+        check_window_memory(32768, 32768 * 151_936 * 4, 4 * 2**30)

@@ -18,11 +18,25 @@ import numpy as np
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelBuild, KernelCache, kernel_defines
 from qwenchat.engine.cuda.prefill import GEMM90_BOX, GEMM_TILE, gemm_shared_bytes
+from qwenchat.errors import QwenchatError
 
 # score.cu's kernels (eval's only: built on first use)
 SCORE_KERNELS = ("rmsnorm_rows_split", "score_rows", "gather_logits")
 SCORE_FIELDS = 8  # score.cu's out: a row's eight doubles
 SCORE_THREADS = 512
+
+
+# Left free beside a window's logits (the driver, other programs, a base engine's next window)
+SCORE_MARGIN = 512 * 2**20
+
+
+def check_window_memory(rows: int, nbytes: int, free: int) -> None:
+    """One line where a window's logits (rows x vocabulary floats) do not fit the GPU."""
+    if nbytes > free - SCORE_MARGIN:
+        raise QwenchatError(
+            f"a window of {rows:,} tokens needs {nbytes / 2**30:.1f} GiB of GPU memory for its "
+            f"logits and {max(0, free - SCORE_MARGIN) / 2**30:.1f} GiB are free; use a smaller "
+            "--window")
 
 
 @dataclass(frozen=True)
@@ -181,6 +195,9 @@ class Scoring:
     def _score_rows_buffer(self, n: int) -> rt.DeviceBuffer:
         nbytes = n * self.config.vocab_size * 4
         if self._score_logits is None or self._score_logits.nbytes < nbytes:
+            free, _ = self.device.mem_info()
+            held = 0 if self._score_logits is None else self._score_logits.nbytes
+            check_window_memory(n, nbytes, free + held)
             if self._score_logits is not None:
                 self._buffers.remove(self._score_logits)
                 self._score_logits.free()
