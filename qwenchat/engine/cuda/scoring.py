@@ -1,10 +1,10 @@
-"""`qwenchat eval`'s windows on the GPU: every position's logits from products of the window's
-rows with the LM head (on the engine's Hopper GEMM where it takes bf16 weights, else gemm.cu
-built for bf16: the LM head is bf16 in every format; the normed rows split in two bf16 parts,
-so the logits are the float rows' as decoding computes them), reduced on the
-device (score.cu) to a few numbers a row: the log-sum-exp, the target's logit, the first
-maximum and, against a base engine's rows on the same GPU, the KL divergence. Only those come
-back, where the per-row path (prefill_logits) brings 151,936 floats a row to the host."""
+"""`qwenchat eval`'s windows on the GPU. Every position's logits come from products of the
+window's rows with the LM head (bf16 in every format: on gemm.cu built for bf16, or the
+engine's Hopper GEMM where it takes bf16 weights), the normed rows split in two bf16 parts so
+that the logits are the float rows' as decoding computes them. score.cu reduces them on the
+device to a few numbers a row: the log-sum-exp, the target's logit, the first maximum and,
+against a base engine's rows on the same GPU, the KL divergence. Only those come back, where
+the per-row path (prefill_logits) brings 151,936 floats a row to the host."""
 
 from __future__ import annotations
 
