@@ -346,6 +346,15 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
     scores = Scores()
     # The GPU engine's prefill windows are scored where their logits are (scoring.py)
     on_device = options.path == "prefill" and hasattr(engine, "window_rows")
+    if not on_device:
+        try:
+            check_host_memory(options.window, config.vocab_size, base_engine is not None,
+                              host_memory_available())
+        except UsageError:
+            for opened in (engine, base_engine):
+                if opened is not None:
+                    opened.close()
+            raise
     if on_device:  # (their first compile before the clock and the ETA start)
         for scorer in (engine, base_engine):
             if hasattr(scorer, "prepare_scoring"):
@@ -396,6 +405,29 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
             "for those")
         return 130
     return 0
+
+
+def host_memory_available() -> int | None:
+    """The memory the system says new allocations can take (Linux's MemAvailable), or None
+    where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(window: int, vocab: int, with_base: bool, available: int | None) -> None:
+    """One line where a window's logits scored on the host (float32 rows and their
+    exponentials, a base's too) would not fit the memory available."""
+    need = window * vocab * 4 * 2 * (2 if with_base else 1)
+    if available is not None and need > available:
+        raise UsageError(f"a window of {window:,} tokens needs {need / 2**30:.1f} GiB of memory "
+                         f"for its logits and {available / 2**30:.1f} GiB are available; use a "
+                         "smaller --window")
 
 
 def _score_on_device(scores: Scores, engine, base_engine, saved: SavedBase | None,

@@ -348,3 +348,15 @@ def test_a_window_whose_logits_do_not_fit_the_gpu_is_one_line():
                                             r"memory for its logits and 3\.5 GiB are free; use a "
                                             r"smaller --window$"):
         check_window_memory(32768, 32768 * 151_936 * 4, 4 * 2**30)
+
+
+def test_a_window_whose_logits_do_not_fit_the_hosts_memory_is_one_line(tiny_model_dir,
+                                                                        text_file, monkeypatch):
+    ev.check_host_memory(512, 151_936, False, 2**30)  # 0.6 GiB: fits
+    with pytest.raises(UsageError, match=r"^a window of 32,768 tokens needs 74\.2 GiB of memory "
+                                         r"for its logits and 16\.0 GiB are available; use a "
+                                         r"smaller --window$"):
+        ev.check_host_memory(32768, 151_936, True, 16 * 2**30)
+    monkeypatch.setattr(ev, "host_memory_available", lambda: 1000)
+    with pytest.raises(UsageError, match="use a smaller --window"):
+        run(tiny_model_dir, text_file, window=48)
