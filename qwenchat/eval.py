@@ -19,7 +19,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -346,7 +346,11 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
     scores = Scores()
     # The GPU engine's prefill windows are scored where their logits are (scoring.py)
     on_device = options.path == "prefill" and hasattr(engine, "window_rows")
-    if not on_device:
+    if on_device:  # (their first compile before the clock and the ETA start)
+        for scorer in (engine, base_engine):
+            if hasattr(scorer, "prepare_scoring"):
+                scorer.prepare_scoring()
+    else:
         try:
             check_host_memory(options.window, config.vocab_size, base_engine is not None,
                               host_memory_available())
@@ -355,10 +359,6 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
                 if opened is not None:
                     opened.close()
             raise
-    if on_device:  # (their first compile before the clock and the ETA start)
-        for scorer in (engine, base_engine):
-            if hasattr(scorer, "prepare_scoring"):
-                scorer.prepare_scoring()
     started = time.perf_counter()
     stopped = False
     try:
@@ -435,7 +435,7 @@ def _score_on_device(scores: Scores, engine, base_engine, saved: SavedBase | Non
                      targets: np.ndarray) -> None:
     """A window on the GPU engine: its rows reduced on the device (score.cu), against a base
     engine on the same GPU there too; a base on the CPU, or a top-k to save, takes our rows to
-    the host."""
+    the host (once)."""
     n = len(targets)
     engine.truncate(0)
     mine = engine.window_rows(ids)
@@ -448,24 +448,25 @@ def _score_on_device(scores: Scores, engine, base_engine, saved: SavedBase | Non
     got = engine.score_rows(mine, first, targets, theirs)
     lse = got[:, 0]
     scores.nll.extend((lse - got[:, 1]).tolist())
+    host: list[Rows] = []
+
+    def ours_on_host() -> Rows:
+        if not host:
+            host.append(Rows(engine.download_rows(mine, first, n), lse))
+        return host[0]
+
     if live:
         scores.base_nll.extend((got[:, 4] - got[:, 5]).tolist())
         scores.kl.extend(got[:, 3].tolist())
         scores.same_top1.extend((got[:, 2] == got[:, 6]).tolist())
     elif saved is not None:
-        top_ids, top_logp, target = saved.take(n)
-        ours_top = engine.gather_rows(mine, first, top_ids).astype(np.float64) - lse[:, None]
-        scores.base_nll.extend((-target.astype(np.float64)).tolist())
-        scores.kl.extend(kl_top_logp(top_logp, ours_top).tolist())
-        scores.same_top1.extend((top_ids[:, 0] == got[:, 2]).tolist())
+        _against_saved(scores, saved, lambda top: engine.gather_rows(mine, first, top)
+                       .astype(np.float64) - lse[:, None], got[:, 2])
     elif base_engine is not None:
-        ours = Rows(engine.download_rows(mine, first, n), lse)
         base = Rows.of(window_logits(base_engine, ids, "prefill")[first:first + n])
-        scores.base_nll.extend((-base.target_logp(targets)).tolist())
-        scores.kl.extend(kl_full(base, ours).tolist())
-        scores.same_top1.extend((base.argmax() == ours.argmax()).tolist())
+        _against_rows(scores, base, ours_on_host(), targets)
     if writer is not None:
-        writer.add(Rows(engine.download_rows(mine, first, n), lse), targets)
+        writer.add(ours_on_host(), targets)
 
 
 def _score(scores: Scores, ours: Rows, targets: np.ndarray, base_engine,
@@ -473,15 +474,28 @@ def _score(scores: Scores, ours: Rows, targets: np.ndarray, base_engine,
     n = len(targets)
     scores.nll.extend((-ours.target_logp(targets)).tolist())
     if base_engine is not None:
-        base = Rows.of(window_logits(base_engine, ids, path)[rows][:n])
-        scores.base_nll.extend((-base.target_logp(targets)).tolist())
-        scores.kl.extend(kl_full(base, ours).tolist())
-        scores.same_top1.extend((base.argmax() == ours.argmax()).tolist())
+        _against_rows(scores, Rows.of(window_logits(base_engine, ids, path)[rows][:n]), ours,
+                      targets)
     elif saved is not None:
-        top_ids, top_logp, target = saved.take(n)
-        scores.base_nll.extend((-target.astype(np.float64)).tolist())
-        scores.kl.extend(kl_top(top_ids, top_logp, ours).tolist())
-        scores.same_top1.extend((top_ids[:, 0] == ours.argmax()).tolist())
+        _against_saved(scores, saved, ours.logp_at, ours.argmax())
+
+
+def _against_rows(scores: Scores, base: Rows, ours: Rows, targets: np.ndarray) -> None:
+    """The base's figures from its rows on the host."""
+    scores.base_nll.extend((-base.target_logp(targets)).tolist())
+    scores.kl.extend(kl_full(base, ours).tolist())
+    scores.same_top1.extend((base.argmax() == ours.argmax()).tolist())
+
+
+def _against_saved(scores: Scores, saved: SavedBase,
+                   ours_logp_at: Callable[[np.ndarray], np.ndarray], ours_top1: np.ndarray
+                   ) -> None:
+    """The base's figures from its saved top-k: `ours_logp_at(ids)` gives our log
+    probabilities at them (n x k), `ours_top1` our likeliest tokens."""
+    top_ids, top_logp, target = saved.take(len(ours_top1))
+    scores.base_nll.extend((-target.astype(np.float64)).tolist())
+    scores.kl.extend(kl_top_logp(top_logp, ours_logp_at(top_ids)).tolist())
+    scores.same_top1.extend((top_ids[:, 0] == ours_top1).tolist())
 
 
 def _print_table(result: dict[str, Any], out: TextIO) -> None:

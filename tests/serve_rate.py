@@ -143,11 +143,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--switch-interval", type=float,
-                        help="sys.setswitchinterval for this process (Python's default 0.005)")
     args = parser.parse_args()
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
     config = PRESETS[args.config]
     weights = RandomWeights(config, weight_format="bf16" if args.quantize == "none"
                             else args.quantize)

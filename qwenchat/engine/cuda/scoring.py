@@ -44,7 +44,6 @@ class DeviceRows:
     """A window's rows of logits on the GPU (float32, `vocab` apart), valid until the engine
     that made them scores its next window."""
 
-    engine: object
     ptr: int
     rows: int
     vocab: int
@@ -82,16 +81,15 @@ class Scoring:
         kernels = self._scoring_kernels()
         logits = self._score_rows_buffer(n)
         row_bytes = cfg.vocab_size * 4
+        lo, maps, c_int = self._score_lo_buffer(), self._score_maps(), ctypes.c_int
         for a in range(0, n, self.chunk):
             part = list(token_ids[a : a + self.chunk])
             self.prefill(part)  # (x: every row's hidden state, whichever pass ran it)
-            c_int, m = ctypes.c_int, len(part)
-            lo = self._score_lo_buffer()
+            m = len(part)
             rt.launch(kernels["rmsnorm_rows_split"], m, 256,
                       [self.x, self.final_norm, c_int(cfg.hidden_size),
                        ctypes.c_float(cfg.rms_norm_eps), self.xn, lo], stream=self.stream)
             out = rt.Ptr(logits.ptr + a * row_bytes)
-            maps = self._score_maps()
             if maps is not None:  # the engine's Hopper GEMM takes bf16 weights: it runs them
                 for kind, map_a in zip(("store", "add"), maps[:2], strict=True):
                     self._gemm90(kind, map_a, maps[2], self.lm_head, out, m, cfg.vocab_size,
@@ -104,7 +102,7 @@ class Scoring:
                            c_int(cfg.hidden_size), c_int(cfg.vocab_size)],
                           shared=gemm_shared_bytes("bf16"), stream=self.stream)
         self.stream.synchronize()  # (another engine's stream may read them: a live base)
-        return DeviceRows(self, logits.ptr, n, cfg.vocab_size)
+        return DeviceRows(logits.ptr, n, cfg.vocab_size)
 
     def score_rows(self, rows: DeviceRows, first: int, targets: np.ndarray,
                    base: DeviceRows | None = None) -> np.ndarray:
@@ -198,23 +196,22 @@ class Scoring:
             free, _ = self.device.mem_info()
             held = 0 if self._score_logits is None else self._score_logits.nbytes
             check_window_memory(n, nbytes, free + held)
-            if self._score_logits is not None:
-                self._buffers.remove(self._score_logits)
-                self._score_logits.free()
-            self._score_logits = rt.DeviceBuffer(nbytes)
-            self._buffers.append(self._score_logits)
+            self._score_logits = self._regrown(self._score_logits, nbytes)
         return self._score_logits
 
     def _score_scratch(self, n: int, k: int) -> tuple[rt.DeviceBuffer, rt.DeviceBuffer]:
         """(ids: n x k int32, out: n x max(k, 2 SCORE_FIELDS) floats), grown as needed."""
-        need_ids, need_out = n * k * 4, n * max(k * 4, SCORE_FIELDS * 8)
-        small = self._score_small
-        if small is None or small[0].nbytes < need_ids or small[1].nbytes < need_out:
-            if small is not None:
-                for buffer in small:
-                    self._buffers.remove(buffer)
-                    buffer.free()
-            small = (rt.DeviceBuffer(max(need_ids, 4096)), rt.DeviceBuffer(max(need_out, 4096)))
-            self._buffers.extend(small)
-            self._score_small = small
-        return small
+        ids, out = self._score_small or (None, None)
+        ids = self._regrown(ids, max(n * k * 4, 4096))
+        out = self._regrown(out, max(n * max(k * 4, SCORE_FIELDS * 8), 4096))
+        self._score_small = (ids, out)
+        return ids, out
+
+    def _regrown(self, buffer: rt.DeviceBuffer | None, nbytes: int) -> rt.DeviceBuffer:
+        """`buffer` where it holds `nbytes`, else a new one in its place (the old freed)."""
+        if buffer is not None and buffer.nbytes >= nbytes:
+            return buffer
+        if buffer is not None:
+            self._buffers.remove(buffer)
+            buffer.free()
+        return self._device_buffer(nbytes)
