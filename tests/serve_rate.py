@@ -24,6 +24,8 @@ to try the script without a GPU, with few `--tokens`.)
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
 import statistics
 import subprocess
@@ -35,6 +37,7 @@ from pathlib import Path
 import httpx
 from served import Running
 
+from qwenchat import serve
 from qwenchat.bench import BenchSettings, measure_engine
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.model.presets import PRESETS
@@ -81,6 +84,112 @@ LONG_PROMPT = "Summarise the following notes in three sentences.\n\n" + " ".join
     f"with {i % 5} warnings." for i in range(24))
 
 
+# --trace: when each hop of the first text happened (time.perf_counter, CLOCK_MONOTONIC on
+# Linux: the client's process reads the same clock), the first of each name in a request.
+TRACE: dict[str, float] = {}
+HOPS = ("sent", "handler", "body", "rendered", "encoded", "submitted", "engine thread",
+        "prefill start", "prefill end", "first token", "put", "loop got", "piece", "client got")
+
+
+def mark(name: str) -> None:
+    TRACE.setdefault(name, time.perf_counter())
+
+
+def traced(engine) -> None:
+    """Marks the hops of a request's first text on the server's side (wrapping, not changing,
+    what runs); `untraced` unwraps the engine, the server's classes stay wrapped."""
+    engine_traced(engine)
+    if getattr(serve.Service, "traced", False):
+        return
+    serve.Service.traced = True
+
+    def after(owner, name: str, hop: str) -> None:
+        call = getattr(owner, name)
+        if asyncio.iscoroutinefunction(call):
+            async def marked(*args, **kwargs):
+                result = await call(*args, **kwargs)
+                mark(hop)
+                return result
+        else:
+            def marked(*args, **kwargs):
+                result = call(*args, **kwargs)
+                mark(hop)
+                return result
+        setattr(owner, name, marked)
+
+    after(serve, "read_json", "body")
+    after(Tokenizer, "render", "rendered")
+    after(Tokenizer, "encode_with_cuts", "encoded")
+    chat = serve.Service._chat
+
+    async def _chat(self, request, call):
+        mark("handler")
+        return await chat(self, request, call)
+
+    submit = serve.Scheduler.submit
+
+    def _submit(self, run):
+        def marked(cancel, started_at):
+            mark("engine thread")
+            return run(cancel, started_at)
+        job = submit(self, marked)
+        mark("submitted")
+        return job
+
+    def put(self, item):
+        if isinstance(item, list) and any(isinstance(e, serve.TextPiece) for e in item):
+            mark("put")
+
+            def got(item=item):
+                mark("loop got")
+                self.out.put_nowait(item)
+            self.loop.call_soon_threadsafe(got)
+        else:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+    pieces = serve.Service._pieces
+
+    async def _pieces(self, call):
+        async for piece in pieces(self, call):
+            if piece.kind == "answer":
+                mark("piece")
+            yield piece
+
+    serve.Service._chat, serve.Scheduler.submit, serve.Job.put = _chat, _submit, put
+    serve.Service._pieces = _pieces
+
+
+def engine_traced(engine) -> None:
+    prefill, generate = engine.prefill, engine.generate
+
+    def _prefill(ids):
+        mark("prefill start")
+        prefill(ids)
+        mark("prefill end")
+
+    def _generate(request):
+        generation = generate(request)
+        steps = generation._steps
+
+        def marked():
+            try:
+                token = next(steps)
+            except StopIteration as done:
+                return done.value
+            mark("first token")
+            yield token
+            return (yield from steps)
+        generation._steps = marked()
+        return generation
+
+    engine.prefill, engine.generate = _prefill, _generate
+
+
+def untraced(engine) -> None:
+    for name in ("prefill", "generate"):
+        engine.__dict__.pop(name, None)
+
+
 def first_content_s(url: str, content: str, tokens: int) -> float:
     """Seconds from sending a streamed chat request to its first content chunk, as a client
     in a process of its own sees them (a client thread in this one would wait for Python's
@@ -100,13 +209,16 @@ with httpx.Client(timeout=120) as client:
                 chunk = json.loads(line[6:])
                 if any(c["delta"].get("content") for c in chunk.get("choices", [])):
                     first = time.perf_counter() - sent
-print(first)
+                    got = sent + first
+print(first, sent, got)
 """
     done = subprocess.run([sys.executable, "-c", script, json.dumps(body)], capture_output=True,
                           text=True, timeout=300)
     if done.returncode != 0 or done.stdout.strip() in ("", "None"):
         raise SystemExit(f"the client failed or streamed no content: {done.stderr.strip()}")
-    return float(done.stdout)
+    first, sent, got = map(float, done.stdout.split())
+    TRACE["sent"], TRACE["client got"] = sent, got
+    return first
 
 
 def engine_first_text_s(engine, tokenizer: Tokenizer, ids: list[int], tokens: int,
@@ -143,6 +255,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--trace", action="store_true",
+                        help="print when each hop of the first text happened")
+    parser.add_argument("--first-only", action="store_true",
+                        help="time the first text only (not the streams' rates)")
     args = parser.parse_args()
     config = PRESETS[args.config]
     weights = RandomWeights(config, weight_format="bf16" if args.quantize == "none"
@@ -163,7 +279,7 @@ def main() -> None:
     try:
         streamed(url, 16)  # warm: the kernels, the prompt's prefix in the cache
         rates = []
-        for _ in range(args.repeats):
+        for _ in range(0 if args.first_only else args.repeats):
             used, seconds = streamed(url, args.tokens)
             rates.append((used - 1) / seconds)
             print(f"streamed {used} tokens: {rates[-1]:,.1f} tok/s  | server: {lines[-1]}",
@@ -175,7 +291,7 @@ def main() -> None:
             return lines[count - 1]
 
         chat = []
-        for _ in range(args.repeats):
+        for _ in range(0 if args.first_only else args.repeats):
             count = len(lines) + 1
             session = RemoteSession(RemoteServer(url), "bench", LiveParams(SamplingParams(
                 temperature=0.0, max_tokens=args.tokens)))
@@ -191,26 +307,36 @@ def main() -> None:
         for _ in range(args.repeats):
             engine.truncate(0)  # (the server's worker is idle between requests)
             count = len(lines) + 1
+            TRACE.clear()
+            if args.trace:
+                traced(engine)
             served_s = first_content_s(url, LONG_PROMPT, 8)
             logged_ttft = logged(count).split("TTFT ")[1].split(" ·")[0]
+            untraced(engine)
+            if args.trace:
+                hops = [h for h in HOPS if h in TRACE]
+                print("  " + " | ".join(f"{b} +{1000 * (TRACE[b] - TRACE[a]):.2f}"
+                                        for a, b in itertools.pairwise(hops)), flush=True)
             own_s, used = engine_first_text_s(engine, tokenizer, ids, 8, eos)
             first.append((served_s, own_s))
             print(f"first text of {len(ids)} prompt tokens: through the server "
                   f"{1000 * served_s:.1f} ms (its log's TTFT, from the reply's start on the "
                   f"engine's thread: {logged_ttft}), the engine's own {1000 * own_s:.1f} ms "
                   f"({used} token{'s' if used > 1 else ''})", flush=True)
-        settings = BenchSettings(prompts=(1,), positions=(32,), steps=args.tokens,
-                                 repeats=args.repeats)
-        bench = measure_engine(engine, settings, args.config, "random").decode[0].tok_s
+        if not args.first_only:
+            settings = BenchSettings(prompts=(1,), positions=(32,), steps=args.tokens,
+                                     repeats=args.repeats)
+            bench = measure_engine(engine, settings, args.config, "random").decode[0].tok_s
     finally:
         running.stop()
         engine.close()
-    stream = statistics.median(rates)
-    print(f"{args.config} {args.quantize}: streamed {stream:,.1f} tok/s (median of "
-          f"{args.repeats}), bench {bench:,.1f} tok/s at position 32: {stream / bench:.1%}")
-    shown, served = (statistics.median(v) for v in zip(*chat, strict=True))
-    print(f"the chat on the remote backend shows {shown:,.1f} tok/s, the server's log "
-          f"{served:,.1f}: {shown / served:.1%}")
+    if not args.first_only:
+        stream = statistics.median(rates)
+        print(f"{args.config} {args.quantize}: streamed {stream:,.1f} tok/s (median of "
+              f"{args.repeats}), bench {bench:,.1f} tok/s at position 32: {stream / bench:.1%}")
+        shown, served = (statistics.median(v) for v in zip(*chat, strict=True))
+        print(f"the chat on the remote backend shows {shown:,.1f} tok/s, the server's log "
+              f"{served:,.1f}: {shown / served:.1%}")
     through, own = (statistics.median(v) for v in zip(*first, strict=True))
     print(f"first text (median of {args.repeats}): through the server {1000 * through:.1f} ms, "
           f"the engine's own {1000 * own:.1f} ms: {1000 * (through - own):+.1f} ms")

@@ -476,3 +476,58 @@ def test_cuts_split_the_text_into_parts_that_encode_on_their_own(any_tok):
     for chars, tokens in cuts:
         assert any_tok.encode(text[:chars]) == ids[:tokens]
         assert any_tok.encode(text[chars:]) == ids[tokens:]
+
+
+# ------------------------------------------------------------------ long texts, in pieces
+# Fragments a long text is drawn from: every kind of character Qwen's pre-tokenizer treats on
+# its own (letters, digits, punctuation runs, contractions, spaces, tabs, newlines, Unicode
+# spaces and line ends, combining marks NFC composes, CJK, emoji) and the added tokens.
+FRAGMENTS = ["word", "Word", " the", "  two", "\t", "\ttab", " ", "   ", "\n", "\n\n", "\r\n",
+             " \n", "\t\n ", "'s", "'LL", "it's", "42", " 7", "3.14", "(", "))", " {", "...",
+             "?!\n", ".\n\n", "# ", "café", "e\u0301", " \u0301", "a\u0308\u0323", "한\u1161",
+             "你好，世界。", " 中文", "🫠", " 👍🏽", "\u00a0", "\u3000x", "\u2028", "\u0085",
+             "\x1c", "\u200b", "Ⅻ", " ²", "<|im_start|>", "<|im_end|>\n", "<think>", "_x"]
+
+
+def _random_long_text(rng, fragments: int) -> str:
+    return "".join(FRAGMENTS[i] for i in rng.integers(0, len(FRAGMENTS), fragments))
+
+
+def _whole(tok: Tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """The ids and cuts of `text` encoded in one call, as encode_with_cuts made them before it
+    encoded long texts in pieces."""
+    encoding = tok._tok.encode(text, add_special_tokens=False)
+    cuts = [(end, i + 1) for i, ((_, end), token) in enumerate(zip(encoding.offsets,
+                                                                    encoding.ids, strict=True))
+            if token in tok._cut_after_ids]
+    return encoding.ids, cuts
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_long_text_encodes_in_pieces_to_the_whole_texts_ids_and_cuts(real_tok, seed):
+    text = _random_long_text(np.random.default_rng(seed), 3000)
+    assert len(real_tok._encoded_parts(text)) > 4, "premise: the text is cut"
+    ids, cuts = _whole(real_tok, text)
+    assert real_tok.encode(text) == ids
+    assert real_tok.encode_with_cuts(text) == (ids, cuts)
+
+
+def test_python_sources_encode_in_pieces_to_the_whole_texts_ids(real_tok):
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join(stdlib.joinpath(name).read_text(encoding="utf-8")
+                   for name in ("textwrap.py", "tokenize.py", "calendar.py"))
+    rng = np.random.default_rng(0)
+    for start in [0, *rng.integers(1, len(text) - 20_000, 5)]:  # windows begun anywhere
+        part = text[start : start + 20_000]
+        assert len(real_tok._encoded_parts(part)) > 10, "premise: the text is cut"
+        assert real_tok.encode(part) == _whole(real_tok, part)[0]
+
+
+def test_a_tokenizer_not_qwens_encodes_whole(tiny_tok, real_tok):
+    assert real_tok._pieces_exact
+    assert not tiny_tok._pieces_exact  # another pre-tokenizer: no cut is known to be exact
+    text = "word " * 1000
+    assert len(tiny_tok._encoded_parts(text)) == 1
+    assert tiny_tok.encode(text) == tiny_tok._tok.encode(text, add_special_tokens=False).ids
