@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from qwenchat.engine import FP8_ACTIVATIONS, EngineFlags, create_engine
-from qwenchat.errors import QwenchatError, UsageError
+from qwenchat.errors import UsageError
 from qwenchat.model.loader import open_model
 from qwenchat.model.tokenizer import Message, Tokenizer
 from qwenchat.progress import progress_bar
@@ -307,6 +307,8 @@ def window_logits(engine, ids: Sequence[int], path: str) -> np.ndarray:
     engine.truncate(0)
     if path == "prefill":
         return engine.prefill_logits(list(ids))
+    if hasattr(engine, "decode_rows"):  # the GPU's decode kernels, teacher-forced
+        return engine.decode_rows(list(ids))
     rows = []
     for token in ids:
         engine.prefill([token])
@@ -325,11 +327,6 @@ def run_eval(options: EvalOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
     ctx = options.ctx or options.window
     engine = create_engine(options.backend, config, model.checkpoint, ctx, notice=say,
                            fp8_activations=options.fp8_activations, **options.engine_options())
-    if options.path == "decode" and not engine.name.startswith("reference"):
-        engine.close()
-        raise QwenchatError("--path decode is built for the reference engine only so far (the "
-                            "GPU's decode kernels sample their own tokens: teacher-forced "
-                            "steps are not built); use --path prefill or --backend cpu")
     base_engine, saved = None, None
     if options.base in ENGINE_BASES:
         base_engine = create_engine("cpu" if options.base == "cpu" else options.backend, config,

@@ -1108,6 +1108,37 @@ def test_yarn_prefill_and_decode_past_the_original_length_follow_the_reference(d
 
 
 # ------------------------------------------------------------------------------ eval's rows
+@pytest.mark.parametrize("decode", DECODES)
+def test_decode_rows_are_the_logits_a_greedy_reply_decodes_with(model_dir, decode):
+    """eval --path decode's teacher-forced steps: within 2e-2 of the reference's logits token
+    by token, and bit for bit the logits a greedy reply's own steps give once the cache holds
+    the same ids (the steps are the reply's, only their input comes from the host)."""
+    gpu_engine, ref = engines(model_dir, decode=decode, steps_per_launch=1)
+    again, _ = engines(model_dir, decode=decode, steps_per_launch=1)
+    prompt = [int(i) for i in np.random.default_rng(5).integers(0, 400, 40)]
+    try:
+        rows = gpu_engine.decode_rows(prompt)
+        assert rows.shape == (len(prompt), ref.config.vocab_size)
+        expected = []
+        for token in prompt:
+            ref.prefill([token])
+            expected.append(ref.last_logits())
+        assert rel_err(rows, np.stack(expected)) <= 2e-2
+        request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0, max_tokens=24)),
+                                  frozenset(), seed=0)
+        reply, logits = [], []
+        for token in gpu_engine.generate(request):  # (each token's logits: it was drawn from)
+            reply.append(token)
+            logits.append(gpu_engine.last_logits())
+        assert len(reply) == 24
+        forced = again.decode_rows(prompt + reply[:-1])
+        assert np.array_equal(forced[len(prompt) - 1:], np.stack(logits))
+        assert again.position == len(prompt) + len(reply) - 1
+    finally:
+        gpu_engine.close()
+        again.close()
+
+
 @pytest.mark.parametrize("hopper", [False, True])  # the LM head's products: gemm.cu or sm90
 @pytest.mark.parametrize("n", [300, 7])  # a prefill's rows; a window the speculative pass runs
 def test_evals_rows_and_their_scores_on_the_device_are_the_hosts(model_dir, n, hopper):

@@ -177,18 +177,32 @@ def test_ctrl_c_leaves_the_figures_of_the_tokens_scored_so_far(tiny_model_dir, t
     assert f"stopped after {result['tokens_scored']:,} of" in err
 
 
-def test_the_decode_path_on_the_gpu_is_refused_in_one_line(tiny_model_dir, text_file,
-                                                            monkeypatch):
+def test_the_decode_path_takes_an_engines_own_teacher_forced_rows(tiny_model_dir, text_file,
+                                                                  monkeypatch):
+    """An engine with decode_rows (the CUDA engine's teacher-forced decode steps) is scored
+    from them, with the figures the token-by-token path gives."""
     model = open_model_dir(tiny_model_dir)
+    windows_fed: list[int] = []
 
-    class GpuLike(ReferenceEngine):
+    class DecodesRows(ReferenceEngine):
         name = "cuda (fake)"
 
-    monkeypatch.setattr(ev, "create_engine", lambda *a, **k: GpuLike(model.config,
-                                                                       model.checkpoint))
-    with pytest.raises(QwenchatError, match="--path decode is built for the reference engine "
-                                            "only so far"):
-        run(tiny_model_dir, text_file, path="decode")
+        def decode_rows(self, ids):
+            windows_fed.append(len(ids))
+            rows = []
+            for token in ids:
+                self.prefill([token])
+                rows.append(self.last_logits())
+            return np.stack(rows)
+
+    _, plain, _ = run(tiny_model_dir, text_file, window=32, limit=60, path="decode")
+    monkeypatch.setattr(ev, "create_engine", lambda *a, **k: DecodesRows(model.config,
+                                                                         model.checkpoint))
+    _, forced, _ = run(tiny_model_dir, text_file, window=32, limit=60, path="decode")
+    assert windows_fed and all(n == 32 for n in windows_fed)
+    assert forced["engine"] == "cuda (fake)"
+    for key in ("perplexity", "tokens_scored", "nll_mean"):
+        assert forced[key] == plain[key]
 
 
 def test_the_table_names_the_figures(tiny_model_dir, text_file):

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelBuild, KernelCache, kernel_defines
 from qwenchat.engine.cuda.prefill import GEMM90_BOX, GEMM_TILE, gemm_shared_bytes
 from qwenchat.errors import QwenchatError
+from qwenchat.sampling.params import LiveParams, SamplingParams
 
 # score.cu's kernels (eval's only: built on first use)
 SCORE_KERNELS = ("rmsnorm_rows_split", "score_rows", "gather_logits")
@@ -103,6 +105,44 @@ class Scoring:
                           shared=gemm_shared_bytes("bf16"), stream=self.stream)
         self.stream.synchronize()  # (another engine's stream may read them: a live base)
         return DeviceRows(logits.ptr, n, cfg.vocab_size)
+
+    def decode_rows(self, token_ids: Sequence[int]) -> np.ndarray:
+        """eval --path decode: each of `token_ids` in turn through the engine's own decode step
+        (the megakernel, one step a launch, or the per-op graph), after what the cache holds,
+        the id fed from the host instead of the one the step chose (teacher-forced); the
+        logits after each, as rows (ids x vocabulary, float32). A step's numerics do not
+        depend on how many steps a launch runs, so these are the logits a reply decodes with."""
+        self._check_prefill(token_ids, self.config.vocab_size)
+        self.device.make_current()
+        self._adopt_megakernel()
+        request = GenerateRequest(LiveParams(SamplingParams(temperature=0.0)), frozenset(),
+                                  seed=0)
+        self._reset_sampling_state()
+        self._request = request
+        mega = self.decode == "megakernel"
+        if mega:
+            self._megakernel_begin(request)
+        else:
+            self._set_params(request.params.current, request.seed, 0)
+        out = np.empty((len(token_ids), self.config.vocab_size), np.float32)
+        try:
+            for i, token in enumerate(token_ids):
+                self._host_token[0] = token
+                self.token.upload(self._host_token, stream=self.stream)
+                self._host_pos[0] = self.position
+                self.pos.upload(self._host_pos, stream=self.stream)
+                if mega:  # (a launch from step 1 on feeds the token in self.token)
+                    self._launch_megakernel(1, i + 1)
+                else:
+                    self._decode_graph(self.position + 1).launch(self.stream)
+                self.logits.download(out[i], stream=self.stream)
+                self.stream.synchronize()
+                self._tokens.append(int(token))
+        finally:
+            if mega:
+                self._megakernel_end()
+        self._logits_valid = bool(len(token_ids)) or self._logits_valid
+        return out
 
     def score_rows(self, rows: DeviceRows, first: int, targets: np.ndarray,
                    base: DeviceRows | None = None) -> np.ndarray:
