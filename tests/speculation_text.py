@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--dump", type=Path,
+                        help="write each prompt's text here (prompt_N.txt), for other engines")
     args = parser.parse_args()
     model, draft = open_model(args.model), open_model(args.draft)
     ctx = args.prompt_tokens * 3 + args.tokens + 16
@@ -92,6 +94,11 @@ def main() -> None:
     # The quoting prompt: a passage, two newlines, then its first 16 tokens again.
     code = passages(ids, newlines, 3, args.prompt_tokens)[1]
     quoting = [*code, *tokenizer.encode("\n\n"), *code[:16]]
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        for n, prompt in enumerate([*held_out, quoting]):
+            args.dump.joinpath(f"prompt_{n}.txt").write_text(
+                tokenizer.decode(prompt, skip_special_tokens=False), encoding="utf-8")
     ways = {"plain": (0, None), "ngram": (SPECULATE_MOST, None),
             "draft": (SPECULATE_MOST, DraftProposer(draft_engine, model.config.vocab_size))}
     try:
