@@ -141,7 +141,7 @@ class Scoring:
         finally:
             if mega:
                 self._megakernel_end()
-        self._logits_valid = bool(len(token_ids)) or self._logits_valid
+        self._logits_valid = True  # (the last id's: a reply may follow, as after prefill)
         return out
 
     def score_rows(self, rows: DeviceRows, first: int, targets: np.ndarray,
