@@ -531,3 +531,18 @@ def test_a_tokenizer_not_qwens_encodes_whole(tiny_tok, real_tok):
     text = "word " * 1000
     assert len(tiny_tok._encoded_parts(text)) == 1
     assert tiny_tok.encode(text) == tiny_tok._tok.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("added", [dict(content="<a b>"), dict(content="<x>", lstrip=True),
+                                   dict(content="<y>", rstrip=True)])
+def test_an_added_token_that_holds_or_takes_whitespace_keeps_texts_whole(real_tokenizer_dir,
+                                                                         added):
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from qwenchat.model.tokenizer import _pieces_exact
+
+    tok = HFTokenizer.from_file(str(real_tokenizer_dir / "tokenizer.json"))
+    assert _pieces_exact(tok)
+    tok.add_special_tokens([AddedToken(**added)])
+    assert not _pieces_exact(tok)  # (a cut could fall inside it, or beside what it takes)
