@@ -536,7 +536,7 @@ class Service:
             session.remember_encoding(text, ids, cuts)
             return session.send(messages[-1].content, cancel, sent_at=started_at)
 
-        return await self._answer(call, run, stream, usage)
+        return await self._answer(request, call, run, stream, usage)
 
     async def _completions(self, request: Request, call: Call) -> Response:
         body = await read_json(request)
@@ -548,16 +548,20 @@ class Service:
         def run(cancel: threading.Event, started_at: float) -> Iterator[Event]:
             return model.session(params).complete(prompt, cancel, sent_at=started_at)
 
-        return await self._answer(call, run, stream, usage)
+        return await self._answer(request, call, run, stream, usage)
 
-    async def _answer(self, call: Call, run: Callable[[threading.Event, float], Iterator[Event]],
+    async def _answer(self, request: Request, call: Call,
+                      run: Callable[[threading.Event, float], Iterator[Event]],
                       stream: bool, usage: bool) -> Response:
         call.job = self.scheduler.submit(run)
         headers = {QUEUE_HEADER: str(call.job.ahead)}
-        if stream:
+        if stream:  # (a client gone mid-stream: _sse's finally)
             return StreamingResponse(self._sse(call, usage), media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"})
         answer, thinking = [], []
+        # A client that leaves before its whole reply (a timeout, Ctrl+C) frees the engine
+        # within a step: nothing else would tell this handler until the reply had ended.
+        gone = asyncio.create_task(_cancel_when_gone(request, call.job))
         try:
             async with contextlib.aclosing(self._pieces(call)) as pieces:
                 async for piece in pieces:
@@ -567,7 +571,11 @@ class Service:
             self._log(call, error.status)
             return error.response(headers)
         finally:
+            gone.cancel()
             call.job.cancel.set()  # gone or done: the engine moves on within a step
+        if gone.done() and not gone.cancelled():
+            self._log(call, "client gone")
+            return Response(status_code=499)  # (no one reads it)
         self._log(call, 200)
         return JSONResponse(call.whole("".join(answer), "".join(thinking).rstrip("\n")),
                             headers=headers)
@@ -623,6 +631,14 @@ class Service:
 
     def _log(self, call: Call, status: int | str) -> None:
         self.say(log_line(call, status))
+
+
+async def _cancel_when_gone(request: Request, job: Job) -> None:
+    """Cancel `job` once the client has gone (the request's body is read: what the server
+    receives next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel.set()
 
 
 def log_line(call: Call, status: int | str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -310,6 +311,34 @@ def test_a_client_gone_mid_stream_frees_the_server(scripted_server):
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
         assert next(lines) == ""
+    began = time.monotonic()
+    reply = running.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 3})
+    assert reply.status_code == 200 and time.monotonic() - began < 2
+    assert any("client gone" in line for line in running.lines)
+
+
+def test_a_client_gone_before_a_whole_reply_frees_the_server(scripted_server):
+    """Not streamed: the client gives up (a timeout, Ctrl+C) while the reply is decoded."""
+    running = scripted_server("and on ", eos=False, rate=100)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(running.url + "/v1/chat/completions",
+                   json={"messages": HELLO, "max_tokens": 100_000}, timeout=0.5)
+    began = time.monotonic()
+    reply = running.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 3})
+    assert reply.status_code == 200 and time.monotonic() - began < 2
+    gone = [line for line in running.lines if "client gone" in line]
+    assert len(gone) == 1 and " · out 100000 · " not in gone[0]
+
+
+def test_a_client_gone_as_soon_as_it_asked_frees_the_server(scripted_server):
+    """Streamed: the connection closes right after the request, before any response."""
+    running = scripted_server("and on ", eos=False, rate=100)
+    host, port = running.url.removeprefix("http://").split(":")
+    body = json.dumps({"messages": HELLO, "stream": True, "max_tokens": 100_000}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     began = time.monotonic()
     reply = running.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 3})
     assert reply.status_code == 200 and time.monotonic() - began < 2
