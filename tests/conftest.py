@@ -22,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """The kernel compile tests' builds start now, on low-priority threads, and compile while
+    the tests before them run (test_kernels_compile.py, start_compiles_early)."""
+    for item in session.items:
+        start = getattr(getattr(item, "module", None), "start_compiles_early", None)
+        if start is not None:
+            start(session)
+            return
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return train_tokenizer()

@@ -9,7 +9,11 @@ compile ahead on one thread per CPU (`nvrtc_pool`), so a test mostly collects it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -123,11 +127,21 @@ def _pool_compile(source: str, arch: str, defines: dict) -> bytes:
                           compiler._read_sources(None))
 
 
+def _yield_to_the_tests() -> None:
+    """A compile thread at the lowest priority (Linux: niceness is a thread's own), so the
+    compiles started before this module (start_compiles_early) take only the CPU time that
+    the other tests leave, and their timings stay theirs."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class CompilePool:
     """compile_source on a thread per CPU (NVRTC releases the GIL), each build once."""
 
     def __init__(self, workers: int):
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="test-nvrtc")
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="test-nvrtc",
+                                            initializer=_yield_to_the_tests)
         self._futures: dict[tuple, Future] = {}
 
     def submit(self, source: str, arch: str, defines: dict) -> Future:
@@ -151,17 +165,40 @@ def _will_run(item) -> bool:
                    for mark in item.iter_markers())
 
 
-@pytest.fixture(scope="session")
-def nvrtc_pool(request):
-    """Starts every build that this session's tests in this module will ask for, in their
-    order, so compiles overlap each other and the tests that collect them."""
+def _started_pool(session) -> CompilePool:
+    """A pool that has started every build this session's tests in this module will ask for,
+    in their order."""
     pool = CompilePool(usable_cpus())
-    for item in request.session.items:
+    for item in session.items:
         builds_of = AHEAD.get(getattr(item, "originalname", item.name))
         if item.module.__name__ == __name__ and builds_of is not None and _will_run(item):
             params = item.callspec.params if hasattr(item, "callspec") else {}
             for build in builds_of(**params):
                 pool.submit(*build)
+    return pool
+
+
+_EARLY: list[CompilePool] = []  # the pool start_compiles_early started
+
+
+def start_compiles_early(session) -> None:
+    """conftest.py calls this once the session's tests are collected: this module's builds
+    start then, on low-priority threads, and compile while the tests before it run (the
+    whole suite's wall clock, not only this module's)."""
+    config = session.config
+    if _EARLY or NVRTC_PROBLEM is not None or config.option.collectonly \
+            or hasattr(config, "workerinput"):  # (xdist: a worker may run none of them)
+        return
+    pool = _started_pool(session)
+    _EARLY.append(pool)
+    config.add_cleanup(pool.close)  # (a session that ends first waits for no compile)
+
+
+@pytest.fixture(scope="session")
+def nvrtc_pool(request):
+    """Every build this session's tests in this module ask for, compiling ahead of them (since
+    the session's collection, or from here), so compiles overlap each other and the tests."""
+    pool = _EARLY.pop() if _EARLY else _started_pool(request.session)
     yield pool
     pool.close()
 
