@@ -731,12 +731,17 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         self._upload_pass_ids(emitted)
         self._launch("count_tokens", 1, 32, self.ids, ctypes.c_int(len(emitted)), self.seen,
                      self.counts)
-        self._host_token[0] = emitted[-1]
+        self._feed_next(emitted[-1], position)
+        self.stream.synchronize()  # (the host arrays _feed_next uploads from are reused)
+        self._logits_valid = True
+
+    def _feed_next(self, token: int, position: int) -> None:
+        """The token the next decode step takes as its input, and its position, on the device
+        (queued on the stream from the host arrays: synchronise before writing them again)."""
+        self._host_token[0] = token
         self.token.upload(self._host_token, stream=self.stream)
         self._host_pos[0] = position
         self.pos.upload(self._host_pos, stream=self.stream)
-        self.stream.synchronize()  # (the host arrays above are reused)
-        self._logits_valid = True
 
     # ----------------------------------------------------------------------------- reports
     def peak_memory_bytes(self) -> int:

@@ -127,10 +127,7 @@ class Scoring:
         out = np.empty((len(token_ids), self.config.vocab_size), np.float32)
         try:
             for i, token in enumerate(token_ids):
-                self._host_token[0] = token
-                self.token.upload(self._host_token, stream=self.stream)
-                self._host_pos[0] = self.position
-                self.pos.upload(self._host_pos, stream=self.stream)
+                self._feed_next(token, self.position)
                 if mega:  # (a launch from step 1 on feeds the token in self.token)
                     self._launch_megakernel(1, i + 1)
                 else:
@@ -196,7 +193,7 @@ class Scoring:
             builds = [KernelBuild.of("score.cu", arch, {})]
             if self._score_maps() is None:
                 builds.append(KernelBuild.of("gemm.cu", arch, kernel_defines(self.config, "bf16")))
-            compilation = KernelCache().start(builds, announce=getattr(self, "notice", None))
+            compilation = KernelCache().start(builds, announce=self.notice)
             kernels = {}
             for build, cubin in compilation.wait().items():
                 module = rt.Module(cubin)
