@@ -142,11 +142,15 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
                 }
                 mbar_expect_tx(bar, STAGE_BYTES);
                 tma_load(a_dst, map_a, (first + step) * BK, m0, bar);
+                // STORE/ADD with up_row > 0: B's depth, A's K a multiple of it: A's columns walk
+                // B's again (eval's LM head: each row's two bf16 parts against one set of rows)
+                const int b_col = EPI != SWIGLU_BF16 && up_row > 0 ? (first + step) * BK % up_row
+                                                                  : (first + step) * BK;
 #pragma unroll
                 for (int box = 0; box < BN / BOX_ROWS; ++box) {
                     const int row = EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
                                                        : tile_n * BN + box * BOX_ROWS;
-                    tma_load(b_dst + box * BOX_BYTES, map_b, (first + step) * BK, row, bar);
+                    tma_load(b_dst + box * BOX_BYTES, map_b, b_col, row, bar);
                 }
             }
         } else if (qw::fp8 && threadIdx.x >= 32) {  // the converters, in step with the copies

@@ -90,10 +90,12 @@ __device__ __forceinline__ Side side_block(Side v, Side* shared) {
 }  // namespace
 
 // hi[r] + lo[r] = rmsnorm(x[r]) * w, each bf16 (lo: what rounding hi to bf16 left); rows of
-// `hidden` floats, one block a row (the norm as rmsnorm_gemv computes it: gemv.cuh).
+// `hidden` floats, one block a row (the norm as rmsnorm_gemv computes it: gemv.cuh); hi's and
+// lo's rows `ld` elements apart (lo = hi + hidden, ld = 2 hidden: each row's two parts side by
+// side, one product of twice the depth).
 extern "C" __global__ void __launch_bounds__(256)
     rmsnorm_rows_split(const float* __restrict__ x, const bf16_t* __restrict__ w, int hidden,
-                       float eps, bf16_t* __restrict__ hi, bf16_t* __restrict__ lo) {
+                       float eps, bf16_t* __restrict__ hi, bf16_t* __restrict__ lo, int ld) {
     __shared__ float scratch[32];
     const long long r = blockIdx.x;
     const float* xr = x + r * hidden;
@@ -103,8 +105,8 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
         const float v = xr[j] * rstd * bf16_to_f32(w[j]);
         const bf16_t h = f32_to_bf16(v);
-        hi[r * hidden + j] = h;
-        lo[r * hidden + j] = f32_to_bf16(v - bf16_to_f32(h));
+        hi[r * ld + j] = h;
+        lo[r * ld + j] = f32_to_bf16(v - bf16_to_f32(h));
     }
 }
 

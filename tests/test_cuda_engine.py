@@ -1140,6 +1140,41 @@ def test_decode_rows_are_the_logits_a_greedy_reply_decodes_with(model_dir, decod
 
 
 @pytest.mark.parametrize("hopper", [False, True])  # the LM head's products: gemm.cu or sm90
+def test_evals_window_graphs_give_the_rows_launched_kernels_give(model_dir, hopper):
+    """A window replayed as a graph (_window_graph) computes what its kernels launched one by
+    one do, bit for bit, captured first on a fresh engine (nothing allocated during the
+    capture); replayed on other ids, it gives theirs, not the captured window's."""
+    gpu_engine, _ = engines(model_dir)
+    if hopper and not gpu_engine.gemm90:
+        gpu_engine.close()
+        pytest.skip("the Hopper GEMM runs on sm_90 only")
+    gpu_engine.score_on_hopper_gemm = hopper
+    rng = np.random.default_rng(11)
+    vocab = gpu_engine.config.vocab_size
+    n = min(200, gpu_engine.chunk)
+    windows = [rng.integers(0, vocab, n).tolist() for _ in range(2)]
+
+    def run(ids):
+        gpu_engine.truncate(0)
+        rows = gpu_engine.window_rows(ids)
+        assert gpu_engine.position == n
+        with pytest.raises(RuntimeError, match="prefill first"):
+            gpu_engine.last_logits()  # (window_rows keeps none)
+        return gpu_engine.download_rows(rows, 0, n)
+
+    try:
+        replayed = [run(ids) for ids in windows + windows[:1]]
+        assert len(gpu_engine._window_graphs) == 1  # captured once, replayed twice
+        gpu_engine.score_in_graphs = False
+        launched = [run(ids) for ids in windows]
+        for rows, rows_g in zip(launched + launched[:1], replayed, strict=True):
+            assert np.array_equal(rows, rows_g)
+        assert not np.array_equal(replayed[0], replayed[1])
+    finally:
+        gpu_engine.close()
+
+
+@pytest.mark.parametrize("hopper", [False, True])  # the LM head's products: gemm.cu or sm90
 @pytest.mark.parametrize("n", [300, 7])  # a prefill's rows; a window the speculative pass runs
 def test_evals_rows_and_their_scores_on_the_device_are_the_hosts(model_dir, n, hopper):
     """window_rows (the LM head as products of the window's rows) gives the per-row path's

@@ -620,6 +620,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         self._graphs.clear()
         self._close_verify()
         self._close_short()
+        self._close_window_graphs()
         for buffer in self._buffers:
             buffer.free()
         self._buffers.clear()

@@ -357,22 +357,29 @@ class Prefill:
                             for w in self.layers]
 
     def _gemm90(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, b, c, m: int,
-                n: int, k: int, up_row: int = 0, ldc: int | None = None) -> None:
+                n: int, k: int, up_row: int = 0, ldc: int | None = None,
+                b_depth: int = 0) -> None:
         """c = or += A . B^T (kind "store", "add"), or c = silu(gate) * up ("swiglu"); b is
-        B's buffer (FP8 rows' scales are read from it); c's rows are ldc apart (n). A few
-        rows (a short prompt) split K where that fills the chip better (_gemm90_split)."""
+        B's buffer (FP8 rows' scales are read from it); c's rows are ldc apart (n). With
+        b_depth (store and add, bf16 B), B is b_depth deep and k a multiple of it: A's
+        columns walk B's again from 0 every b_depth. A few rows (a short prompt) split K where
+        that fills the chip better (_gemm90_split)."""
+        if kind == "swiglu" and b_depth:
+            raise ValueError("b_depth is for store and add")
         if m <= SPLIT_K_MAX_ROWS and self._gemm90_split(kind, map_a, map_b, b, c, m, n, k,
-                                                        up_row, n if ldc is None else ldc):
+                                                        up_row, n if ldc is None else ldc,
+                                                        b_depth):
             return
         width = 256 if kind == "swiglu" else gemm90_width(m, n, self.device.sm_count)
         name = "gemm90_swiglu" if kind == "swiglu" else f"gemm90_{kind}_{width}"
         tiles_n = math.ceil(n / (128 if kind == "swiglu" else width))
         self._launch(name, (math.ceil(m / 128), tiles_n), GEMM90_THREADS, map_a, map_b, b, c,
-                     ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(up_row),
-                     ctypes.c_int(n if ldc is None else ldc), shared=GEMM90_SHARED)
+                     ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
+                     ctypes.c_int(up_row or b_depth), ctypes.c_int(n if ldc is None else ldc),
+                     shared=GEMM90_SHARED)
 
     def _gemm90_split(self, kind: str, map_a: rt.TensorMap, map_b: rt.TensorMap, b, c, m: int,
-                      n: int, k: int, up_row: int, ldc: int) -> bool:
+                      n: int, k: int, up_row: int, ldc: int, b_depth: int = 0) -> bool:
         """_gemm90's product with K split into runs (split_k), each run's partial product
         into splitk_parts, then summed in order: False where one run is best (or the
         product's B is a slice of int4 weights, whose gate rows are not B's first half)."""
@@ -385,7 +392,7 @@ class Prefill:
         c_int = ctypes.c_int
         self._launch("gemm90_store_128", (math.ceil(m / 128), math.ceil(cols / 128), splits),
                      GEMM90_THREADS, map_a, map_b, b, self.splitk_parts, c_int(m), c_int(cols),
-                     c_int(k), c_int(0), c_int(cols), shared=GEMM90_SHARED)
+                     c_int(k), c_int(b_depth), c_int(cols), shared=GEMM90_SHARED)
         blocks = min(4 * self.device.sm_count, math.ceil(m * n / 256))
         if kind == "swiglu":
             self._launch("splitk_swiglu", blocks, 256, self.splitk_parts, c_int(splits),

@@ -19,6 +19,7 @@ from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelBuild, KernelCache, kernel_defines
 from qwenchat.engine.cuda.prefill import GEMM90_BOX, GEMM_TILE, gemm_shared_bytes
+from qwenchat.engine.cuda.verify import VERIFY_ROWS
 from qwenchat.errors import QwenchatError
 from qwenchat.sampling.params import LiveParams, SamplingParams
 
@@ -26,6 +27,11 @@ from qwenchat.sampling.params import LiveParams, SamplingParams
 SCORE_KERNELS = ("rmsnorm_rows_split", "score_rows", "gather_logits")
 SCORE_FIELDS = 8  # score.cu's out: a row's eight doubles
 SCORE_THREADS = 512
+# gemm_sm90.cu's K step (BK: a TMA box's 64 bf16 columns)
+GEMM90_K_STEP = 64
+# Window graphs kept at once (eval's windows need one, a shorter last window and a long
+# window's chunks a few more)
+WINDOW_GRAPHS = 8
 
 
 # Left free beside a window's logits (the driver, other programs, a base engine's next window)
@@ -61,10 +67,12 @@ class Scoring:
     # the 0.6B shape 35.6K / 33.9K scored tok/s against gemm.cu's 31.0K / 30.7K, the same
     # figures to the last digit (H100, docs/perf.md); False: gemm.cu everywhere.
     score_on_hopper_gemm = True
+    # A window's passes as replayed graphs (_window_graph); False: launched one by one
+    score_in_graphs = True
     _score_kernels: dict[str, rt.Kernel] | None = None
     _score_logits: rt.DeviceBuffer | None = None
     _score_lo: rt.DeviceBuffer | None = None
-    _score_tensor_maps: tuple[rt.TensorMap, rt.TensorMap, rt.TensorMap] | None = None
+    _score_tensor_maps: tuple[rt.TensorMap, rt.TensorMap] | None = None
     _score_small: tuple[rt.DeviceBuffer, rt.DeviceBuffer] | None = None
 
     def prepare_scoring(self) -> None:
@@ -74,37 +82,83 @@ class Scoring:
 
     def window_rows(self, token_ids: Sequence[int]) -> DeviceRows:
         """Prefill `token_ids` after whatever the cache holds, keeping every position's logits
-        on the device."""
-        cfg = self.config
+        on the device. The engine is left with no next-token logits (a window's last row is
+        not computed again as decoding would: prefill what follows to go on)."""
         n = len(token_ids)
         if n == 0:
             raise ValueError("window_rows needs at least one token")
         self.device.make_current()
-        kernels = self._scoring_kernels()
+        self._scoring_kernels()
+        self._score_parts()
         logits = self._score_rows_buffer(n)
-        row_bytes = cfg.vocab_size * 4
-        lo, maps, c_int = self._score_lo_buffer(), self._score_maps(), ctypes.c_int
+        row_bytes = self.config.vocab_size * 4
         for a in range(0, n, self.chunk):
             part = list(token_ids[a : a + self.chunk])
-            self.prefill(part)  # (x: every row's hidden state, whichever pass ran it)
-            m = len(part)
-            rt.launch(kernels["rmsnorm_rows_split"], m, 256,
-                      [self.x, self.final_norm, c_int(cfg.hidden_size),
-                       ctypes.c_float(cfg.rms_norm_eps), self.xn, lo], stream=self.stream)
             out = rt.Ptr(logits.ptr + a * row_bytes)
-            if maps is not None:  # the engine's Hopper GEMM takes bf16 weights: it runs them
-                for kind, map_a in zip(("store", "add"), maps[:2], strict=True):
-                    self._gemm90(kind, map_a, maps[2], self.lm_head, out, m, cfg.vocab_size,
-                                 cfg.hidden_size, ldc=cfg.vocab_size)
-                continue
-            grid = (math.ceil(cfg.vocab_size / GEMM_TILE), math.ceil(m / GEMM_TILE))
-            for kernel, a_rows in (("gemm_store", self.xn), ("gemm_add", lo)):
-                rt.launch(kernels[kernel], grid, 256,
-                          [a_rows, self.lm_head, out, c_int(m), c_int(cfg.vocab_size),
-                           c_int(cfg.hidden_size), c_int(cfg.vocab_size)],
-                          shared=gemm_shared_bytes("bf16"), stream=self.stream)
+            if not self._window_graph(part, out):
+                self.prefill(part)  # (x: every row's hidden state, whichever pass ran it)
+                self._window_products(len(part), out)
         self.stream.synchronize()  # (another engine's stream may read them: a live base)
-        return DeviceRows(logits.ptr, n, cfg.vocab_size)
+        self._logits_valid = False
+        return DeviceRows(logits.ptr, n, self.config.vocab_size)
+
+    def _window_products(self, m: int, out: rt.Ptr) -> None:
+        """The logits of the m rows in x, to `out` (m rows, vocabulary floats apart)."""
+        cfg, c_int, h = self.config, ctypes.c_int, self.config.hidden_size
+        kernels, parts, maps = self._scoring_kernels(), self._score_parts(), self._score_maps()
+        if maps is not None:  # the engine's Hopper GEMM takes bf16 weights: it runs them, as
+            # one product of twice the depth over each row's two parts side by side ([hi | lo]
+            # . [W | W]^T: the LM head's columns walked twice), stored once
+            rt.launch(kernels["rmsnorm_rows_split"], m, 256,
+                      [self.x, self.final_norm, c_int(h), ctypes.c_float(cfg.rms_norm_eps),
+                       parts, rt.Ptr(parts.ptr + h * 2), c_int(2 * h)], stream=self.stream)
+            self._gemm90("store", maps[0], maps[1], self.lm_head, out, m, cfg.vocab_size, 2 * h,
+                         ldc=cfg.vocab_size, b_depth=h)
+            return
+        rt.launch(kernels["rmsnorm_rows_split"], m, 256,
+                  [self.x, self.final_norm, c_int(h), ctypes.c_float(cfg.rms_norm_eps),
+                   self.xn, parts, c_int(h)], stream=self.stream)
+        grid = (math.ceil(cfg.vocab_size / GEMM_TILE), math.ceil(m / GEMM_TILE))
+        for kernel, a_rows in (("gemm_store", self.xn), ("gemm_add", parts)):
+            rt.launch(kernels[kernel], grid, 256,
+                      [a_rows, self.lm_head, out, c_int(m), c_int(cfg.vocab_size),
+                       c_int(h), c_int(cfg.vocab_size)],
+                      shared=gemm_shared_bytes("bf16"), stream=self.stream)
+
+    def _window_graph(self, part: list[int], out: rt.Ptr) -> bool:
+        """A part that prefill would run kernel by kernel (_forward_prefill: more tokens than
+        its short graphs and the verify pass take), run with its products as one graph
+        launch, and True; False for any other part. eval's windows repeat the same length
+        at the same position (0, after truncate), so a graph is captured once per (position,
+        length, destination) and replayed: on the 0.6B shape a window's ~230 launches took
+        more host time than the GPU took to run them (docs/perf.md). The same kernels with the
+        same arguments run, so the rows are the ones prefill + _window_products give (less
+        prefill's last-row logits, which window_rows does not keep)."""
+        start, m = self.position, len(part)
+        if (not self.score_in_graphs or m <= VERIFY_ROWS
+                or self.short_prompt_rows(start, m) is not None):
+            return False
+        self._check_prefill(part, self.config.vocab_size)
+        self.ids.upload(np.asarray(part, np.int32), stream=self.stream)
+        key = (start, m, self.prefill_attention, out.address)
+        graphs = self.__dict__.setdefault("_window_graphs", {})
+        graph = graphs.get(key)
+        if graph is None:
+            if len(graphs) >= WINDOW_GRAPHS:
+                self._close_window_graphs()
+            with rt.Graph.capture(self.stream) as graph:
+                self._forward_prefill(start, m)
+                self._window_products(m, out)
+            graphs[key] = graph
+        graph.launch(self.stream)
+        self._tokens.extend(part)
+        return True
+
+    def _close_window_graphs(self) -> None:
+        graphs = self.__dict__.get("_window_graphs", {})
+        for graph in graphs.values():
+            graph.close()
+        graphs.clear()
 
     def decode_rows(self, token_ids: Sequence[int]) -> np.ndarray:
         """eval --path decode: each of `token_ids` in turn through the engine's own decode step
@@ -207,24 +261,27 @@ class Scoring:
             self._score_kernels = kernels
         return self._score_kernels
 
-    def _score_maps(self) -> tuple[rt.TensorMap, rt.TensorMap, rt.TensorMap] | None:
-        """The tensor maps of the LM head's products on gemm_sm90.cu (the two parts of the
-        normed rows, the LM head), where the engine runs that GEMM on bf16 weights (bf16 and
-        int4 layers: int4 ones reach it as bf16 slices); else None (gemm.cu, built for bf16)."""
-        if not (self.score_on_hopper_gemm and self.gemm90) or self.weight_format == "fp8":
+    def _score_maps(self) -> tuple[rt.TensorMap, rt.TensorMap] | None:
+        """The tensor maps of the LM head's product on gemm_sm90.cu (the normed rows' two parts
+        side by side, the LM head), where the engine runs that GEMM on bf16 weights (bf16 and
+        int4 layers: int4 ones reach it as bf16 slices) and its K steps divide the hidden size;
+        else None (gemm.cu, built for bf16, two products)."""
+        h = self.config.hidden_size
+        if (not (self.score_on_hopper_gemm and self.gemm90) or self.weight_format == "fp8"
+                or h % GEMM90_K_STEP):
             return None
         if self._score_tensor_maps is None:
-            cfg, rows = self.config, self.chunk
             self._score_tensor_maps = (
-                rt.tile_map(self.xn.ptr, rows, cfg.hidden_size, GEMM90_BOX, 64),
-                rt.tile_map(self._score_lo_buffer().ptr, rows, cfg.hidden_size, GEMM90_BOX, 64),
-                rt.tile_map(self.lm_head.ptr, cfg.vocab_size, cfg.hidden_size, GEMM90_BOX, 64))
+                rt.tile_map(self._score_parts().ptr, self.chunk, 2 * h, GEMM90_BOX, GEMM90_K_STEP),
+                rt.tile_map(self.lm_head.ptr, self.config.vocab_size, h, GEMM90_BOX,
+                            GEMM90_K_STEP))
         return self._score_tensor_maps
 
-    def _score_lo_buffer(self) -> rt.DeviceBuffer:
-        """The normed rows' second bf16 part, a chunk's rows (xn holds the first)."""
+    def _score_parts(self) -> rt.DeviceBuffer:
+        """A chunk's normed rows' parts: [hi | lo] a row (the Hopper GEMM's), or lo alone
+        (gemm.cu's: hi in xn); allocated before any graph captures a use of it."""
         if self._score_lo is None:
-            self._score_lo = self._device_buffer(self.chunk * self.config.hidden_size * 2)
+            self._score_lo = self._device_buffer(self.chunk * self.config.hidden_size * 4)
         return self._score_lo
 
     def _score_rows_buffer(self, n: int) -> rt.DeviceBuffer:
@@ -233,6 +290,7 @@ class Scoring:
             free, _ = self.device.mem_info()
             held = 0 if self._score_logits is None else self._score_logits.nbytes
             check_window_memory(n, nbytes, free + held)
+            self._close_window_graphs()  # (they write to the old buffer)
             self._score_logits = self._regrown(self._score_logits, nbytes)
         return self._score_logits
 
