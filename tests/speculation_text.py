@@ -7,8 +7,9 @@ plainly, with prompt lookup (`--speculate ngram`) and with a draft model (`--dra
 `draft` size of the same script); then a prompt that quotes its input (a passage of code, and
 its first lines again: the continuation copies it, as a code-editing reply does). For each: the
 decode rate (tokens after the first over the time from the first to the last, as `bench`
-times it), the target's passes, and the share of proposed tokens kept. Every speculative
-reply must be the plain one token for token (greedy), or the script stops.
+times it), the target's passes, the share of proposed tokens kept and the tokens kept a reply.
+Every speculative reply must be the plain one token for token (greedy), or part from it only at
+a near-tie of plain decoding's two best logits (printed), or the script stops.
 
     python tests/speculation_text.py --model /tmp/qt --draft /tmp/qt-draft \\
         --text /tmp/qt/heldout.txt --prompts 16
@@ -56,6 +57,28 @@ def decode(engine, prompt: list[int], tokens: int, speculate: int, proposer) -> 
     spec = engine.speculation
     rate = (len(out) - 1) / (last - first) if len(out) > 1 and last > first else 0.0
     return Run(out, rate, spec.passes, spec.proposed, spec.accepted)
+
+
+# A speculative reply may part from the plain one only where plain decoding's two best logits
+# are this close (relative to the largest): the verify pass sums in another order than a step
+NEAR_TIE = 2e-3
+
+
+def near_tie(engine, prompt: list[int], plain: list[int], other: list[int], way: str) -> None:
+    """Where `other` first parts from `plain`, say how close plain's two best logits were
+    there: a near-tie is printed and the run goes on; a real gap stops the script."""
+    at = next((i for i, (a, b) in enumerate(zip(plain, other, strict=False)) if a != b),
+              min(len(plain), len(other)))
+    engine.truncate(0)
+    engine.prefill(prompt + plain[:at])
+    logits = engine.last_logits()
+    second, first = sorted(logits)[-2:]
+    gap = float(first - second) / float(abs(logits).max())
+    line = (f"{way} parted from plain decoding at token {at}: plain's two best logits "
+            f"{gap:.1e} apart (of the largest)")
+    if gap > NEAR_TIE:
+        raise SystemExit(f"{line}, not a near-tie")
+    print(f"  ({line}: a near-tie; the figures stand)")
 
 
 def passages(ids: list[int], newline_ids: set[int], count: int, length: int) -> list[list[int]]:
@@ -112,7 +135,7 @@ def main() -> None:
                 plain = runs["plain"][-1].tokens
                 for way in ("ngram", "draft"):
                     if runs[way][-1].tokens != plain:
-                        raise SystemExit(f"{way} gave another reply than plain decoding")
+                        near_tie(engine, prompt, plain, runs[way][-1].tokens, way)
             print(f"{label} ({len(prompts)} prompt{'s' if len(prompts) > 1 else ''} of "
                   f"{len(prompts[0])} tokens, {args.tokens} generated, greedy):")
             base = statistics.median(r.tok_s for r in runs["plain"])
@@ -121,9 +144,10 @@ def main() -> None:
                 proposed = sum(r.proposed for r in done)
                 kept = sum(r.accepted for r in done) / proposed if proposed else 0.0
                 passes = sum(r.passes for r in done) / len(done)
+                accepted = sum(r.accepted for r in done) / len(done)
                 print(f"  {way:5}: {rate:9,.1f} tok/s (median) {rate / base:5.2f}x plain · "
                       f"{passes:5.1f} passes a reply · {kept:6.1%} of {proposed:,} proposed "
-                      "tokens kept")
+                      f"tokens kept · {accepted:5.1f} kept a reply")
     finally:
         engine.close()
         draft_engine.close()
