@@ -498,6 +498,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         self.w16 = self._device_buffer(dequant_scratch_bytes(cfg, self.weight_format))
         self.short_start = self._device_buffer(4)  # a short prompt's graph reads its start here
         self._short_graphs: dict[tuple[int, int, bool], rt.Graph] = {}
+        self._window_graphs: dict[tuple, rt.Graph] = {}  # eval's windows (scoring.py)
         self.ids = self._device_buffer(c * 4)
         self._allocate_moe(max(c, VERIFY_ROWS))
         sms = self.device.sm_count
@@ -615,9 +616,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         if mapped is not None:
             mapped.free()
             self._mapped = None
-        for graph in self._graphs.values():
-            graph.close()
-        self._graphs.clear()
+        rt.close_graphs(self._graphs)
         self._close_verify()
         self._close_short()
         self._close_window_graphs()

@@ -21,7 +21,8 @@ PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a me
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
 GEMM90_SHARED = 193 * 1024  # gemm_sm90.cu's SHARED_BYTES: a 192 KiB ring aligned to 1 KiB
 GEMM90_THREADS = 384  # a producer warpgroup and two consumers
-GEMM90_BOX = 128  # rows of one TMA box, of A and of B (its K side is 64 bf16: 128 bytes)
+GEMM90_BOX = 128  # rows of one TMA box, of A and of B
+GEMM90_BOX_K = 64  # its K side: 64 bf16 (128 bytes), gemm_sm90.cu's K step (BK)
 # What a 128-wide tile of columns costs against a 256-wide one of the same rows: 0.65 on the
 # 8B shapes on an H100 (half the work at 574-512 against 746-758 TFLOP/s, docs/perf.md).
 GEMM90_NARROW_COST = 0.65
@@ -305,7 +306,7 @@ class Prefill:
         qkv_cols = cfg.q_size + 2 * cfg.kv_size
 
         def tiles(buffer, rows: int, cols: int) -> rt.TensorMap:
-            return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, 64)
+            return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, GEMM90_BOX_K)
 
         def codes(buffer, rows: int, cols: int, packed: bool = False) -> rt.TensorMap:
             """e4m3 codes in 128 x 128-byte boxes (gemm_fp8_sm90.cu); packed: FP8 weight rows,
@@ -430,10 +431,7 @@ class Prefill:
         graph.launch(self.stream)
 
     def _close_short(self) -> None:
-        graphs = getattr(self, "_short_graphs", {})  # (none if set-up stopped before them)
-        for graph in graphs.values():
-            graph.close()
-        graphs.clear()
+        rt.close_graphs(getattr(self, "_short_graphs", {}))  # (none if set-up stopped first)
 
     def prefill_key_splits(self, start: int, n: int) -> int:
         """Blocks along the keys for the prefill attention of n tokens after `start` cached

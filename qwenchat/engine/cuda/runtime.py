@@ -578,6 +578,13 @@ class Graph:
             self._graph = None
 
 
+def close_graphs(graphs: dict[Any, Graph]) -> None:
+    """Close every graph of a cache of them and empty it."""
+    for graph in graphs.values():
+        graph.close()
+    graphs.clear()
+
+
 def copy_bandwidth(device_buffer_bytes: int = 1 << 30, repeats: int = 20,
                    stream: Stream | None = None) -> float:
     """Device-to-device copy speed in bytes/s, counting bytes read plus written: the ceiling

@@ -18,7 +18,7 @@ import numpy as np
 from qwenchat.engine.base import GenerateRequest
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.compiler import KernelBuild, KernelCache, kernel_defines
-from qwenchat.engine.cuda.prefill import GEMM90_BOX, GEMM_TILE, gemm_shared_bytes
+from qwenchat.engine.cuda.prefill import GEMM90_BOX, GEMM90_BOX_K, GEMM_TILE, gemm_shared_bytes
 from qwenchat.engine.cuda.verify import VERIFY_ROWS
 from qwenchat.errors import QwenchatError
 from qwenchat.sampling.params import LiveParams, SamplingParams
@@ -27,8 +27,6 @@ from qwenchat.sampling.params import LiveParams, SamplingParams
 SCORE_KERNELS = ("rmsnorm_rows_split", "score_rows", "gather_logits")
 SCORE_FIELDS = 8  # score.cu's out: a row's eight doubles
 SCORE_THREADS = 512
-# gemm_sm90.cu's K step (BK: a TMA box's 64 bf16 columns)
-GEMM90_K_STEP = 64
 # Window graphs kept at once (eval's windows need one, a shorter last window and a long
 # window's chunks a few more)
 WINDOW_GRAPHS = 8
@@ -89,7 +87,6 @@ class Scoring:
             raise ValueError("window_rows needs at least one token")
         self.device.make_current()
         self._scoring_kernels()
-        self._score_parts()
         logits = self._score_rows_buffer(n)
         row_bytes = self.config.vocab_size * 4
         for a in range(0, n, self.chunk):
@@ -141,24 +138,20 @@ class Scoring:
         self._check_prefill(part, self.config.vocab_size)
         self.ids.upload(np.asarray(part, np.int32), stream=self.stream)
         key = (start, m, self.prefill_attention, out.address)
-        graphs = self.__dict__.setdefault("_window_graphs", {})
-        graph = graphs.get(key)
+        graph = self._window_graphs.get(key)
         if graph is None:
-            if len(graphs) >= WINDOW_GRAPHS:
+            if len(self._window_graphs) >= WINDOW_GRAPHS:
                 self._close_window_graphs()
             with rt.Graph.capture(self.stream) as graph:
                 self._forward_prefill(start, m)
                 self._window_products(m, out)
-            graphs[key] = graph
+            self._window_graphs[key] = graph
         graph.launch(self.stream)
         self._tokens.extend(part)
         return True
 
     def _close_window_graphs(self) -> None:
-        graphs = self.__dict__.get("_window_graphs", {})
-        for graph in graphs.values():
-            graph.close()
-        graphs.clear()
+        rt.close_graphs(getattr(self, "_window_graphs", {}))  # (none if set-up stopped first)
 
     def decode_rows(self, token_ids: Sequence[int]) -> np.ndarray:
         """eval --path decode: each of `token_ids` in turn through the engine's own decode step
@@ -243,6 +236,7 @@ class Scoring:
         """score.cu and, where the Hopper GEMM does not take the LM head, gemm.cu built for
         bf16, compiled on first use (once per model and GPU: the kernel cache keeps them)."""
         if self._score_kernels is None:
+            self._score_parts()  # (before any window graph captures a use of it)
             arch = self.device.arch
             builds = [KernelBuild.of("score.cu", arch, {})]
             if self._score_maps() is None:
@@ -268,18 +262,18 @@ class Scoring:
         else None (gemm.cu, built for bf16, two products)."""
         h = self.config.hidden_size
         if (not (self.score_on_hopper_gemm and self.gemm90) or self.weight_format == "fp8"
-                or h % GEMM90_K_STEP):
+                or h % GEMM90_BOX_K):
             return None
         if self._score_tensor_maps is None:
             self._score_tensor_maps = (
-                rt.tile_map(self._score_parts().ptr, self.chunk, 2 * h, GEMM90_BOX, GEMM90_K_STEP),
+                rt.tile_map(self._score_parts().ptr, self.chunk, 2 * h, GEMM90_BOX, GEMM90_BOX_K),
                 rt.tile_map(self.lm_head.ptr, self.config.vocab_size, h, GEMM90_BOX,
-                            GEMM90_K_STEP))
+                            GEMM90_BOX_K))
         return self._score_tensor_maps
 
     def _score_parts(self) -> rt.DeviceBuffer:
         """A chunk's normed rows' parts: [hi | lo] a row (the Hopper GEMM's), or lo alone
-        (gemm.cu's: hi in xn); allocated before any graph captures a use of it."""
+        (gemm.cu's: hi in xn)."""
         if self._score_lo is None:
             self._score_lo = self._device_buffer(self.chunk * self.config.hidden_size * 4)
         return self._score_lo

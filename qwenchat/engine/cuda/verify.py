@@ -137,8 +137,7 @@ class VerifyPass:
         self._verify_graphs[key].launch(self.stream)
 
     def _close_verify(self) -> None:
-        for graph in (getattr(self, "_verify_graphs", None) or {}).values():
-            graph.close()
+        rt.close_graphs(getattr(self, "_verify_graphs", None) or {})
         for pinned in getattr(self, "_verify_pinned", ()):
             pinned.free()
         self._verify_graphs = None
