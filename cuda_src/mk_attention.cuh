@@ -66,13 +66,27 @@ __device__ __forceinline__ void norm_rope_warp(const tagged_t* src, unsigned tag
 // counters only grow during a launch: this layer's chunks are the ones after merge_base.
 __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned merge_base,
                               unsigned tag, AttnShared& sh) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0)
-        sh.last = atomicAdd(&a.merge_count[kvh], 1u) + 1u == merge_base + splits;
-    __syncthreads();
-    if (!sh.last) return;
-    __threadfence();
+    if constexpr (QW_MK_RELMERGE) {
+        // The barrier orders every thread's partials before thread 0's release (cumulative),
+        // and its acquire before every thread's loads of the other chunks' partials.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned before;
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                         : "=r"(before) : "l"(&a.merge_count[kvh]) : "memory");
+            sh.last = before + 1u == merge_base + splits;
+        }
+        __syncthreads();
+        if (!sh.last) return;
+    } else {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            sh.last = atomicAdd(&a.merge_count[kvh], 1u) + 1u == merge_base + splits;
+        __syncthreads();
+        if (!sh.last) return;
+        __threadfence();
+    }
     // Every chunk's (max, sum) at once, then each output's chunks eight loads at a time.
     if (threadIdx.x < qw::group * 32) {
         const int gh = threadIdx.x / 32, lane = threadIdx.x % 32;
