@@ -34,16 +34,10 @@
 #ifndef QW_MK_EVEN
 #define QW_MK_EVEN 1
 #endif
-// (experiment) 1: a kv head's chunk counter is published and read by one release/acquire
-// atomic of thread 0 between the block's barriers (mk_attention.cuh, merge_if_last); 0: every
-// thread's __threadfence (sequentially consistent) before and after a relaxed atomicAdd.
-#ifndef QW_MK_RELMERGE
-#define QW_MK_RELMERGE 0
-#endif
-// (experiment) The fewest keys a chunk of equal length takes (QW_MK_EVEN): 0 is a stage's KEYS,
-// so positions below splits x KEYS use fewer chunks, and fewer blocks, than the layout allows.
-#ifndef QW_MK_MINKEYS
-#define QW_MK_MINKEYS 0
+// (experiment) 1: the chunks' merge loads every chunk's maximum, sum and output together, P lanes
+// an output (mk_attention.cuh, merge_if_last); 0: the maxima and sums, then the outputs.
+#ifndef QW_MK_MERGE1
+#define QW_MK_MERGE1 0
 #endif
 // The most LM-head rows a block owns (the host passes ceil(vocab / blocks)).
 #ifndef QW_MK_LM_ROWS

@@ -101,8 +101,7 @@ struct AttnGeom {
 };
 
 __device__ __forceinline__ AttnGeom attn_geom(int len, int most) {
-    constexpr int fewest = QW_MK_EVEN && QW_MK_MINKEYS > 0 ? QW_MK_MINKEYS : KEYS;
-    int splits = min(most, (len + fewest - 1) / fewest);
+    int splits = min(most, (len + KEYS - 1) / KEYS);
     splits = max(1, splits);
     if (QW_MK_EVEN) return {splits, 0, len};
     const int chunk = ((len + splits - 1) / splits + KEYS - 1) / KEYS * KEYS;
