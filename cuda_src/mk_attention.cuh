@@ -79,57 +79,6 @@ __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned m
     }
     __syncthreads();
     if (!sh.last) return;
-#if QW_MK_MERGE1
-    // Each output's chunks on P neighbouring lanes, eight chunks a lane a batch, their maxima,
-    // sums and outputs loaded together (one L2 round trip where splits <= 8 P), combined online
-    // across batches and then across the P lanes (commutative pairs: the same bits every run).
-    constexpr int OUTS = qw::group * HD;
-    constexpr int P = THREADS >= 2 * OUTS ? THREADS / OUTS : 1;
-    static_assert(P == 1 || P == 2 || P == 4, "lanes an output");
-    for (int i = threadIdx.x / P; i < OUTS; i += THREADS / P) {
-        const int sub = threadIdx.x % P;
-        const int gh = i / HD, head = kvh * qw::group + gh, d = i % HD;
-        const float* po = a.part_o + static_cast<long long>(head) * a.splits * HD + d;
-        const float* pml = a.part_ml + head * a.splits * 2;
-        float mx = QW_NEG_INF, total = 0.f, acc = 0.f;
-        for (int s0 = sub; s0 < splits; s0 += 8 * P) {
-            float m[8], l[8], o[8], bm = QW_NEG_INF;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int sp = s0 + j * P;
-                m[j] = sp < splits ? ld_cg(pml + sp * 2) : QW_NEG_INF;
-                l[j] = sp < splits ? ld_cg(pml + sp * 2 + 1) : 0.f;
-                o[j] = sp < splits ? ld_cg(po + sp * HD) : 0.f;
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) bm = fmaxf(bm, m[j]);
-            const float nm = fmaxf(mx, bm);  // finite: s0 < splits
-            const float keep = __expf(mx - nm);
-            total *= keep;
-            acc *= keep;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float w = s0 + j * P < splits ? __expf(m[j] - nm) : 0.f;
-                total += w * l[j];
-                acc += w * o[j];
-            }
-            mx = nm;
-        }
-#pragma unroll
-        for (int o = 1; o < P; o <<= 1) {
-            const float m2 = __shfl_xor_sync(0xffffffffu, mx, o);
-            const float t2 = __shfl_xor_sync(0xffffffffu, total, o);
-            const float a2 = __shfl_xor_sync(0xffffffffu, acc, o);
-            const float nm = fmaxf(mx, m2);
-            const float e1 = mx == QW_NEG_INF ? 0.f : __expf(mx - nm);
-            const float e2 = m2 == QW_NEG_INF ? 0.f : __expf(m2 - nm);
-            total = total * e1 + t2 * e2;
-            acc = acc * e1 + a2 * e2;
-            mx = nm;
-        }
-        if (sub == 0) put(a.attn + head * HD + d, acc / total, tag);
-    }
-#else
     // Every chunk's (max, sum) at once, then each output's chunks eight loads at a time.
     if (threadIdx.x < qw::group * 32) {
         const int gh = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -168,7 +117,6 @@ __device__ void merge_if_last(const MegaArgs& a, int kvh, int splits, unsigned m
         }
         put(a.attn + head * HD + d, acc / sh.merge_l[gh], tag);
     }
-#endif
 }
 
 // Keys on the tensor cores (mma m16n8k16, bf16 in, fp32 out), up to 8 keys of a warp at a

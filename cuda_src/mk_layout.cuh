@@ -34,11 +34,6 @@
 #ifndef QW_MK_EVEN
 #define QW_MK_EVEN 1
 #endif
-// (experiment) 1: the chunks' merge loads every chunk's maximum, sum and output together, P lanes
-// an output (mk_attention.cuh, merge_if_last); 0: the maxima and sums, then the outputs.
-#ifndef QW_MK_MERGE1
-#define QW_MK_MERGE1 0
-#endif
 // The most LM-head rows a block owns (the host passes ceil(vocab / blocks)).
 #ifndef QW_MK_LM_ROWS
 #define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)
