@@ -17,10 +17,8 @@ Each figure is the median of `--repeats` runs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,12 +27,11 @@ import time
 from pathlib import Path
 
 from gpu_shapes import GPUS, gpu_shape
-from tiny_model import write_safetensors
+from peer_checkpoint import preset, write_checkpoint
 
 from qwenchat.engine.cuda.compiler import KernelCache, usable_cpus
 from qwenchat.engine.cuda.engine import plan_kernels
 from qwenchat.model.presets import PRESETS
-from qwenchat.model.random_weights import RandomWeights
 
 
 def compile_once(config_name: str, arch: str, weights: str, workers: int | None) -> dict:
@@ -70,25 +67,6 @@ def time_compiles(config_name: str, arch: str, weights: str, repeats: int) -> di
                        "runs": [round(run["seconds"], 2) for run in runs]}
     return {"config": config_name, "arch": arch, "weights": weights, "cpus": usable_cpus(),
             **rows, "ratio": rows["concurrent"]["seconds"] / rows["sequential"]["seconds"]}
-
-
-def write_checkpoint(directory: Path, config_name: str, layers: int, tokenizer: Path) -> Path:
-    """A `layers`-layer checkpoint of a real shape (random bf16 weights) with the tokenizer."""
-    if (directory / "model.safetensors").is_file():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    config = dataclasses.replace(PRESETS[config_name], num_hidden_layers=layers)
-    weights = RandomWeights(config)
-    tensors = {name: weights.float32(name) for name in config.tensor_shapes()}
-    write_safetensors(directory / "model.safetensors", tensors, "BF16")
-    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-           "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
-           **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if isinstance(getattr(config, f.name), (int, float, bool))}}
-    (directory / "config.json").write_text(json.dumps(raw, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tokenizer / name, directory / name)
-    return directory
 
 
 def time_ask(model: Path, source: Path, repeats: int) -> dict:
@@ -142,7 +120,7 @@ def main() -> None:
     else:
         if args.tokenizer is None:
             parser.error("ask needs --tokenizer DIR (the real Qwen3 tokenizer)")
-        model = write_checkpoint(args.model_dir, args.config, args.layers, args.tokenizer)
+        model = write_checkpoint(args.model_dir, preset(args.config, args.layers), args.tokenizer)
         result = time_ask(model, args.source.resolve(), args.repeats)
     print(json.dumps(result, indent=1))
 
