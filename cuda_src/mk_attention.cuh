@@ -524,7 +524,8 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             pipe_release(consumed);  // (this warp's keys: no block barrier)
         }
         // The new key and value are visible to the next steps' copies (on other SMs) before
-        // anything this item publishes (merge_if_last fences too).
+        // anything this item publishes (split heads: merge_if_last's release after the block
+        // barrier orders them, as it does the partials).
         QW_TL_AT(first_item, 2);
         if (has_new && g.splits == 1 && threadIdx.x < HD) __threadfence();
         QW_TL_AT(first_item, 3);

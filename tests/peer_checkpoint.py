@@ -28,6 +28,11 @@ from qwenchat.model.random_weights import RandomWeights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
+# The mixture of experts' fields: a dense model's config.json has none of them
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers")
+
+
 def config_json(config: Qwen3Config) -> dict:
     """config.json as Hugging Face writes it for this shape (dense or mixture of experts)."""
     moe = config.num_experts > 0
@@ -36,11 +41,10 @@ def config_json(config: Qwen3Config) -> dict:
            "attention_bias": False, "torch_dtype": "bfloat16"}
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if isinstance(value, (int, float, bool)) and (moe or not field.name.startswith(
-                ("num_experts", "moe_", "norm_topk", "decoder_sparse"))):
-            raw[field.name] = value
-    if moe:
-        raw["mlp_only_layers"] = list(config.mlp_only_layers)
+        if field.name in MOE_FIELDS and not moe:
+            continue
+        if isinstance(value, (int, float, bool, tuple)):
+            raw[field.name] = list(value) if isinstance(value, tuple) else value
     return raw
 
 
