@@ -34,6 +34,11 @@
 #ifndef QW_MK_EVEN
 #define QW_MK_EVEN 1
 #endif
+// (branch experiment) 1: the attention's warps' merge takes each head's max and sum over the
+// warps by shuffles (mk_attention.cuh); 0: loops over the warps' shared-memory entries.
+#ifndef QW_MK_TREEMERGE
+#define QW_MK_TREEMERGE 1
+#endif
 // The most LM-head rows a block owns (the host passes ceil(vocab / blocks)).
 #ifndef QW_MK_LM_ROWS
 #define QW_MK_LM_ROWS ((QW_VOCAB + 15) / 16)
