@@ -550,9 +550,22 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
         }
         __syncthreads();
         QW_TL_AT(first_item, 4);
-        const auto warps_max = [&](int h) {
-            float mx = QW_NEG_INF;
-            for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.wm[w][h]);
+        // Each head's max over the warps: lane l takes warp l % WARPS's, and a butterfly over
+        // WARPS lanes gives every lane all G maxima (log2 WARPS shuffles, where a loop over the
+        // warps was WARPS shared-memory loads in turn: ~1 µs of the warps' merge at 512).
+        static_assert(WARPS <= 32 && (WARPS & (WARPS - 1)) == 0, "a lane a warp");
+        float gmax[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            float v = sh.wm[lane % WARPS][h];
+#pragma unroll
+            for (int o = 1; o < WARPS; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+            gmax[h] = v;
+        }
+        const auto warps_max = [&](int h) {  // (a select, so that gmax stays in registers)
+            float mx = gmax[0];
+#pragma unroll
+            for (int j = 1; j < G; ++j) mx = j == h ? gmax[j] : mx;
             return mx;
         };
         // The warp's outputs, scaled to the chunk's max, into slot `slot` of comb (`add`: added
@@ -591,14 +604,21 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
             __syncthreads();
             if (warp >= COMB_SLOTS) outputs(warp - COMB_SLOTS, true);
         }
-        if (warp == 0 && lane < G) {
-            const int h = lane;
-            const float mx = warps_max(h);
-            float total = 0.f;
-            for (int w = 0; w < WARPS; ++w)
-                if (sh.wm[w][h] != QW_NEG_INF) total += __expf(sh.wm[w][h] - mx) * sh.wl[w][h];
-            sh.gm[h] = mx;
-            sh.gl[h] = total;
+        // Each head's sum over the warps, rescaled to its max: lanes 0..WARPS-1 of warp 0 a
+        // warp each, added by a fixed butterfly (the same order every step).
+        if (warp == 0) {
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float wm = sh.wm[lane % WARPS][h];
+                float total = lane < WARPS && wm != QW_NEG_INF
+                    ? __expf(wm - gmax[h]) * sh.wl[lane % WARPS][h] : 0.f;
+#pragma unroll
+                for (int o = 1; o < WARPS; o <<= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+                if (lane == 0) {
+                    sh.gm[h] = gmax[h];
+                    sh.gl[h] = total;
+                }
+            }
         }
         __syncthreads();
         QW_TL_AT(first_item, 5);
