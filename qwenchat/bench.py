@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -646,12 +647,12 @@ def _unavailable(reason: str, settings: BenchSettings, tick: Tick) -> list[Trans
 
 def transformers_model(config: Qwen3Config, weights: WeightSource, device: Any = "cpu",
                        dtype: Any = None) -> Any:
-    """transformers' Qwen3ForCausalLM with our config and weights, on `device` in `dtype`
-    (a torch dtype; float32 when None)."""
+    """transformers' Qwen3ForCausalLM (Qwen3MoeForCausalLM for a mixture of experts) with our
+    config and weights, on `device` in `dtype` (a torch dtype; float32 when None)."""
     import torch
     import transformers
 
-    hf_config = transformers.Qwen3Config(
+    fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
@@ -659,13 +660,46 @@ def transformers_model(config: Qwen3Config, weights: WeightSource, device: Any =
         rms_norm_eps=config.rms_norm_eps, rope_parameters=_hf_rope(config),
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings, attn_implementation="sdpa")
+    if config.is_moe:
+        hf_config = transformers.Qwen3MoeConfig(
+            **fields, num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.moe_intermediate_size,
+            norm_topk_prob=config.norm_topk_prob,
+            decoder_sparse_step=config.decoder_sparse_step,
+            mlp_only_layers=list(config.mlp_only_layers))
+    else:
+        hf_config = transformers.Qwen3Config(**fields)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf_config,
                                                               dtype=dtype or torch.float32)
     for name in config.tensor_shapes():
         # copy_ casts (bf16 values stay exact) and moves to the device in one go.
-        model.get_parameter(name).data.copy_(torch.from_numpy(weights.float32(name)))
+        _hf_parameter(model, name).copy_(torch.from_numpy(weights.float32(name)))
     return model.eval()
+
+
+_EXPERT = re.compile(
+    r"(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
+
+
+def _hf_parameter(model: Any, name: str) -> Any:
+    """The tensor of `model` that the checkpoint's `name` fills. transformers 5 keeps a sparse
+    layer's experts as two 3-D parameters, gate_up_proj (experts x 2·moe_intermediate x hidden,
+    gate's rows first) and down_proj (experts x hidden x moe_intermediate), where the published
+    files (and transformers 4) have one matrix per expert and projection."""
+    try:
+        return model.get_parameter(name).data
+    except AttributeError:
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            raise
+    experts = model.get_submodule(match["experts"])
+    e, proj = int(match["e"]), match["proj"]
+    if proj == "down":
+        return experts.down_proj.data[e]
+    gate, up = experts.gate_up_proj.data[e].chunk(2)
+    return gate if proj == "gate" else up
 
 
 def _hf_rope(config: Qwen3Config) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hf_compare import relative_error, require_transformers
-from tiny_model import AWQ_SHAPE, tiny_config
+from tiny_model import AWQ_SHAPE, tiny_config, tiny_moe_config
 
 from qwenchat import bench as bench_module
 from qwenchat.bench import (
@@ -118,6 +118,22 @@ def test_transformers_runs_the_same_weights(config):
     ids = list(range(3, 40))
     engine = ReferenceEngine(config, weights)
     ours = engine.prefill_logits(ids)
+    with torch.no_grad():
+        theirs = transformers_model(config, weights)(torch.tensor([ids])).logits[0].numpy()
+    assert relative_error(ours, theirs) < 1e-4
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_transformers_runs_the_same_mixture_of_experts(norm_topk_prob):
+    """--compare-hf on a Qwen3-MoE config: transformers' Qwen3MoeForCausalLM, every expert's
+    matrices where the checkpoint puts them (transformers 5 packs them into 3-D tensors), a
+    dense layer among the sparse ones, 3 of 5 experts a token."""
+    torch, _ = require_transformers()
+    config = Qwen3Config.from_dict(tiny_moe_config(norm_topk_prob=norm_topk_prob))
+    assert config.is_moe and not config.sparse_layer(1)
+    weights = RandomWeights(config)
+    ids = list(range(3, 40))
+    ours = ReferenceEngine(config, weights).prefill_logits(ids)
     with torch.no_grad():
         theirs = transformers_model(config, weights)(torch.tensor([ids])).logits[0].numpy()
     assert relative_error(ours, theirs) < 1e-4
