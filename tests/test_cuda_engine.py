@@ -865,9 +865,14 @@ def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real
     for token in gpu_engine.generate(GenerateRequest(params, frozenset(), seed=0)):
         tokens.append(token)
         if len(tokens) == 8:
-            sampled_before_switch = gpu_engine.megakernel_produced()  # what the kernel had chosen
-            params.update(temperature=0.0)
-    assert sampled_before_switch < len(tokens), "the launch ended before the change"
+            params.update(temperature=0.0)  # written to mapped memory before update returns
+            # What the kernel had chosen once the change was there to read: counted after the
+            # write, so that a host thread descheduled between the two (a loaded machine, -n 8)
+            # cannot let tokens sampled before the write count as after it.
+            sampled_before_switch = gpu_engine.megakernel_produced()
+    assert sampled_before_switch < len(tokens), (
+        f"the launch ended before the change ({sampled_before_switch} of {len(tokens)} tokens "
+        "produced when it landed)")
     ref.truncate(0)
     ref.prefill(prompt)
     for index, token in enumerate(tokens):
@@ -876,7 +881,10 @@ def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real
             # "greedy" means within 2% of the logit range of the top (a T=1.5 draw over the
             # whole vocabulary lands far below it).
             logits = ref.last_logits()
-            assert logits[token] >= logits.max() - 0.02 * (logits.max() - logits.min())
+            assert logits[token] >= logits.max() - 0.02 * (logits.max() - logits.min()), (
+                f"token {index} (the change landed with {sampled_before_switch} produced) is "
+                f"{(logits.max() - logits[token]) / (logits.max() - logits.min()):.1%} of the "
+                "logit range below the top: not greedy")
         ref.prefill([token])
 
 
