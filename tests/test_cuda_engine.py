@@ -876,7 +876,10 @@ def test_megakernel_applies_a_parameter_change_to_the_next_token_mid_launch(real
     ref.truncate(0)
     ref.prefill(prompt)
     for index, token in enumerate(tokens):
-        if index > sampled_before_switch:  # one token may be in flight while the change lands
+        # Two tokens may be chosen with the old parameters after the count: the one in flight,
+        # and the next, whose parameters the kernel fetches while it chooses the one in flight
+        # (so that a change costs no step its wait for the host).
+        if index > sampled_before_switch + 1:
             # Greedy from here on. bf16 on the GPU against float32 here may swap near-ties, so
             # "greedy" means within 2% of the logit range of the top (a T=1.5 draw over the
             # whole vocabulary lands far below it).
