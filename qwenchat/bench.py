@@ -319,9 +319,11 @@ def _measure_prefill(engine: Engine, tokens: int, settings: BenchSettings,
     seconds = statistics.median(durations)
     result = PrefillResult(tokens, tokens / seconds, seconds, statistics.median(ttfts),
                            after=after)
-    if getattr(engine, "prefill_attention", None) is True:
-        # The same prompts without the attention kernels (the cache is refilled by the next
-        # measurement's prefill): what is left is the rest of the prefill's time.
+    # The same prompts without the attention kernels (the cache is refilled by the next
+    # measurement's prefill): what is left is the rest of the prefill's time. Not for a mixture
+    # of experts: without attention the hidden states, so the routing and the experts' share
+    # of the time, are not the real prefill's, and the difference says nothing.
+    if getattr(engine, "prefill_attention", None) is True and not engine.config.is_moe:
         engine.prefill_attention = False
         try:
             without = []

@@ -563,6 +563,27 @@ def test_the_attentions_time_is_the_prefill_with_it_less_the_prefill_without_it(
     assert "attn TFLOP/s" in out.getvalue() and bench_module._ms(result.attention_s) in row
 
 
+def test_a_mixture_of_experts_gets_no_attention_share():
+    """Without attention a mixture of experts routes other experts: the difference would be
+    the routing's, not the attention's, so the bench leaves it out."""
+    from fake_engine import FakeEngine
+
+    class AttentionSwitch(FakeEngine):
+        prefill_attention = True
+        switched = False
+
+        def prefill(self, token_ids):
+            self.switched |= not self.prefill_attention
+            super().prefill(token_ids)
+
+    config = Qwen3Config.from_dict(tiny_moe_config())
+    engine = AttentionSwitch(config, [1, 2, 3], capacity=256)
+    settings = BenchSettings(prompts=(100,), positions=(1,), steps=2, repeats=2)
+    result = bench_module._measure_prefill(engine, 100, settings, np.random.default_rng(0))
+    assert result.tok_s > 0 and not engine.switched
+    assert result.attention_s is None and result.attention_tflop_s is None
+
+
 def test_after_prefills_each_prompt_behind_a_cached_history():
     result, _, settings = bench(TIED, 64, prompts=(4,), positions=(1,), steps=2, repeats=2,
                                 after=20)
