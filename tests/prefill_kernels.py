@@ -14,10 +14,10 @@ draws them; `--layers N` keeps the first N layers (a 30B-A3B of 8 layers fits be
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections import defaultdict
 
 import numpy as np
+from peer_checkpoint import preset
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.engine import CudaEngine
@@ -68,9 +68,7 @@ def main() -> None:
     parser.add_argument("--quantize", default="bf16", choices=("bf16", "fp8", "int4"))
     parser.add_argument("--tokens", type=int, default=4096)
     args = parser.parse_args()
-    config = PRESETS[args.config]
-    if args.layers:
-        config = dataclasses.replace(config, num_hidden_layers=args.layers)
+    config = preset(args.config, args.layers)
     engine = CudaEngine(config, RandomWeights(config, weight_format=args.quantize),
                         ctx=args.tokens + 64)
     ids = [int(i) for i in np.random.default_rng(0).integers(0, config.vocab_size, args.tokens)]

@@ -69,7 +69,7 @@ class Scoring:
     score_in_graphs = True
     _score_kernels: dict[str, rt.Kernel] | None = None
     _score_logits: rt.DeviceBuffer | None = None
-    _score_lo: rt.DeviceBuffer | None = None
+    _score_parts_buffer: rt.DeviceBuffer | None = None
     _score_tensor_maps: tuple[rt.TensorMap, rt.TensorMap] | None = None
     _score_small: tuple[rt.DeviceBuffer, rt.DeviceBuffer] | None = None
 
@@ -274,9 +274,9 @@ class Scoring:
     def _score_parts(self) -> rt.DeviceBuffer:
         """A chunk's normed rows' parts: [hi | lo] a row (the Hopper GEMM's), or lo alone
         (gemm.cu's: hi in xn)."""
-        if self._score_lo is None:
-            self._score_lo = self._device_buffer(self.chunk * self.config.hidden_size * 4)
-        return self._score_lo
+        if self._score_parts_buffer is None:
+            self._score_parts_buffer = self._device_buffer(self.chunk * self.config.hidden_size * 4)
+        return self._score_parts_buffer
 
     def _score_rows_buffer(self, n: int) -> rt.DeviceBuffer:
         nbytes = n * self.config.vocab_size * 4
