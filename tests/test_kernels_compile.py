@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from gpu_shapes import GPUS, H100_BANDWIDTH, H200_BANDWIDTH, gpu_shape
+from tiny_model import tiny_moe_config
 
 from qwenchat.engine.cuda import compiler
 from qwenchat.engine.cuda.compiler import (
@@ -1052,6 +1053,30 @@ def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
         for heads in (8, 16, 32, 40, 64):
             chunk = attention_wave_chunk(most, heads, 132)
             assert most // 2 <= chunk <= most
+
+
+def test_a_routed_pairs_staging_holds_each_of_its_uses_in_turn():
+    """moe.py stages a pair's gathered bf16 row and fp32 gate/up outputs, then its fp32 down
+    output, in the same bytes: enough for either, and the 30B-A3B prefill chunk twice what
+    separate buffers left (512 tokens of 160 MB)."""
+    from types import MethodType, SimpleNamespace
+
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.engine.cuda.moe import moe_pair_bytes, moe_stage_bytes
+    from qwenchat.model.presets import PRESETS
+
+    for overrides in ({}, {"hidden_size": 256, "moe_intermediate_size": 16}):
+        config = Qwen3Config.from_dict(tiny_moe_config(**overrides))
+        h, inter = config.hidden_size, config.moe_intermediate_size
+        assert moe_stage_bytes(config) == max(h * 2 + 2 * inter * 4, h * 4)
+        assert moe_pair_bytes(config) == moe_stage_bytes(config) + inter * 2
+    a3b = PRESETS["qwen3-30b-a3b"]
+    separate = 2048 * 2 + 2 * 768 * 4 + 768 * 2 + 2048 * 4  # a3b's pair in four buffers
+    assert moe_pair_bytes(a3b) < 0.6 * separate
+    engine = SimpleNamespace(config=a3b, gemm90=True, fp8_gemm=False, attention90=True,
+                             device=SimpleNamespace(sm_count=132))
+    engine._moe_bytes_per_token = MethodType(CudaEngine._moe_bytes_per_token, engine)
+    assert CudaEngine._prefill_chunk_tokens(engine) == 1024
 
 
 def test_capacity_planning_charges_the_kv_cache_and_little_more_per_position():

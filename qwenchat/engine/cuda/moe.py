@@ -8,8 +8,10 @@ from __future__ import annotations
 import ctypes
 import math
 
+from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.prefill import gemm_shared_bytes
 from qwenchat.engine.cuda.weights import LayerBuffers
+from qwenchat.model.config import Qwen3Config
 from qwenchat.model.formats import FORMATS
 
 MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
@@ -21,6 +23,18 @@ DOWN_ROWS_PER_BLOCK = 8  # moe_down: a row a warp
 MOE_MOST_INTERMEDIATE = 12288  # an expert's SwiGLU output, staged whole (moe.cu: 48 KB)
 
 
+def moe_stage_bytes(cfg: Qwen3Config) -> int:
+    """A routed pair's staging in a pass: its gathered bf16 input row and fp32 gate/up outputs,
+    later (the same bytes) its fp32 down output."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    return max(h * 2 + 2 * inter * 4, h * 4)
+
+
+def moe_pair_bytes(cfg: Qwen3Config) -> int:
+    """A routed pair's rows in a pass: its staging and its bf16 SwiGLU output."""
+    return moe_stage_bytes(cfg) + cfg.moe_intermediate_size * 2
+
+
 class MoeLayers:
     """CudaEngine's sparse layers. Uses the engine's config, weight_format, kernels, stream
     and buffers (x, xn)."""
@@ -28,13 +42,11 @@ class MoeLayers:
     def _moe_bytes_per_token(self) -> int:
         """The scratch a pass's token takes in a sparse layer (prefill sizes its chunks with
         it): its router logits, its top-k weights and experts, and per routed pair its row in
-        the grouped order (bf16 input, fp32 gate/up, bf16 SwiGLU output, fp32 down output)
-        and its places in the grouping."""
+        the grouped order (moe_pair_bytes) and its places in the grouping."""
         cfg = self.config
         if not cfg.is_moe:
             return 0
-        h, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-        return cfg.num_experts * 4 + k * (8 + h * 2 + 2 * inter * 4 + inter * 2 + h * 4 + 8 + 16)
+        return cfg.num_experts * 4 + cfg.num_experts_per_tok * (8 + moe_pair_bytes(cfg) + 8 + 16)
 
     def _allocate_moe(self, tokens: int) -> None:
         """Scratch for `tokens` tokens a pass (and one token's decode, which reuses it)."""
@@ -52,10 +64,14 @@ class MoeLayers:
         self.moe_token = self._device_buffer(pairs * 4)
         self.moe_tiles = self._device_buffer(self._moe_most_tiles(tokens) * 16)
         self.moe_n_tiles = self._device_buffer(4)
-        self.moe_a = self._device_buffer(pairs * h * 2)
-        self.moe_gu = self._device_buffer(pairs * 2 * inter * 4)
+        # The gathered bf16 rows (moe_a) and the fp32 gate/up outputs (moe_gu) are dead once
+        # SwiGLU has read them, which is before the down products write theirs (moe_y, fp32):
+        # one staging buffer holds the first two and then the third.
+        self.moe_stage = self._device_buffer(pairs * moe_stage_bytes(cfg))
+        self.moe_a = rt.Ptr(self.moe_stage.ptr)
+        self.moe_gu = rt.Ptr(self.moe_stage.ptr + pairs * h * 2)
+        self.moe_y = rt.Ptr(self.moe_stage.ptr)
         self.moe_act = self._device_buffer(pairs * inter * 2)
-        self.moe_y = self._device_buffer(pairs * h * 4)
 
     def _moe_most_tiles(self, tokens: int) -> int:
         """The grouped products' tiles for `tokens` tokens at most: a partial tile an expert."""
