@@ -80,13 +80,47 @@ __device__ __forceinline__ void convert_tile_int4(bf16_t (*dst)[LDS],
         *reinterpret_cast<uint4*>(&dst[r][8 * j]) = int4x8_bf16(words[j], rec);
 }
 
+// A tile of A's rows gathered through an index: row r of the tile is A's row a_rows[m0 + r]
+// (M rows listed). This thread's two 16-byte pieces a step lie in two fixed rows (r and
+// r + 64), found once: src[i] is that row's start (A itself for a row past M, copied as zeros).
+struct GatherRows {
+    const bf16_t* src[2];
+    bool ok[2];
+};
+
+__device__ __forceinline__ GatherRows gather_rows(const bf16_t* __restrict__ A,
+                                                  const int* __restrict__ a_rows, int M, int K,
+                                                  int m0) {
+    GatherRows g;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = (threadIdx.x + i * THREADS) >> 2;
+        g.ok[i] = m0 + r < M;
+        g.src[i] = g.ok[i] ? A + static_cast<long long>(a_rows[m0 + r]) * K : A;
+    }
+    return g;
+}
+
+__device__ __forceinline__ void load_tile_gathered(bf16_t (*dst)[LDS], const GatherRows& g, int K,
+                                                   int k0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int chunk = threadIdx.x + i * THREADS;
+        const int r = chunk >> 2, c = (chunk & 3) * 8;
+        const bool ok = g.ok[i] && k0 + c < K;
+        cp_async_16(&dst[r][c], ok ? g.src[i] + k0 + c : g.src[i], ok ? 16 : 0);
+    }
+}
+
 // The block's tile: rows m0.. of C, columns blockIdx.x * BN...
 // B (format WF) is a bf16 matrix, or the FP8 or int4 rows of weights.cuh: their codes are
 // staged as the activations are and converted into a single bf16 tile before each step's
 // products (int4: moe.cu's grouped products only; gemm.cu's int4 prefill dequantizes slices).
+// With a_rows (moe.cu's gate/up products), A's rows are gathered through it (GatherRows).
 template <int EPI, int WF>
 __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__ Bv,
-                          float* __restrict__ C, int M, int N, int K, int ldc, int m0) {
+                          float* __restrict__ C, int M, int N, int K, int ldc, int m0,
+                          const int* __restrict__ a_rows = nullptr) {
     extern __shared__ __align__(16) unsigned char gemm_shared[];
     typedef bf16_t Tile[LDS];
     typedef unsigned char CodeTile[BK];
@@ -120,9 +154,12 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
         scales[i] = 0.f;
         records[i] = 0u;
     }
+    GatherRows gathered{};
+    if (a_rows != nullptr) gathered = gather_rows(A, a_rows, M, K, m0);
     auto issue = [&](int kt) {  // step kt's tiles into stage kt % STAGES
         const int st = kt % STAGES;
-        load_tile(As + st * BM, A, M, K, m0, kt * BK);
+        if (a_rows != nullptr) load_tile_gathered(As + st * BM, gathered, K, kt * BK);
+        else load_tile(As + st * BM, A, M, K, m0, kt * BK);
         if constexpr (WF == qw::FP8) scales[st] = load_tile_fp8(B8 + st * BN, B_codes, N, K, n0, kt * BK);
         else if constexpr (WF == qw::INT4) records[st] = load_tile_int4(B8 + st * BN, B_codes, N, K, n0, kt * BK);
         else load_tile(Bs + st * BN, B, N, K, n0, kt * BK);

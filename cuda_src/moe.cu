@@ -160,26 +160,23 @@ extern "C" __global__ void moe_place(const int* __restrict__ experts, int pairs,
     }
 }
 
-// Prefill: a[row] = xn[token[row]] (bf16 rows of hidden), one block a row.
-extern "C" __global__ void moe_gather(const bf16_t* __restrict__ xn, const int* __restrict__ token,
-                                      int rows, bf16_t* __restrict__ a) {
-    const int row = blockIdx.x;
-    if (row >= rows) return;
-    const uint4* src = reinterpret_cast<const uint4*>(xn + static_cast<long long>(token[row]) * qw::hidden);
-    uint4* dst = reinterpret_cast<uint4*>(a + static_cast<long long>(row) * qw::hidden);
-    for (int j = threadIdx.x; j < qw::hidden / 8; j += blockDim.x) dst[j] = src[j];
-}
-
 // Prefill: C[rows of a tile's group] = A[those rows] . (its expert's rows of B)^T, N columns, K
 // deep, for the tiles moe_place listed (blockIdx.y; those past n_tiles return at once);
-// expert_bytes apart in B. blockIdx.x: BN columns.
+// expert_bytes apart in B. blockIdx.x: BN columns. With a_rows (gate/up: the pairs' tokens in
+// the grouped order), a group's row r is A's row a_rows[its first + r], read where it lies
+// (no gathered copy); without, A's rows are in the grouped order already (down: SwiGLU's).
 extern "C" __global__ void __launch_bounds__(THREADS)
-    moe_gemm(const bf16_t* A, const unsigned char* B, long long expert_bytes, float* C,
-             const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int N, int K) {
+    moe_gemm(const bf16_t* A, const int* __restrict__ a_rows, const unsigned char* B,
+             long long expert_bytes, float* C, const int4* __restrict__ tiles,
+             const int* __restrict__ n_tiles, int N, int K) {
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
-    gemm_bf16<STORE_F32, qw::wfmt>(A + static_cast<long long>(t.y) * K, B + t.x * expert_bytes,
-                                  C + static_cast<long long>(t.y) * N, t.z, N, K, N, t.w);
+    const unsigned char* b = B + t.x * expert_bytes;
+    float* c = C + static_cast<long long>(t.y) * N;
+    if (a_rows != nullptr)
+        gemm_bf16<STORE_F32, qw::wfmt>(A, b, c, t.z, N, K, N, t.w, a_rows + t.y);
+    else
+        gemm_bf16<STORE_F32, qw::wfmt>(A + static_cast<long long>(t.y) * K, b, c, t.z, N, K, N, t.w);
 }
 
 // Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).

@@ -1056,27 +1056,32 @@ def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
 
 
 def test_a_routed_pairs_staging_holds_each_of_its_uses_in_turn():
-    """moe.py stages a pair's gathered bf16 row and fp32 gate/up outputs, then its fp32 down
-    output, in the same bytes: enough for either, and the 30B-A3B prefill chunk twice what
-    separate buffers left (512 tokens of 160 MB)."""
+    """moe.py stages a pair's fp32 gate/up outputs, then its fp32 down output, in the same bytes
+    (its input row is gathered by the product, not copied): enough for either. 30B-A3B has no
+    dense layer, so its chunk spends nothing on a dense MLP's rows: 2,048 tokens of the 256 MiB
+    a mixture of experts may take (four times the 512 of separate buffers in 160 MB)."""
     from types import MethodType, SimpleNamespace
 
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.engine.cuda.moe import moe_pair_bytes, moe_stage_bytes
+    from qwenchat.engine.cuda.prefill import dense_mlp_rows
     from qwenchat.model.presets import PRESETS
 
     for overrides in ({}, {"hidden_size": 256, "moe_intermediate_size": 16}):
         config = Qwen3Config.from_dict(tiny_moe_config(**overrides))
         h, inter = config.hidden_size, config.moe_intermediate_size
-        assert moe_stage_bytes(config) == max(h * 2 + 2 * inter * 4, h * 4)
+        assert moe_stage_bytes(config) == max(2 * inter * 4, h * 4)
         assert moe_pair_bytes(config) == moe_stage_bytes(config) + inter * 2
     a3b = PRESETS["qwen3-30b-a3b"]
     separate = 2048 * 2 + 2 * 768 * 4 + 768 * 2 + 2048 * 4  # a3b's pair in four buffers
-    assert moe_pair_bytes(a3b) < 0.6 * separate
-    engine = SimpleNamespace(config=a3b, gemm90=True, fp8_gemm=False, attention90=True,
-                             device=SimpleNamespace(sm_count=132))
-    engine._moe_bytes_per_token = MethodType(CudaEngine._moe_bytes_per_token, engine)
-    assert CudaEngine._prefill_chunk_tokens(engine) == 1024
+    assert moe_pair_bytes(a3b) < 0.5 * separate
+    assert not dense_mlp_rows(a3b)
+    assert dense_mlp_rows(Qwen3Config.from_dict(tiny_moe_config(mlp_only_layers=[0])))
+    for fp8, chunk in ((False, 2048), (True, 1536)):
+        engine = SimpleNamespace(config=a3b, gemm90=True, fp8_gemm=fp8, attention90=True,
+                                 device=SimpleNamespace(sm_count=132))
+        engine._moe_bytes_per_token = MethodType(CudaEngine._moe_bytes_per_token, engine)
+        assert CudaEngine._prefill_chunk_tokens(engine) == chunk
 
 
 def test_capacity_planning_charges_the_kv_cache_and_little_more_per_position():

@@ -42,13 +42,14 @@ from qwenchat.engine.cuda.prefill import (
     PREFILL_KERNELS,
     PREFILL_MAX_KEY_SPLITS,
     PREFILL_QUERIES_PER_BLOCK,
-    PREFILL_SCRATCH_BUDGET,
     SPLIT_K_BYTES,
     Prefill,
     attention90_shared,
+    dense_mlp_rows,
     dequant_scratch_bytes,
     gemm_shared_bytes,
     prefill_attention_shared,
+    prefill_scratch_budget,
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
 from qwenchat.engine.cuda.scoring import Scoring
@@ -448,7 +449,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         # chunks, which grow with the capacity: partials_bytes)
         per_position = (bytes_per_position(cfg, self.kv_format) + 4
                         + math.ceil(verify_chunk_bytes(cfg) / DECODE_MAX_CHUNK))
-        scratch = (PREFILL_SCRATCH_BUDGET + cfg.vocab_size * 16 + 16 * 2**20
+        scratch = (prefill_scratch_budget(cfg) + cfg.vocab_size * 16 + 16 * 2**20
                    + dequant_scratch_bytes(cfg, self.weight_format) + SPLIT_K_BYTES)
         fits = max(0, (free - MEMORY_MARGIN - scratch) // per_position)
         wanted = ctx or cfg.context_limit
@@ -486,15 +487,19 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         # fp32 gate/up rows: the layered decode's one row, and the prefill's unless
         # gemm_sm90.cu applies SwiGLU in gate/up's product.
         self.gu = self._device_buffer((1 if self.gemm90 else c) * 2 * cfg.intermediate_size * 4)
-        # (the speculative pass's rows too: with e4m3 activations, only those)
-        act_rows = VERIFY_ROWS if self.fp8_gemm else c
+        # (the speculative pass's rows too: with e4m3 activations, only those; none where
+        # every layer is sparse, past the layered decode's one)
+        dense = dense_mlp_rows(cfg)
+        act_rows = (VERIFY_ROWS if self.fp8_gemm else c) if dense else 1
         self.act = self._device_buffer(act_rows * cfg.intermediate_size * 2)
         if self.fp8_gemm:  # e4m3 codes and scales of xn / attn (one at a time), and of act
             widest = max(cfg.hidden_size, cfg.q_size)
             self.xq = self._device_buffer(c * widest)
             self.xq_scales = self._device_buffer(c * math.ceil(widest / 128) * 4)
-            self.actq = self._device_buffer(c * cfg.intermediate_size)
-            self.actq_scales = self._device_buffer(c * math.ceil(cfg.intermediate_size / 128) * 4)
+            act_q = c if dense else 1
+            self.actq = self._device_buffer(act_q * cfg.intermediate_size)
+            self.actq_scales = self._device_buffer(
+                act_q * math.ceil(cfg.intermediate_size / 128) * 4)
         self.w16 = self._device_buffer(dequant_scratch_bytes(cfg, self.weight_format))
         self.short_start = self._device_buffer(4)  # a short prompt's graph reads its start here
         self._short_graphs: dict[tuple[int, int, bool], rt.Graph] = {}

@@ -15,7 +15,7 @@ from qwenchat.model.config import Qwen3Config
 from qwenchat.model.formats import FORMATS
 
 MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
-               "moe_gather", "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
+               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
 GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM)
 GEMV_ROWS_PER_BLOCK = 16  # moe_gate_up: 8 warps x 2 rows (rmsnorm_gemv<2>)
 ROUTER_ROWS_PER_BLOCK = 8  # the router's logits for one token: moe_router, a row a warp
@@ -24,10 +24,10 @@ MOE_MOST_INTERMEDIATE = 12288  # an expert's SwiGLU output, staged whole (moe.cu
 
 
 def moe_stage_bytes(cfg: Qwen3Config) -> int:
-    """A routed pair's staging in a pass: its gathered bf16 input row and fp32 gate/up outputs,
-    later (the same bytes) its fp32 down output."""
+    """A routed pair's staging in a pass: its fp32 gate/up outputs, later (the same bytes) its
+    fp32 down output. (Its input row is read where it lies: moe_gemm gathers it.)"""
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    return max(h * 2 + 2 * inter * 4, h * 4)
+    return max(2 * inter * 4, h * 4)
 
 
 def moe_pair_bytes(cfg: Qwen3Config) -> int:
@@ -53,8 +53,7 @@ class MoeLayers:
         cfg = self.config
         if not cfg.is_moe:
             return
-        h, inter, k, e = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                          cfg.num_experts)
+        inter, k, e = cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
         pairs = tokens * k
         self.moe_logits = self._device_buffer(tokens * e * 4)
         self.moe_weights = self._device_buffer(pairs * 4)
@@ -64,12 +63,10 @@ class MoeLayers:
         self.moe_token = self._device_buffer(pairs * 4)
         self.moe_tiles = self._device_buffer(self._moe_most_tiles(tokens) * 16)
         self.moe_n_tiles = self._device_buffer(4)
-        # The gathered bf16 rows (moe_a) and the fp32 gate/up outputs (moe_gu) are dead once
-        # SwiGLU has read them, which is before the down products write theirs (moe_y, fp32):
-        # one staging buffer holds the first two and then the third.
+        # The fp32 gate/up outputs (moe_gu) are dead once SwiGLU has read them, which is
+        # before the down products write theirs (moe_y, fp32): one staging buffer holds both.
         self.moe_stage = self._device_buffer(pairs * moe_stage_bytes(cfg))
-        self.moe_a = rt.Ptr(self.moe_stage.ptr)
-        self.moe_gu = rt.Ptr(self.moe_stage.ptr + pairs * h * 2)
+        self.moe_gu = rt.Ptr(self.moe_stage.ptr)
         self.moe_y = rt.Ptr(self.moe_stage.ptr)
         self.moe_act = self._device_buffer(pairs * inter * 2)
 
@@ -120,17 +117,17 @@ class MoeLayers:
         self._launch("moe_count", e, 256, self.moe_ids, c_int(pairs), self.moe_counts)
         self._launch("moe_place", e, 256, self.moe_ids, c_int(pairs), self.moe_counts,
                      self.moe_slot, self.moe_token, self.moe_tiles, self.moe_n_tiles)
-        self._launch("moe_gather", pairs, 128, self.xn, self.moe_token, c_int(pairs), self.moe_a)
         gate_up_bytes, down_bytes = self._moe_expert_bytes()
         tiles, shared = self._moe_most_tiles(n), gemm_shared_bytes(self.weight_format)
-        self._launch("moe_gemm", (math.ceil(2 * inter / GROUP_ROWS), tiles), 256, self.moe_a,
-                     w.experts_gate_up, ctypes.c_longlong(gate_up_bytes), self.moe_gu,
-                     self.moe_tiles, self.moe_n_tiles, c_int(2 * inter), c_int(h), shared=shared)
+        self._launch("moe_gemm", (math.ceil(2 * inter / GROUP_ROWS), tiles), 256, self.xn,
+                     self.moe_token, w.experts_gate_up, ctypes.c_longlong(gate_up_bytes),
+                     self.moe_gu, self.moe_tiles, self.moe_n_tiles, c_int(2 * inter), c_int(h),
+                     shared=shared)
         self._launch("moe_swiglu", min(4096, math.ceil(pairs * inter / 256)), 256, self.moe_gu,
                      c_int(pairs), self.moe_act)
         self._launch("moe_gemm", (math.ceil(h / GROUP_ROWS), tiles), 256, self.moe_act,
-                     w.experts_down, ctypes.c_longlong(down_bytes), self.moe_y, self.moe_tiles,
-                     self.moe_n_tiles, c_int(h), c_int(inter), shared=shared)
+                     rt.Ptr(0), w.experts_down, ctypes.c_longlong(down_bytes), self.moe_y,
+                     self.moe_tiles, self.moe_n_tiles, c_int(h), c_int(inter), shared=shared)
         self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights, c_int(n),
                      self.x)
 

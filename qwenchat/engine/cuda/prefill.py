@@ -19,6 +19,9 @@ PREFILL_QUERIES_PER_BLOCK = 64
 PREFILL_MAX_KEY_SPLITS = 16  # a few new tokens' attention split over the cached keys
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a merge
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
+# A mixture of experts' prefill reads every expert again for each chunk (1.2 GB a layer on
+# 30B-A3B in bf16), so longer chunks are worth more scratch: 2,048 tokens on 30B-A3B.
+MOE_PREFILL_SCRATCH_BUDGET = 256 * 2**20
 GEMM90_SHARED = 193 * 1024  # gemm_sm90.cu's SHARED_BYTES: a 192 KiB ring aligned to 1 KiB
 GEMM90_THREADS = 384  # a producer warpgroup and two consumers
 GEMM90_BOX = 128  # rows of one TMA box, of A and of B
@@ -150,6 +153,17 @@ def prefill_attention_shared(head_dim: int) -> int:
     return 2 * 2 * keys * (head_dim + 8) * 2
 
 
+def prefill_scratch_budget(cfg: Qwen3Config) -> int:
+    """The scratch a prefill's chunk may take (its length follows from it)."""
+    return MOE_PREFILL_SCRATCH_BUDGET if cfg.is_moe else PREFILL_SCRATCH_BUDGET
+
+
+def dense_mlp_rows(cfg: Qwen3Config) -> bool:
+    """Whether any layer's MLP is dense (a mixture of experts may have none: then the dense
+    MLP's scratch is not needed)."""
+    return cfg.sparse_layers < cfg.num_hidden_layers
+
+
 class Prefill:
     """CudaEngine's prefill launches. Uses the engine's kernels (k), stream, buffers and
     capacity; prefill() in the engine drives it chunk by chunk."""
@@ -159,10 +173,10 @@ class Prefill:
         gate_up = 0 if self.gemm90 else 2 * 4  # fp32 gate/up rows, unless fused into SwiGLU
         # act in bf16, or (e4m3 activations) in codes and scales, with xn's or attn's codes
         act, codes = (1.04, max(cfg.hidden_size, cfg.q_size) * 1.04) if self.fp8_gemm else (2, 0)
+        mlp = cfg.intermediate_size * (gate_up + act) if dense_mlp_rows(cfg) else 0
         per_token = int(cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
-                        + cfg.q_size * 2 * 2 + cfg.intermediate_size * (gate_up + act) + codes + 4
-                        + self._moe_bytes_per_token())
-        most = int(max(64, min(2048, PREFILL_SCRATCH_BUDGET // per_token // 64 * 64)))
+                        + cfg.q_size * 2 * 2 + mlp + codes + 4 + self._moe_bytes_per_token())
+        most = int(max(64, min(2048, prefill_scratch_budget(cfg) // per_token // 64 * 64)))
         if not self.attention90:
             return most
         return attention_wave_chunk(most, cfg.num_attention_heads, self.device.sm_count)
@@ -335,11 +349,13 @@ class Prefill:
         if self.fp8_gemm:  # e4m3 codes: xn's and attn's share xq
             self.gemm90_maps_a = {"xn": codes(self.xq, c, cfg.hidden_size),
                                   "attn": codes(self.xq, c, cfg.q_size),
-                                  "act": codes(self.actq, c, cfg.intermediate_size)}
+                                  **({"act": codes(self.actq, c, cfg.intermediate_size)}
+                                     if dense_mlp_rows(cfg) else {})}
         else:
             self.gemm90_maps_a = {"xn": tiles(self.xn, c, cfg.hidden_size),
                                   "attn": tiles(self.attn, c, cfg.q_size),
-                                  "act": tiles(self.act, c, cfg.intermediate_size)}
+                                  **({"act": tiles(self.act, c, cfg.intermediate_size)}
+                                     if dense_mlp_rows(cfg) else {})}
         if self.weight_format == "int4":  # the slices _dequant makes, every layer's
             h, q, inter = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
             self.w16_maps = {
