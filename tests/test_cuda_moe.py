@@ -75,6 +75,13 @@ MOE_SHAPES = {
     "mk-top4": dict(hidden_size=128, intermediate_size=128, head_dim=64, num_attention_heads=2,
                     num_key_value_heads=1, moe_intermediate_size=128, num_experts=9,
                     num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[], seed=4),
+    # Hopper's grouped products (moe_sm90.cu) off their tiles' grid: 328 features end inside a
+    # 128-wide tile (its gate box reads into the up rows, its up box into the next expert's),
+    # 456 outputs inside a 256-wide one, K = 328 and 456 inside a 64-deep step; 500 tokens to
+    # 3 of 5 experts make about three tiles an expert, the last partial.
+    "odd-wide": dict(hidden_size=456, intermediate_size=128, head_dim=32,
+                     moe_intermediate_size=328, num_experts=5, num_experts_per_tok=3,
+                     norm_topk_prob=True, seed=6),
 }
 ALL_ROUTED = ("all-tiny", "all-wide")
 FORMATS = ("BF16", "FP8", "AWQ")  # (AWQ: int4 rows are whole groups of 128, so the wide shapes)
@@ -215,20 +222,40 @@ def silu(v: np.ndarray) -> np.ndarray:
 
 
 def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_engine):
+    check_pass(*wide_engine, 300)
+
+
+def test_hoppers_grouped_products_take_bf16_experts_off_their_tiles_grid(tmp_path_factory,
+                                                                        tiny_tokenizer):
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.loader import open_model_dir
+
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "odd-wide"))
+    engine = CudaEngine(model.config, model.checkpoint, decode="layered")
+    try:
+        # moe_sm90.cu wherever gemm_sm90.cu runs the dense products (moe.cu's moe_gemm else)
+        assert engine.moe90 == engine.gemm90
+        check_pass(engine, model, 500)
+    finally:
+        engine.close()
+
+
+def check_pass(engine, model, n: int) -> None:
+    """One sparse layer's pass over n random rows: the router's logits, its choices and
+    weights, the grouping and the experts' sum, each against NumPy on the GPU's own input."""
     from test_cuda_engine import download
 
     from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
 
-    engine, model = wide_engine
     cfg = model.config
-    n, h, k, e = 300, cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
+    h, k, e = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
     assert n <= engine.chunk and cfg.sparse_layer(0)
     rng = np.random.default_rng(5)
     xn_bits = f32_to_bf16_bits(rng.standard_normal((n, h)).astype(np.float32))
     x0 = rng.standard_normal((n, h)).astype(np.float32)
     engine.xn.upload(xn_bits)
     engine.x.upload(x0)
-    engine._moe_pass(engine.layers[0], n)
+    engine._moe_pass(0, engine.layers[0], n)
     engine.stream.synchronize()
     xn = bf16_bits_to_f32(xn_bits).astype(np.float64)
     router, experts = moe_weights(model, 0, rounded=True)

@@ -35,7 +35,7 @@ from qwenchat.engine.cuda.megakernel import (
     megakernel_layout,
     megakernel_unusable,
 )
-from qwenchat.engine.cuda.moe import MOE_KERNELS, MOE_MOST_INTERMEDIATE, MoeLayers
+from qwenchat.engine.cuda.moe import MOE_KERNELS, MOE_MOST_INTERMEDIATE, MoeLayers, moe90_runs
 from qwenchat.engine.cuda.prefill import (
     GEMM90_SHARED,
     GEMM_FP8_KERNELS,
@@ -88,6 +88,7 @@ SM90_PARTS = {
                      ("gemm90_store_256",), ("gemm90_add_128",), ("gemm90_add_256",)),
     "gemm_fp8_sm90.cu": (("gemm_fp8_swiglu", "quantize_rows_e4m3"), ("gemm_fp8_store_128",),
                          ("gemm_fp8_store_256",), ("gemm_fp8_add_128",), ("gemm_fp8_add_256",)),
+    "moe_sm90.cu": (("moe90_gate_up",), ("moe90_down",)),  # bf16 experts' grouped products
 }
 SM90_KERNELS = {**{source: tuple(name for part in parts for name in part)
                    for source, parts in SM90_PARTS.items()},
@@ -104,7 +105,8 @@ def kernel_names(build: KernelBuild) -> tuple[str, ...] | None:
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
 # builds start in this order, so the longest never waits behind the short ones.
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "gemm_fp8_sm90.cu", "attention.cu", "sampling.cu",
-                 "attention_sm90.cu", "gemm.cu", "verify.cu", "layers.cu", "moe.cu", "score.cu")
+                 "attention_sm90.cu", "moe_sm90.cu", "gemm.cu", "verify.cu", "layers.cu", "moe.cu",
+                 "score.cu")
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
 
@@ -151,7 +153,8 @@ def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_
               if not (source == "gemm.cu" and hopper_gemm)
               and not (source == "moe.cu" and not config.is_moe)]
     wanted = {"gemm_sm90.cu": hopper_gemm and not fp8_gemm, "gemm_fp8_sm90.cu": fp8_gemm,
-              "attention_sm90.cu": hopper_attention}
+              "attention_sm90.cu": hopper_attention,
+              "moe_sm90.cu": moe90_runs(config, weight_format, hopper_gemm)}
     for source in SM90_KERNELS:
         if wanted[source]:
             parts = range(len(SM90_PARTS[source])) if source in SM90_PARTS else [None]
@@ -422,8 +425,9 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         for name in ("gemm_store", "gemm_add"):
             if name in self.k:
                 self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))
-        for name in (*SM90_KERNELS["gemm_sm90.cu"], *GEMM_FP8_KERNELS):
-            if name in self.k and name.startswith("gemm"):
+        for name in (*SM90_KERNELS["gemm_sm90.cu"], *GEMM_FP8_KERNELS,
+                     *SM90_KERNELS["moe_sm90.cu"]):
+            if name in self.k and name.startswith(("gemm", "moe90")):
                 self.k[name].set_max_dynamic_shared(GEMM90_SHARED)
         self._moe_shared()
         if "attn_prefill90" in self.k:
@@ -540,6 +544,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         self._host_pos = self._host.array(np.int32, 2)[1:]
         self._host_params = rt.PinnedBuffer(SAMPLE_PARAMS.itemsize).array(SAMPLE_PARAMS, 1)
         self._build_tensor_maps()
+        self._build_moe_maps()
 
     # ----------------------------------------------------------------------------- launches
     def _launch(self, name: str, grid, block, *args, shared: int = 0) -> None:

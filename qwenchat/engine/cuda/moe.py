@@ -9,18 +9,31 @@ import ctypes
 import math
 
 from qwenchat.engine.cuda import runtime as rt
-from qwenchat.engine.cuda.prefill import gemm_shared_bytes
+from qwenchat.engine.cuda.prefill import (
+    GEMM90_BOX,
+    GEMM90_BOX_K,
+    GEMM90_SHARED,
+    GEMM90_THREADS,
+    gemm_shared_bytes,
+)
 from qwenchat.engine.cuda.weights import LayerBuffers
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.formats import FORMATS
 
 MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
                "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
-GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM)
+GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM, moe_sm90.cu's)
+MOE90_COLUMNS = (128, 256)  # moe_sm90.cu's columns a block: SwiGLU's features, down's outputs
 GEMV_ROWS_PER_BLOCK = 16  # moe_gate_up: 8 warps x 2 rows (rmsnorm_gemv<2>)
 ROUTER_ROWS_PER_BLOCK = 8  # the router's logits for one token: moe_router, a row a warp
 DOWN_ROWS_PER_BLOCK = 8  # moe_down: a row a warp
 MOE_MOST_INTERMEDIATE = 12288  # an expert's SwiGLU output, staged whole (moe.cu: 48 KB)
+
+
+def moe90_runs(cfg: Qwen3Config, weight_format: str, hopper_gemm: bool) -> bool:
+    """Whether a pass's experts take moe_sm90.cu's products: bf16 experts where
+    gemm_sm90.cu runs the dense products (else moe.cu's moe_gemm)."""
+    return hopper_gemm and cfg.is_moe and weight_format == "bf16"
 
 
 def moe_stage_bytes(cfg: Qwen3Config) -> int:
@@ -98,7 +111,51 @@ class MoeLayers:
         self._launch("moe_down", math.ceil(h / DOWN_ROWS_PER_BLOCK), 256, self.moe_gu,
                      w.experts_down, self.moe_ids, self.moe_weights, self.x)
 
-    def _moe_pass(self, w: LayerBuffers, n: int) -> None:
+    def _build_moe_maps(self) -> None:
+        """moe_sm90.cu's tensor maps of each sparse layer's experts (every expert's rows as one
+        matrix), where it runs: Hopper, bf16 experts."""
+        cfg = self.config
+        self.moe90 = moe90_runs(cfg, self.weight_format, self.gemm90)
+        if not self.moe90:
+            return
+        h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.moe90_maps = [
+            None if w.experts_gate_up is None else
+            (rt.tile_map(w.experts_gate_up.ptr, e * 2 * inter, h, GEMM90_BOX, GEMM90_BOX_K),
+             rt.tile_map(w.experts_down.ptr, e * h, inter, GEMM90_BOX, GEMM90_BOX_K))
+            for w in self.layers]
+
+    def _moe_products(self, layer: int, w: LayerBuffers, n: int) -> None:
+        """moe_act = SwiGLU of the pairs' gate/up products, then moe_y = their down products
+        (grouped order, the tiles moe_place listed): on Hopper moe_sm90.cu, SwiGLU in the
+        gate/up product; elsewhere moe.cu's moe_gemm, moe_swiglu between."""
+        cfg, c_int = self.config, ctypes.c_int
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        tiles = self._moe_most_tiles(n)
+        if self.moe90:
+            map_gate_up, map_down = self.moe90_maps[layer]
+            self._launch("moe90_gate_up", (math.ceil(inter / MOE90_COLUMNS[0]), tiles),
+                         GEMM90_THREADS, self.xn, self.moe_token, map_gate_up, self.moe_act,
+                         self.moe_tiles, self.moe_n_tiles, c_int(inter), c_int(h),
+                         shared=GEMM90_SHARED)
+            self._launch("moe90_down", (math.ceil(h / MOE90_COLUMNS[1]), tiles), GEMM90_THREADS,
+                         self.moe_act, map_down, self.moe_y, self.moe_tiles, self.moe_n_tiles,
+                         c_int(h), c_int(inter), shared=GEMM90_SHARED)
+            return
+        gate_up_bytes, down_bytes = self._moe_expert_bytes()
+        shared = gemm_shared_bytes(self.weight_format)
+        self._launch("moe_gemm", (math.ceil(2 * inter / GROUP_ROWS), tiles), 256, self.xn,
+                     self.moe_token, w.experts_gate_up, ctypes.c_longlong(gate_up_bytes),
+                     self.moe_gu, self.moe_tiles, self.moe_n_tiles, c_int(2 * inter), c_int(h),
+                     shared=shared)
+        pairs = n * cfg.num_experts_per_tok
+        self._launch("moe_swiglu", min(4096, math.ceil(pairs * inter / 256)), 256, self.moe_gu,
+                     c_int(pairs), self.moe_act)
+        self._launch("moe_gemm", (math.ceil(h / GROUP_ROWS), tiles), 256, self.moe_act,
+                     rt.Ptr(0), w.experts_down, ctypes.c_longlong(down_bytes), self.moe_y,
+                     self.moe_tiles, self.moe_n_tiles, c_int(h), c_int(inter), shared=shared)
+
+    def _moe_pass(self, layer: int, w: LayerBuffers, n: int) -> None:
         """x += the sparse MLP of n tokens whose normed rows are in xn (bf16): the router's
         logits on the tensor cores, the top-k, the tokens' rows grouped by expert (moe_count,
         moe_place: the order of the tokens kept within an expert, so a run's layout is
@@ -106,8 +163,7 @@ class MoeLayers:
         listed on the device, the grid sized for the most there can be), and each token's
         experts summed back with their weights in rank order."""
         cfg, c_int = self.config, ctypes.c_int
-        h, inter, k, e = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                          cfg.num_experts)
+        h, k, e = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
         pairs = n * k
         self._launch("moe_router_gemm", (math.ceil(e / GROUP_ROWS), math.ceil(n / GROUP_ROWS)),
                      256, self.xn, w.router, self.moe_logits, c_int(n), c_int(e), c_int(h),
@@ -117,17 +173,7 @@ class MoeLayers:
         self._launch("moe_count", e, 256, self.moe_ids, c_int(pairs), self.moe_counts)
         self._launch("moe_place", e, 256, self.moe_ids, c_int(pairs), self.moe_counts,
                      self.moe_slot, self.moe_token, self.moe_tiles, self.moe_n_tiles)
-        gate_up_bytes, down_bytes = self._moe_expert_bytes()
-        tiles, shared = self._moe_most_tiles(n), gemm_shared_bytes(self.weight_format)
-        self._launch("moe_gemm", (math.ceil(2 * inter / GROUP_ROWS), tiles), 256, self.xn,
-                     self.moe_token, w.experts_gate_up, ctypes.c_longlong(gate_up_bytes),
-                     self.moe_gu, self.moe_tiles, self.moe_n_tiles, c_int(2 * inter), c_int(h),
-                     shared=shared)
-        self._launch("moe_swiglu", min(4096, math.ceil(pairs * inter / 256)), 256, self.moe_gu,
-                     c_int(pairs), self.moe_act)
-        self._launch("moe_gemm", (math.ceil(h / GROUP_ROWS), tiles), 256, self.moe_act,
-                     rt.Ptr(0), w.experts_down, ctypes.c_longlong(down_bytes), self.moe_y,
-                     self.moe_tiles, self.moe_n_tiles, c_int(h), c_int(inter), shared=shared)
+        self._moe_products(layer, w, n)
         self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights, c_int(n),
                      self.x)
 

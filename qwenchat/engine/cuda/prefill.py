@@ -206,7 +206,7 @@ class Prefill:
             self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
             self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
             if w.router is not None:  # a mixture of experts (moe.py)
-                self._moe_pass(w, n)
+                self._moe_pass(i, w, n)
                 continue
             self._quantize("xn", n, h)
             self._gate_up(i, n)

@@ -112,7 +112,7 @@ class VerifyPass:
             self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, w.post_norm, c_int(n), eps,
                          self.xn)
             if w.router is not None:  # a mixture of experts (moe.py)
-                self._moe_pass(w, n)
+                self._moe_pass(i, w, n)
                 continue
             self._verify_product("xn", self.xn, w.gate_up, self.verify_gu, n, 2 * inter)
             blocks = min(4096, math.ceil(n * inter / 256))
