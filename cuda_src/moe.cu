@@ -192,18 +192,36 @@ extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, int rows,
 }
 
 // Prefill: x[t] += sum over k (in order) of weights[t][k] x y[slot[t x TOPK + k]] (the grouped
-// down products' rows), one block a token.
+// down products' rows), one block a token, four columns a thread at a time.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ slot,
                                        const float* __restrict__ weights, int tokens,
                                        float* __restrict__ x) {
+    static_assert(qw::hidden % 4 == 0, "float4 columns");
+    __shared__ const float* rows[qwm::TOPK];
+    __shared__ float w[qwm::TOPK];
     const int t = blockIdx.x;
     if (t >= tokens) return;
-    for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x) {
-        float total = 0.f;
-#pragma unroll 1
-        for (int k = 0; k < qwm::TOPK; ++k)
-            total += weights[t * qwm::TOPK + k] *
-                     y[static_cast<long long>(slot[t * qwm::TOPK + k]) * qw::hidden + j];
-        x[static_cast<long long>(t) * qw::hidden + j] += total;
+    for (int k = threadIdx.x; k < qwm::TOPK; k += blockDim.x) {
+        rows[k] = y + static_cast<long long>(slot[t * qwm::TOPK + k]) * qw::hidden;
+        w[k] = weights[t * qwm::TOPK + k];
+    }
+    __syncthreads();
+    float4* out = reinterpret_cast<float4*>(x + static_cast<long long>(t) * qw::hidden);
+    for (int j = threadIdx.x; j < qw::hidden / 4; j += blockDim.x) {
+        float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int k = 0; k < qwm::TOPK; ++k) {  // (each column's sum in rank order, as before)
+            const float4 v = reinterpret_cast<const float4*>(rows[k])[j];
+            total.x += w[k] * v.x;
+            total.y += w[k] * v.y;
+            total.z += w[k] * v.z;
+            total.w += w[k] * v.w;
+        }
+        float4 o = out[j];
+        o.x += total.x;
+        o.y += total.y;
+        o.z += total.z;
+        o.w += total.w;
+        out[j] = o;
     }
 }

@@ -170,8 +170,8 @@ class MoeLayers:
                      shared=gemm_shared_bytes("bf16"))
         self._launch("moe_route", math.ceil(n * 32 / 256), 256, self.moe_logits, c_int(n),
                      self.moe_weights, self.moe_ids)
-        self._launch("moe_count", e, 256, self.moe_ids, c_int(pairs), self.moe_counts)
-        self._launch("moe_place", e, 256, self.moe_ids, c_int(pairs), self.moe_counts,
+        self._launch("moe_count", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts)
+        self._launch("moe_place", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts,
                      self.moe_slot, self.moe_token, self.moe_tiles, self.moe_n_tiles)
         self._moe_products(layer, w, n)
         self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights, c_int(n),
