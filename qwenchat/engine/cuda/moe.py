@@ -122,7 +122,8 @@ class MoeLayers:
         self.moe90_maps = [
             None if w.experts_gate_up is None else
             (rt.tile_map(w.experts_gate_up.ptr, e * 2 * inter, h, GEMM90_BOX, GEMM90_BOX_K),
-             rt.tile_map(w.experts_down.ptr, e * h, inter, GEMM90_BOX, GEMM90_BOX_K))
+             rt.tile_map(w.experts_down.ptr, e * h, inter, GEMM90_BOX, GEMM90_BOX_K),
+             rt.tile_map(w.router.ptr, e, h, GEMM90_BOX, GEMM90_BOX_K))
             for w in self.layers]
 
     def _moe_products(self, layer: int, w: LayerBuffers, n: int) -> None:
@@ -133,7 +134,7 @@ class MoeLayers:
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         tiles = self._moe_most_tiles(n)
         if self.moe90:
-            map_gate_up, map_down = self.moe90_maps[layer]
+            map_gate_up, map_down, _ = self.moe90_maps[layer]
             self._launch("moe90_gate_up", (math.ceil(inter / MOE90_COLUMNS[0]), tiles),
                          GEMM90_THREADS, self.xn, self.moe_token, map_gate_up, self.moe_act,
                          self.moe_tiles, self.moe_n_tiles, c_int(inter), c_int(h),
@@ -155,6 +156,22 @@ class MoeLayers:
                      rt.Ptr(0), w.experts_down, ctypes.c_longlong(down_bytes), self.moe_y,
                      self.moe_tiles, self.moe_n_tiles, c_int(h), c_int(inter), shared=shared)
 
+    def _moe_router_logits(self, layer: int, w: LayerBuffers, n: int) -> None:
+        """moe_logits = xn . router^T (fp32): on Hopper gemm_sm90.cu's product, its K split
+        where the experts' few columns leave SMs idle (a 2,048-token chunk of 30B-A3B: 16
+        tiles on 132 SMs); elsewhere moe.cu's moe_router_gemm."""
+        cfg, c_int = self.config, ctypes.c_int
+        h, e = cfg.hidden_size, cfg.num_experts
+        if self.moe90:
+            map_a, map_router = self.gemm90_maps_a["xn"], self.moe90_maps[layer][2]
+            if not self._gemm90_split("store", map_a, map_router, w.router, self.moe_logits, n,
+                                      e, h, 0, e):
+                self._gemm90("store", map_a, map_router, w.router, self.moe_logits, n, e, h)
+            return
+        self._launch("moe_router_gemm", (math.ceil(e / GROUP_ROWS), math.ceil(n / GROUP_ROWS)),
+                     256, self.xn, w.router, self.moe_logits, c_int(n), c_int(e), c_int(h),
+                     shared=gemm_shared_bytes("bf16"))
+
     def _moe_pass(self, layer: int, w: LayerBuffers, n: int) -> None:
         """x += the sparse MLP of n tokens whose normed rows are in xn (bf16): the router's
         logits on the tensor cores, the top-k, the tokens' rows grouped by expert (moe_count,
@@ -163,11 +180,9 @@ class MoeLayers:
         listed on the device, the grid sized for the most there can be), and each token's
         experts summed back with their weights in rank order."""
         cfg, c_int = self.config, ctypes.c_int
-        h, k, e = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
+        k, e = cfg.num_experts_per_tok, cfg.num_experts
         pairs = n * k
-        self._launch("moe_router_gemm", (math.ceil(e / GROUP_ROWS), math.ceil(n / GROUP_ROWS)),
-                     256, self.xn, w.router, self.moe_logits, c_int(n), c_int(e), c_int(h),
-                     shared=gemm_shared_bytes("bf16"))
+        self._moe_router_logits(layer, w, n)
         self._launch("moe_route", math.ceil(n * 32 / 256), 256, self.moe_logits, c_int(n),
                      self.moe_weights, self.moe_ids)
         self._launch("moe_count", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts)
