@@ -220,12 +220,13 @@ def peak_stays_within_256_mib(make) -> None:
 
 
 def test_fp8_weights_take_about_half_the_memory_and_peak_stays_within_256_mib(fp8_dir):
-    from qwenchat.model.fp8 import weight_bytes
+    from qwenchat.model.formats import FORMATS
 
     def make():
         gpu, _ = engines(fp8_dir, ctx=1024, decode="layered")
         shapes = gpu.config.tensor_shapes()
-        assert gpu.weight_bytes == weight_bytes(shapes, "fp8") < weight_bytes(shapes, "bf16")
+        fp8, bf16 = (FORMATS[name].weight_bytes(shapes) for name in ("fp8", "bf16"))
+        assert gpu.weight_bytes == fp8 < bf16
         return gpu
 
     peak_stays_within_256_mib(make)

@@ -88,12 +88,13 @@ def test_quantize_int4_on_the_gpu_equals_the_awq_checkpoint_of_the_same_codes(
 
 
 def test_int4_weights_take_about_a_quarter_of_bf16_and_peak_stays_within_256_mib(awq_dir):
-    from qwenchat.model.fp8 import weight_bytes
+    from qwenchat.model.formats import FORMATS
 
     def make():
         gpu, _ = engines(awq_dir, ctx=1024, decode="layered")
         shapes = gpu.config.tensor_shapes()
-        assert gpu.weight_bytes == weight_bytes(shapes, "int4") < weight_bytes(shapes, "fp8")
+        int4, fp8 = (FORMATS[name].weight_bytes(shapes) for name in ("int4", "fp8"))
+        assert gpu.weight_bytes == int4 < fp8
         return gpu
 
     peak_stays_within_256_mib(make)

@@ -1057,13 +1057,13 @@ def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
 
 def test_a_routed_pairs_staging_holds_each_of_its_uses_in_turn():
     """moe.py stages a pair's fp32 gate/up outputs, then its fp32 down output, in the same bytes
-    (its input row is gathered by the product, not copied): enough for either. 30B-A3B has no
-    dense layer, so its chunk spends nothing on a dense MLP's rows: 2,048 tokens of the 256 MiB
-    a mixture of experts may take (four times the 512 of separate buffers in 160 MB)."""
+    (its input row is gathered by the product, not copied), which also hold the attention's qkv
+    and q rows (dead by the sparse MLP). 30B-A3B has no dense layer, so its chunk spends nothing
+    on a dense MLP's rows: 2,048 tokens in bf16, four times the 512 that separate buffers left."""
     from types import MethodType, SimpleNamespace
 
     from qwenchat.engine.cuda.engine import CudaEngine
-    from qwenchat.engine.cuda.moe import moe_pair_bytes, moe_stage_bytes
+    from qwenchat.engine.cuda.moe import moe_stage_bytes
     from qwenchat.engine.cuda.prefill import dense_mlp_rows
     from qwenchat.model.presets import PRESETS
 
@@ -1071,17 +1071,17 @@ def test_a_routed_pairs_staging_holds_each_of_its_uses_in_turn():
         config = Qwen3Config.from_dict(tiny_moe_config(**overrides))
         h, inter = config.hidden_size, config.moe_intermediate_size
         assert moe_stage_bytes(config) == max(2 * inter * 4, h * 4)
-        assert moe_pair_bytes(config) == moe_stage_bytes(config) + inter * 2
     a3b = PRESETS["qwen3-30b-a3b"]
-    separate = 2048 * 2 + 2 * 768 * 4 + 768 * 2 + 2048 * 4  # a3b's pair in four buffers
-    assert moe_pair_bytes(a3b) < 0.5 * separate
     assert not dense_mlp_rows(a3b)
     assert dense_mlp_rows(Qwen3Config.from_dict(tiny_moe_config(mlp_only_layers=[0])))
-    for fp8, chunk in ((False, 2048), (True, 1536)):
+    for fp8, chunk in ((False, 2048), (True, 2048)):
         engine = SimpleNamespace(config=a3b, gemm90=True, fp8_gemm=fp8, attention90=True,
                                  device=SimpleNamespace(sm_count=132))
-        engine._moe_bytes_per_token = MethodType(CudaEngine._moe_bytes_per_token, engine)
+        engine._staging_bytes_per_token = MethodType(CudaEngine._staging_bytes_per_token, engine)
+        attention = 5120 * 4 + 4096 * 2  # qkv (fp32) and q (bf16) rows
+        assert engine._staging_bytes_per_token(attention) == 128 * 4 + 8 * (32 + 768 * 2 + 8192)
         assert CudaEngine._prefill_chunk_tokens(engine) == chunk
+        # (the staging a chunk takes stays within the budget with the rest of its scratch)
 
 
 def test_capacity_planning_charges_the_kv_cache_and_little_more_per_position():

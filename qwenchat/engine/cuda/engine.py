@@ -485,8 +485,13 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         qkv_cols = cfg.q_size + 2 * cfg.kv_size
         self.x = self._device_buffer(c * cfg.hidden_size * 4)
         self.xn = self._device_buffer(c * cfg.hidden_size * 2)
-        self.qkv = self._device_buffer(c * qkv_cols * 4)
-        self.q = self._device_buffer(c * cfg.q_size * 2)
+        if cfg.is_moe:  # qkv and q are dead by the sparse MLP: they lie in its staging
+            self._allocate_moe(max(c, VERIFY_ROWS), c * (qkv_cols * 4 + cfg.q_size * 2))
+            self.qkv = rt.Ptr(self.moe_stage.ptr)
+            self.q = rt.Ptr(self.moe_stage.ptr + c * qkv_cols * 4)
+        else:
+            self.qkv = self._device_buffer(c * qkv_cols * 4)
+            self.q = self._device_buffer(c * cfg.q_size * 2)
         self.attn = self._device_buffer(c * cfg.q_size * 2)
         # fp32 gate/up rows: the layered decode's one row, and the prefill's unless
         # gemm_sm90.cu applies SwiGLU in gate/up's product.
@@ -509,7 +514,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         self._short_graphs: dict[tuple[int, int, bool], rt.Graph] = {}
         self._window_graphs: dict[tuple, rt.Graph] = {}  # eval's windows (scoring.py)
         self.ids = self._device_buffer(c * 4)
-        self._allocate_moe(max(c, VERIFY_ROWS))
         sms = self.device.sm_count
         self.split_options = decode_split_options(cfg, cap, sms)
         most = self.split_options[-1]

@@ -43,26 +43,25 @@ def moe_stage_bytes(cfg: Qwen3Config) -> int:
     return max(2 * inter * 4, h * 4)
 
 
-def moe_pair_bytes(cfg: Qwen3Config) -> int:
-    """A routed pair's rows in a pass: its staging and its bf16 SwiGLU output."""
-    return moe_stage_bytes(cfg) + cfg.moe_intermediate_size * 2
-
-
 class MoeLayers:
     """CudaEngine's sparse layers. Uses the engine's config, weight_format, kernels, stream
     and buffers (x, xn)."""
 
-    def _moe_bytes_per_token(self) -> int:
-        """The scratch a pass's token takes in a sparse layer (prefill sizes its chunks with
-        it): its router logits, its top-k weights and experts, and per routed pair its row in
-        the grouped order (moe_pair_bytes) and its places in the grouping."""
+    def _staging_bytes_per_token(self, attention: int) -> int:
+        """The scratch a pass's token takes for its `attention` bytes (its qkv and q rows) and
+        in a sparse layer (prefill sizes its chunks with it): its router logits, its top-k
+        weights and experts, and per routed pair its places in the grouping, its SwiGLU row
+        and its staging, which holds the attention's rows too (dead by the sparse MLP)."""
         cfg = self.config
         if not cfg.is_moe:
-            return 0
-        return cfg.num_experts * 4 + cfg.num_experts_per_tok * (8 + moe_pair_bytes(cfg) + 8 + 16)
+            return attention
+        k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        return (cfg.num_experts * 4 + k * (8 + 8 + 16 + inter * 2)
+                + max(k * moe_stage_bytes(cfg), attention))
 
-    def _allocate_moe(self, tokens: int) -> None:
-        """Scratch for `tokens` tokens a pass (and one token's decode, which reuses it)."""
+    def _allocate_moe(self, tokens: int, least_stage: int = 0) -> None:
+        """Scratch for `tokens` tokens a pass (and one token's decode, which reuses it); the
+        staging at least `least_stage` bytes (the attention's rows share it)."""
         cfg = self.config
         if not cfg.is_moe:
             return
@@ -78,7 +77,7 @@ class MoeLayers:
         self.moe_n_tiles = self._device_buffer(4)
         # The fp32 gate/up outputs (moe_gu) are dead once SwiGLU has read them, which is
         # before the down products write theirs (moe_y, fp32): one staging buffer holds both.
-        self.moe_stage = self._device_buffer(pairs * moe_stage_bytes(cfg))
+        self.moe_stage = self._device_buffer(max(pairs * moe_stage_bytes(cfg), least_stage))
         self.moe_gu = rt.Ptr(self.moe_stage.ptr)
         self.moe_y = rt.Ptr(self.moe_stage.ptr)
         self.moe_act = self._device_buffer(pairs * inter * 2)

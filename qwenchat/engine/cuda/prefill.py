@@ -20,8 +20,9 @@ PREFILL_MAX_KEY_SPLITS = 16  # a few new tokens' attention split over the cached
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a merge
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
 # A mixture of experts' prefill reads every expert again for each chunk (1.2 GB a layer on
-# 30B-A3B in bf16), so longer chunks are worth more scratch: 2,048 tokens on 30B-A3B.
-MOE_PREFILL_SCRATCH_BUDGET = 256 * 2**20
+# 30B-A3B in bf16), so longer chunks are worth more scratch: 2,048 tokens on 30B-A3B, its
+# scratch in all within the 256 MB the dense sizes keep to.
+MOE_PREFILL_SCRATCH_BUDGET = 208 * 2**20
 GEMM90_SHARED = 193 * 1024  # gemm_sm90.cu's SHARED_BYTES: a 192 KiB ring aligned to 1 KiB
 GEMM90_THREADS = 384  # a producer warpgroup and two consumers
 GEMM90_BOX = 128  # rows of one TMA box, of A and of B
@@ -174,8 +175,9 @@ class Prefill:
         # act in bf16, or (e4m3 activations) in codes and scales, with xn's or attn's codes
         act, codes = (1.04, max(cfg.hidden_size, cfg.q_size) * 1.04) if self.fp8_gemm else (2, 0)
         mlp = cfg.intermediate_size * (gate_up + act) if dense_mlp_rows(cfg) else 0
-        per_token = int(cfg.hidden_size * (4 + 2) + (cfg.q_size + 2 * cfg.kv_size) * 4
-                        + cfg.q_size * 2 * 2 + mlp + codes + 4 + self._moe_bytes_per_token())
+        attention = (cfg.q_size + 2 * cfg.kv_size) * 4 + cfg.q_size * 2  # qkv, q
+        per_token = int(cfg.hidden_size * (4 + 2) + cfg.q_size * 2 + mlp + codes + 4
+                        + self._staging_bytes_per_token(attention))
         most = int(max(64, min(2048, prefill_scratch_budget(cfg) // per_token // 64 * 64)))
         if not self.attention90:
             return most

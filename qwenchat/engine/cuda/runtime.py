@@ -418,6 +418,11 @@ class Ptr:
 
     address: int
 
+    @property
+    def ptr(self) -> int:
+        """The address, as a DeviceBuffer's `ptr` (a view into one: tensor maps take either)."""
+        return self.address
+
 
 # Scalars a kernel parameter can take; ctypes' aliases (c_int is c_int32, c_size_t is
 # c_uint64 on 64-bit Linux, ...) are covered through these.
