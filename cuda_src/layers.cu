@@ -119,77 +119,114 @@ extern "C" __global__ void swiglu_rows(const float* __restrict__ gu, int n,
     swiglu_rows_of<qw::intermediate>(gu, n, act);
 }
 
-// For token t (blockIdx.x) and head h (blockIdx.y over q heads then kv heads): RMSNorm over
-// head_dim with q_norm / k_norm, rotate-half RoPE at position pos0 + t, then write q (bf16) or
-// append k and v to the layer's cache (kv8.cuh: bf16 rows, or int8 rows and their scales, the
-// row's largest value found by the block). pos0 is read from device memory when pos_ptr is
-// set, so a captured decode graph follows the cache position.
-extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qkv, int n,
-                                              const int* __restrict__ pos_ptr, int pos_arg,
-                                              const bf16_t* __restrict__ q_norm,
-                                              const bf16_t* __restrict__ k_norm,
-                                              const float* __restrict__ inv_freq, float eps,
-                                              int capacity, bf16_t* __restrict__ q_out,
-                                              void* __restrict__ k_cache,
-                                              void* __restrict__ v_cache) {
-    constexpr int HD = qw::head_dim, HALF = HD / 2;
-    __shared__ float scratch[32];
-    const int t = blockIdx.x, h = blockIdx.y;
-    if (t >= n) return;
+// For token t and head h (q heads then kv heads), one warp each (item t x heads + h, ROPE_WARPS
+// to a block): RMSNorm over head_dim with q_norm / k_norm, rotate-half RoPE at position pos0 +
+// t, then write q (bf16) or append k and v to the layer's cache (kv8.cuh: bf16 rows, or int8
+// rows and their scales, the row's largest value found by the warp). pos0 is read from device
+// memory when pos_ptr is set, so a captured decode graph follows the cache position. Lane l
+// rotates the pairs (i, i + head_dim / 2) for i = l, l + 32, ...; the sum of squares adds each
+// run of 32 pairs' warp sum in turn, as a block of one thread a pair did (so the bits are the
+// megakernel's).
+constexpr int ROPE_WARPS = 8;
+extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
+    qk_norm_rope_store(const float* __restrict__ qkv, int n, const int* __restrict__ pos_ptr,
+                       int pos_arg, const bf16_t* __restrict__ q_norm,
+                       const bf16_t* __restrict__ k_norm, const float* __restrict__ inv_freq,
+                       float eps, int capacity, bf16_t* __restrict__ q_out,
+                       void* __restrict__ k_cache, void* __restrict__ v_cache) {
+    constexpr int HD = qw::head_dim, HALF = HD / 2, PER = (HALF + 31) / 32;
+    constexpr int HEADS = qw::heads + qw::kv_heads;
+    const int item = blockIdx.x * ROPE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int t = item / HEADS, h = item % HEADS;
+    if (t >= n) return;  // (a whole warp)
     const int pos = (pos_ptr ? *pos_ptr : pos_arg) + t;
     const float* row = qkv + static_cast<long long>(t) * (qw::q_size + 2 * qw::kv_size);
-    const bool is_q = h < qw::heads;  // (the same for the whole block)
+    const bool is_q = h < qw::heads;
     const int kvh = h - qw::heads;
     const float* src = is_q ? row + h * HD : row + qw::q_size + kvh * HD;
-    // Thread i < HALF rotates the pair (i, i + HALF); the block is rounded up to whole warps.
-    const int i = threadIdx.x;
-    const bool active = i < HALF;
-    float a = active ? src[i] : 0.f, b = active ? src[i + HALF] : 0.f;
-    const float rstd = rsqrtf(block_sum(a * a + b * b, scratch) / HD + eps);
-    float ra = 0.f, rb = 0.f;
-    if (active) {
-        const bf16_t* nw = is_q ? q_norm : k_norm;
-        a *= rstd * bf16_to_f32(nw[i]);
-        b *= rstd * bf16_to_f32(nw[i + HALF]);
-        float s, c;
-        sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
-        ra = a * c - b * s;
-        rb = b * c + a * s;
+    float a[PER], b[PER];
+    float total = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = lane + 32 * j;
+        const bool active = i < HALF;
+        a[j] = active ? src[i] : 0.f;
+        b[j] = active ? src[i + HALF] : 0.f;
+        total += warp_sum(a[j] * a[j] + b[j] * b[j]);
+    }
+    const float rstd = rsqrtf(total / HD + eps);
+    const bf16_t* nw = is_q ? q_norm : k_norm;
+    float ra[PER], rb[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = lane + 32 * j;
+        ra[j] = rb[j] = 0.f;
+        if (i < HALF) {
+            const float x = a[j] * (rstd * bf16_to_f32(nw[i]));
+            const float y = b[j] * (rstd * bf16_to_f32(nw[i + HALF]));
+            float s, c;
+            sincosf(static_cast<float>(pos) * inv_freq[i], &s, &c);
+            ra[j] = x * c - y * s;
+            rb[j] = y * c + x * s;
+        }
     }
     if (is_q) {
-        if (!active) return;
         bf16_t* dst = q_out + static_cast<long long>(t) * qw::q_size + h * HD;
-        dst[i] = f32_to_bf16(ra);
-        dst[i + HALF] = f32_to_bf16(rb);
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = lane + 32 * j;
+            if (i >= HALF) continue;
+            dst[i] = f32_to_bf16(ra[j]);
+            dst[i + HALF] = f32_to_bf16(rb[j]);
+        }
         return;
     }
     const float* v = row + qw::q_size + qw::kv_size + kvh * HD;
-    const float va = active ? v[i] : 0.f, vb = active ? v[i + HALF] : 0.f;
+    float va[PER], vb[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = lane + 32 * j;
+        va[j] = i < HALF ? v[i] : 0.f;
+        vb[j] = i < HALF ? v[i + HALF] : 0.f;
+    }
     const long long at = (static_cast<long long>(kvh) * capacity + pos) * HD;
     if constexpr (qw::kv8) {
-        const float ks = __fdiv_rn(block_max(fmaxf(fabsf(ra), fabsf(rb)), scratch), 127.f);
-        const float vs = __fdiv_rn(block_max(fmaxf(fabsf(va), fabsf(vb)), scratch), 127.f);
+        float k_big = 0.f, v_big = 0.f;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            k_big = fmaxf(k_big, fmaxf(fabsf(ra[j]), fabsf(rb[j])));
+            v_big = fmaxf(v_big, fmaxf(fabsf(va[j]), fabsf(vb[j])));
+        }
+        const float ks = __fdiv_rn(warp_max(k_big), 127.f);
+        const float vs = __fdiv_rn(warp_max(v_big), 127.f);
         signed char* kc = static_cast<signed char*>(k_cache);
         signed char* vc = static_cast<signed char*>(v_cache);
-        if (active) {
-            kc[at + i] = static_cast<signed char>(kv8_code(ra, ks));
-            kc[at + i + HALF] = static_cast<signed char>(kv8_code(rb, ks));
-            vc[at + i] = static_cast<signed char>(kv8_code(va, vs));
-            vc[at + i + HALF] = static_cast<signed char>(kv8_code(vb, vs));
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = lane + 32 * j;
+            if (i >= HALF) continue;
+            kc[at + i] = static_cast<signed char>(kv8_code(ra[j], ks));
+            kc[at + i + HALF] = static_cast<signed char>(kv8_code(rb[j], ks));
+            vc[at + i] = static_cast<signed char>(kv8_code(va[j], vs));
+            vc[at + i + HALF] = static_cast<signed char>(kv8_code(vb[j], vs));
         }
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
             const long long r = static_cast<long long>(kvh) * capacity + pos;
             const_cast<float*>(kv8_scales(k_cache, capacity))[r] = ks;
             const_cast<float*>(kv8_scales(v_cache, capacity))[r] = vs;
         }
     } else {
-        if (!active) return;
         bf16_t* kc = static_cast<bf16_t*>(k_cache);
         bf16_t* vc = static_cast<bf16_t*>(v_cache);
-        kc[at + i] = f32_to_bf16(ra);
-        kc[at + i + HALF] = f32_to_bf16(rb);
-        vc[at + i] = f32_to_bf16(va);
-        vc[at + i + HALF] = f32_to_bf16(vb);
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = lane + 32 * j;
+            if (i >= HALF) continue;
+            kc[at + i] = f32_to_bf16(ra[j]);
+            kc[at + i + HALF] = f32_to_bf16(rb[j]);
+            vc[at + i] = f32_to_bf16(va[j]);
+            vc[at + i + HALF] = f32_to_bf16(vb[j]);
+        }
     }
 }
 

@@ -36,15 +36,11 @@ class LayeredDecode:
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
         scale = c_float(rope.softmax_scale(cfg))
         gemv, residual = GEMV_ROWS_PER_BLOCK, RESIDUAL_ROWS_PER_BLOCK
-        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", 1, 256, self.token, c_int(1), self.embed, self.x)
         for i, w in enumerate(self.layers):
             self._launch("rmsnorm_gemv2", math.ceil(qkv_cols / gemv), 256, self.x, w.input_norm,
                          w.qkv, c_int(qkv_cols), eps, self.qkv)
-            self._launch("qk_norm_rope_store", (1, heads_total), max(32, cfg.head_dim // 2),
-                         self.qkv, c_int(1), self.pos, c_int(0), w.q_norm, w.k_norm,
-                         self.inv_freq, eps, c_int(self.capacity), self.q, self.k_cache[i],
-                         self.v_cache[i])
+            self._qk_norm_rope_store(i, 1, self.pos, 0)
             self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits), 128,
                          self.q, self.k_cache[i], self.v_cache[i], self.pos, c_int(self.capacity),
                          scale, self.part_o, self.part_ml)

@@ -15,6 +15,7 @@ from qwenchat.model.config import Qwen3Config
 from qwenchat.model.formats import FP8, INT4
 
 GEMM_TILE = 128
+ROPE_WARPS = 8  # layers.cu's qk_norm_rope_store: a warp a token's head, 8 warps a block
 PREFILL_QUERIES_PER_BLOCK = 64
 PREFILL_MAX_KEY_SPLITS = 16  # a few new tokens' attention split over the cached keys
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a merge
@@ -183,6 +184,17 @@ class Prefill:
             return most
         return attention_wave_chunk(most, cfg.num_attention_heads, self.device.sm_count)
 
+    def _qk_norm_rope_store(self, layer: int, n: int, pos_at, start: int) -> None:
+        """q (bf16) and the layer's cache rows of n tokens' qkv rows: each head normed and
+        rotated at position start + t (with `pos_at` a device pointer, the position there +
+        t instead). One warp a token's head (layers.cu)."""
+        cfg, w = self.config, self.layers[layer]
+        items = n * (cfg.num_attention_heads + cfg.num_key_value_heads)
+        self._launch("qk_norm_rope_store", math.ceil(items / ROPE_WARPS), 32 * ROPE_WARPS,
+                     self.qkv, ctypes.c_int(n), pos_at, ctypes.c_int(start), w.q_norm, w.k_norm,
+                     self.inv_freq, ctypes.c_float(cfg.rms_norm_eps), ctypes.c_int(self.capacity),
+                     self.q, self.k_cache[layer], self.v_cache[layer])
+
     def _forward_prefill(self, start: int, n: int, start_at: rt.Ptr | None = None) -> None:
         """Run n tokens (ids already in self.ids) at positions start.. through every layer;
         with `start_at`, the kernels read the first position there instead (a graph's, for
@@ -191,17 +203,12 @@ class Prefill:
         eps = c_float(cfg.rms_norm_eps)
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
         scale = c_float(rope.softmax_scale(cfg))
-        rope_block = max(32, cfg.head_dim // 2)
-        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
         for i, w in enumerate(self.layers):
             self._launch("rmsnorm_rows", n, 256, self.x, w.input_norm, c_int(n), eps, self.xn)
             self._quantize("xn", n, h)
             self._product("store", "xn", i, "qkv", self.qkv, n, qkv_cols, h)
-            self._launch("qk_norm_rope_store", (n, heads_total), rope_block, self.qkv, c_int(n),
-                         start_at or rt.Ptr(0), c_int(start), w.q_norm, w.k_norm,
-                         self.inv_freq, eps, c_int(self.capacity), self.q, self.k_cache[i],
-                         self.v_cache[i])
+            self._qk_norm_rope_store(i, n, start_at or rt.Ptr(0), start)
             if self.prefill_attention:
                 self._attention_prefill(i, start, n, scale, start_at)
             self._quantize("attn", n, cfg.q_size)

@@ -92,16 +92,12 @@ class VerifyPass:
         eps = c_float(cfg.rms_norm_eps)
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
         scale = c_float(rope.softmax_scale(cfg))
-        heads_total = cfg.num_attention_heads + cfg.num_key_value_heads
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
         for i, w in enumerate(self.layers):
             self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, w.input_norm, c_int(n), eps,
                          self.xn)
             self._verify_product("xn", self.xn, w.qkv, self.qkv, n, qkv_cols)
-            self._launch("qk_norm_rope_store", (n, heads_total), max(32, cfg.head_dim // 2),
-                         self.qkv, c_int(n), self.verify_pos, c_int(0), w.q_norm, w.k_norm,
-                         self.inv_freq, eps, c_int(self.capacity), self.q, self.k_cache[i],
-                         self.v_cache[i])
+            self._qk_norm_rope_store(i, n, self.verify_pos, 0)
             self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits, n), 128,
                          self.q, self.k_cache[i], self.v_cache[i], self.verify_pos,
                          c_int(self.capacity), scale, self.verify_part_o, self.verify_part_ml)
