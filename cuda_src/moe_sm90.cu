@@ -19,16 +19,25 @@
 // zeros, past N never stored (B's rows past an expert's are another's or the TMA's zeros).
 #include "common.cuh"
 #include "sm90.cuh"
+#include "weights.cuh"
 
 namespace {
 constexpr int BM = 128, BK = 64, BN = 256, BOX_ROWS = 128;
 constexpr int CONSUMERS = 2, THREADS = 128 * (1 + CONSUMERS);
 constexpr int A_BYTES = BM * BK * 2, BOX_BYTES = BOX_ROWS * BK * 2;  // 16 KiB each
-constexpr int STAGE_BYTES = A_BYTES + 2 * BOX_BYTES;
-constexpr int STAGES = 4;
-constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;  // + the slack to align to 1 KiB
+// FP8 experts (QW_FP8): a stage also holds B's codes, which the TMA brings and the producer's
+// warps 1-3 (CONVERTERS) turn into the bf16 tile (code x block scale, rounded, as gemm_sm90.cu's
+// FP8 path does), CLAG steps behind the copies' issue so that the codes' arrival is not waited
+// for at once.
+constexpr int CODES_BYTES = qw::fp8 ? BN * BK : 0;
+constexpr int STAGE_BYTES = A_BYTES + 2 * BOX_BYTES + CODES_BYTES;
+constexpr int RING_BYTES = 192 * 1024;
+constexpr int STAGES = RING_BYTES / STAGE_BYTES;  // bf16 4, FP8 3
+constexpr int SHARED_BYTES = RING_BYTES + 1024;   // + the slack to align the ring to 1 KiB
 static_assert(SHARED_BYTES == 193 * 1024, "GEMM90_SHARED in prefill.py mirrors this");
 constexpr int LAG = 2;  // steps a producer thread's copies may still be in flight behind it
+constexpr int CONVERTERS = 96, CLAG = 1;
+static_assert(LAG < STAGES && CLAG < STAGES, "a stage is handed over before its slot is reused");
 
 enum Epilogue { STORE_F32 = 0, SWIGLU_BF16 = 2 };
 
@@ -38,18 +47,51 @@ __device__ __forceinline__ void cp_async_16_to(unsigned dst, const void* src, in
                  : "memory");
 }
 
+// FP8: the stage's codes (BN rows of 64, plain, at `codes`) of step `step` into the bf16 tile at
+// `tile` in the 128-byte swizzle; b_row(r) is the matrix row of the tile's row r, whose block
+// scales follow its codes in b_codes (rows past total_rows: zeros, as the TMA's codes are).
+template <class RowOf>
+__device__ __forceinline__ void convert_stage(unsigned tile, const unsigned char* codes,
+                                              const unsigned char* __restrict__ b_codes,
+                                              int total_rows, int K, int step, RowOf b_row) {
+    constexpr int ITEMS = (BN * 4 + CONVERTERS - 1) / CONVERTERS;  // quarter rows a converter
+    const long long stride = row_bytes<qw::FP8>(K);
+    float scale[ITEMS];  // every scale's load in flight together first
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int item = threadIdx.x - 32 + i * CONVERTERS, row = b_row(item >> 2);
+        scale[i] = item < BN * 4 && row < total_rows
+            ? __ldg(reinterpret_cast<const float*>(b_codes + row * stride + K) +
+                    step * BK / qw::FP8_BLOCK)
+            : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int item = threadIdx.x - 32 + i * CONVERTERS;
+        if (item >= BN * 4) break;
+        const int r = item >> 2, quarter = item & 3;
+        unsigned packed[8];
+        codes_to_bf16(*reinterpret_cast<const uint4*>(codes + r * BK + quarter * 16), scale[i],
+                      packed, [](unsigned w, float* v) { e4m3x4_values(w, v); });
+        st_swizzled_pair(tile + r * 128, 2 * quarter, r, packed);
+    }
+}
+
 // c = the tile's products: A's rows `a` (K wide; through a_rows when given, else the grouped
-// order's rows themselves), B the map of every expert's rows (rows_per_expert each).
+// order's rows themselves), B the map of every expert's rows (rows_per_expert each; FP8: of
+// their codes, b_codes the rows themselves with their scales, total_rows of them).
 // SWIGLU_BF16: B's first up_row rows of an expert are gate, the next up_row up; N = up_row.
 template <int EPI>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
                                          const int* __restrict__ a_rows, const TensorMap& map_b,
-                                         void* __restrict__ c, const int4* __restrict__ tiles,
+                                         const unsigned char* __restrict__ b_codes,
+                                         int total_rows, void* __restrict__ c,
+                                         const int4* __restrict__ tiles,
                                          const int* __restrict__ n_tiles, int N, int K,
                                          int rows_per_expert, int up_row) {
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     extern __shared__ unsigned char moe_shared[];
-    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES], codes_full[STAGES];
     const unsigned ring = (smem_addr(moe_shared) + 1023) & ~1023u;
     const int4 t = tiles[blockIdx.y];
     const int rows = min(BM, t.z - t.w);  // this tile's pairs
@@ -57,11 +99,20 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
     const int tile_n = blockIdx.x;
     const int steps = (K + BK - 1) / BK;
     const int warpgroup = threadIdx.x >> 7;
+    // The matrix row of B's tile row r (box r / 128: SwiGLU's gate and up, or two of outputs).
+    const auto b_row = [&](int r) {
+        const int box = r / BOX_ROWS;
+        return t.x * rows_per_expert + r % BOX_ROWS +
+               (EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS : tile_n * BN + box * BOX_ROWS);
+    };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_addr(&full[s]), 1 + 128);  // the TMA's bytes, each A row's copies
+            // bf16: the TMA's bytes of B and each A row's copies; FP8: each A row's copies and
+            // each converter's part of B (the codes' bytes land on codes_full)
+            mbar_init(smem_addr(&full[s]), qw::fp8 ? 128 + CONVERTERS : 1 + 128);
             mbar_init(smem_addr(&empty[s]), CONSUMERS * 4);
+            mbar_init(smem_addr(&codes_full[s]), 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -76,19 +127,32 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
         if (r == 0)
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&map_b))
                          : "memory");
+        // FP8, the converters: step `st`'s codes, once landed, into its bf16 tile, fenced for
+        // the tensor cores, then this thread's arrival on the stage.
+        const auto convert = [&](int st) {
+            const int s = st % STAGES;
+            mbar_wait(smem_addr(&codes_full[s]), (st / STAGES) & 1);
+            const unsigned b_dst = ring + s * STAGE_BYTES + A_BYTES;
+            convert_stage(b_dst, moe_shared + (b_dst + 2 * BOX_BYTES - smem_addr(moe_shared)),
+                          b_codes, total_rows, K, st, b_row);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_arrive(smem_addr(&full[s]));
+        };
         for (int step = 0; step < steps; ++step) {
             const int s = step % STAGES;
             if (step >= STAGES) mbar_wait(smem_addr(&empty[s]), (step / STAGES - 1) & 1);
             const unsigned a_dst = ring + s * STAGE_BYTES, b_dst = a_dst + A_BYTES;
             if (r == 0) {
-                const unsigned bar = smem_addr(&full[s]);
-                mbar_expect_tx(bar, 2 * BOX_BYTES);
+                const unsigned bar = smem_addr(qw::fp8 ? &codes_full[s] : &full[s]);
+                mbar_expect_tx(bar, qw::fp8 ? CODES_BYTES : 2 * BOX_BYTES);
 #pragma unroll
                 for (int box = 0; box < 2; ++box) {
-                    const int row = t.x * rows_per_expert +
-                                    (EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
-                                                        : tile_n * BN + box * BOX_ROWS);
-                    tma_load(b_dst + box * BOX_BYTES, map_b, step * BK, row, bar);
+                    if constexpr (qw::fp8)
+                        tma_load(b_dst + 2 * BOX_BYTES + box * BOX_ROWS * BK, map_b, step * BK,
+                                 b_row(box * BOX_ROWS), bar);
+                    else
+                        tma_load(b_dst + box * BOX_BYTES, map_b, step * BK, b_row(box * BOX_ROWS),
+                                 bar);
                 }
             }
 #pragma unroll
@@ -104,11 +168,14 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 mbar_arrive(smem_addr(&full[(step - LAG) % STAGES]));
             }
+            if (qw::fp8 && r >= 32 && step >= CLAG) convert(step - CLAG);
         }
         cp_async_wait<0>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         for (int step = max(0, steps - LAG); step < steps; ++step)
             mbar_arrive(smem_addr(&full[step % STAGES]));
+        if (qw::fp8 && r >= 32)
+            for (int step = max(0, steps - CLAG); step < steps; ++step) convert(step);
         return;
     }
 
@@ -175,19 +242,22 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
 // rows of hidden).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     moe90_gate_up(const bf16_t* xn, const int* __restrict__ token,
-                  const __grid_constant__ TensorMap map_b, bf16_t* act,
-                  const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int inter,
-                  int hidden) {
-    moe_tile<SWIGLU_BF16>(xn, token, map_b, act, tiles, n_tiles, inter, hidden, 2 * inter, inter);
+                  const __grid_constant__ TensorMap map_b, const unsigned char* b_codes,
+                  int total_rows, bf16_t* act, const int4* __restrict__ tiles,
+                  const int* __restrict__ n_tiles, int inter, int hidden) {
+    moe_tile<SWIGLU_BF16>(xn, token, map_b, b_codes, total_rows, act, tiles, n_tiles, inter, hidden,
+                          2 * inter, inter);
 }
 #endif
 #if QW_IN_PART(1)
 // y (fp32, hidden a pair) = the pairs' act rows (grouped order) through their experts' down
 // rows (map_b: every expert's hidden rows of inter).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-    moe90_down(const bf16_t* act, const __grid_constant__ TensorMap map_b, float* y,
+    moe90_down(const bf16_t* act, const __grid_constant__ TensorMap map_b,
+               const unsigned char* b_codes, int total_rows, float* y,
                const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int hidden,
                int inter) {
-    moe_tile<STORE_F32>(act, nullptr, map_b, y, tiles, n_tiles, hidden, inter, hidden, 0);
+    moe_tile<STORE_F32>(act, nullptr, map_b, b_codes, total_rows, y, tiles, n_tiles, hidden, inter,
+                        hidden, 0);
 }
 #endif

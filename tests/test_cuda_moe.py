@@ -75,12 +75,13 @@ MOE_SHAPES = {
     "mk-top4": dict(hidden_size=128, intermediate_size=128, head_dim=64, num_attention_heads=2,
                     num_key_value_heads=1, moe_intermediate_size=128, num_experts=9,
                     num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[], seed=4),
-    # Hopper's grouped products (moe_sm90.cu) off their tiles' grid: 328 features end inside a
+    # Hopper's grouped products (moe_sm90.cu) off their tiles' grid: 336 features end inside a
     # 128-wide tile (its gate box reads into the up rows, its up box into the next expert's),
-    # 456 outputs inside a 256-wide one, K = 328 and 456 inside a 64-deep step; 500 tokens to
-    # 3 of 5 experts make about three tiles an expert, the last partial.
-    "odd-wide": dict(hidden_size=456, intermediate_size=128, head_dim=32,
-                     moe_intermediate_size=328, num_experts=5, num_experts_per_tok=3,
+    # 464 outputs inside a 256-wide one, K = 336 and 464 inside a 64-deep step (and, FP8,
+    # inside a 128-column block); 500 tokens to 3 of 5 experts make about three tiles an
+    # expert, the last partial.
+    "odd-wide": dict(hidden_size=464, intermediate_size=128, head_dim=32,
+                     moe_intermediate_size=336, num_experts=5, num_experts_per_tok=3,
                      norm_topk_prob=True, seed=6),
 }
 ALL_ROUTED = ("all-tiny", "all-wide")
@@ -225,15 +226,16 @@ def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_eng
     check_pass(*wide_engine, 300)
 
 
-def test_hoppers_grouped_products_take_bf16_experts_off_their_tiles_grid(tmp_path_factory,
-                                                                        tiny_tokenizer):
+@pytest.mark.parametrize("dtype", ["BF16", "FP8"])
+def test_hoppers_grouped_products_take_experts_off_their_tiles_grid(tmp_path_factory,
+                                                                    tiny_tokenizer, dtype):
     from qwenchat.engine.cuda.engine import CudaEngine
     from qwenchat.model.loader import open_model_dir
 
-    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "odd-wide"))
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "odd-wide", dtype))
     engine = CudaEngine(model.config, model.checkpoint, decode="layered")
     try:
-        # moe_sm90.cu wherever gemm_sm90.cu runs the dense products (moe.cu's moe_gemm else)
+        # moe_sm90.cu wherever Hopper's GEMMs run the dense products (moe.cu's moe_gemm else)
         assert engine.moe90 == engine.gemm90
         check_pass(engine, model, 500)
     finally:

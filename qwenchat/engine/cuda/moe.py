@@ -18,7 +18,7 @@ from qwenchat.engine.cuda.prefill import (
 )
 from qwenchat.engine.cuda.weights import LayerBuffers
 from qwenchat.model.config import Qwen3Config
-from qwenchat.model.formats import FORMATS
+from qwenchat.model.formats import FORMATS, FP8
 
 MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
                "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
@@ -31,9 +31,9 @@ MOE_MOST_INTERMEDIATE = 12288  # an expert's SwiGLU output, staged whole (moe.cu
 
 
 def moe90_runs(cfg: Qwen3Config, weight_format: str, hopper_gemm: bool) -> bool:
-    """Whether a pass's experts take moe_sm90.cu's products: bf16 experts where
-    gemm_sm90.cu runs the dense products (else moe.cu's moe_gemm)."""
-    return hopper_gemm and cfg.is_moe and weight_format == "bf16"
+    """Whether a pass's experts take moe_sm90.cu's products: bf16 and FP8 experts where
+    Hopper's GEMMs run the dense products (else, and for int4, moe.cu's moe_gemm)."""
+    return hopper_gemm and cfg.is_moe and weight_format in ("bf16", "fp8")
 
 
 def moe_stage_bytes(cfg: Qwen3Config) -> int:
@@ -118,10 +118,16 @@ class MoeLayers:
         if not self.moe90:
             return
         h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+
+        def experts(buffer, rows: int, cols: int) -> rt.TensorMap:
+            if self.weight_format == "fp8":  # the codes of each packed row (weights.cuh)
+                return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, GEMM90_BOX_K, codes=True,
+                                   row_bytes=FP8.row_bytes(cols))
+            return rt.tile_map(buffer.ptr, rows, cols, GEMM90_BOX, GEMM90_BOX_K)
+
         self.moe90_maps = [
             None if w.experts_gate_up is None else
-            (rt.tile_map(w.experts_gate_up.ptr, e * 2 * inter, h, GEMM90_BOX, GEMM90_BOX_K),
-             rt.tile_map(w.experts_down.ptr, e * h, inter, GEMM90_BOX, GEMM90_BOX_K),
+            (experts(w.experts_gate_up, e * 2 * inter, h), experts(w.experts_down, e * h, inter),
              rt.tile_map(w.router.ptr, e, h, GEMM90_BOX, GEMM90_BOX_K))
             for w in self.layers]
 
@@ -134,13 +140,15 @@ class MoeLayers:
         tiles = self._moe_most_tiles(n)
         if self.moe90:
             map_gate_up, map_down, _ = self.moe90_maps[layer]
+            e = cfg.num_experts
             self._launch("moe90_gate_up", (math.ceil(inter / MOE90_COLUMNS[0]), tiles),
-                         GEMM90_THREADS, self.xn, self.moe_token, map_gate_up, self.moe_act,
-                         self.moe_tiles, self.moe_n_tiles, c_int(inter), c_int(h),
-                         shared=GEMM90_SHARED)
+                         GEMM90_THREADS, self.xn, self.moe_token, map_gate_up, w.experts_gate_up,
+                         c_int(e * 2 * inter), self.moe_act, self.moe_tiles, self.moe_n_tiles,
+                         c_int(inter), c_int(h), shared=GEMM90_SHARED)
             self._launch("moe90_down", (math.ceil(h / MOE90_COLUMNS[1]), tiles), GEMM90_THREADS,
-                         self.moe_act, map_down, self.moe_y, self.moe_tiles, self.moe_n_tiles,
-                         c_int(h), c_int(inter), shared=GEMM90_SHARED)
+                         self.moe_act, map_down, w.experts_down, c_int(e * h), self.moe_y,
+                         self.moe_tiles, self.moe_n_tiles, c_int(h), c_int(inter),
+                         shared=GEMM90_SHARED)
             return
         gate_up_bytes, down_bytes = self._moe_expert_bytes()
         shared = gemm_shared_bytes(self.weight_format)
@@ -161,7 +169,7 @@ class MoeLayers:
         tiles on 132 SMs); elsewhere moe.cu's moe_router_gemm."""
         cfg, c_int = self.config, ctypes.c_int
         h, e = cfg.hidden_size, cfg.num_experts
-        if self.moe90:
+        if self.moe90 and self.weight_format == "bf16":  # (gemm_sm90.cu's B: bf16 there)
             map_a, map_router = self.gemm90_maps_a["xn"], self.moe90_maps[layer][2]
             if not self._gemm90_split("store", map_a, map_router, w.router, self.moe_logits, n,
                                       e, h, 0, e):
