@@ -1,5 +1,5 @@
-// A mixture of experts' grouped prefill products on Hopper (sm_90a, bf16 and FP8 experts): moe.cu's
-// moe_gemm with wgmma, for the tiles moe_place listed (an expert's run of at most 128 routed
+// A mixture of experts' grouped prefill products on Hopper (sm_90a, bf16 and FP8 experts):
+// moe.cu's moe_gemm with wgmma, for the tiles moe_place listed (an expert's run of at most 128 routed
 // pairs, in the grouped order: {expert, its first pair, its pairs, the tile's first of them}).
 //
 // The block is gemm_sm90.cu's: a producer warpgroup fills a ring of STAGES 64-deep steps, two
