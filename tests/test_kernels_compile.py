@@ -689,6 +689,19 @@ def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():
         plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_86"), prefill_kernels="hopper")
 
 
+def test_a_mixture_of_experts_on_hopper_builds_the_wgmma_grouped_products_for_bf16_experts():
+    """moe_sm90.cu (both its parts) where the dense products run on Hopper's GEMMs and the
+    experts are bf16; moe.cu's moe_gemm everywhere (the decode's and the others' path)."""
+    a3b = PRESETS["qwen3-30b-a3b"]
+    hopper = _sources(plan_kernels(a3b, "bf16", gpu_shape("sm_90")))
+    assert hopper.count(("moe_sm90.cu", "sm_90a")) == 2 and ("moe.cu", "sm_90") in hopper
+    for other in (plan_kernels(a3b, "int4", gpu_shape("sm_90")),
+                  plan_kernels(a3b, "bf16", gpu_shape("sm_89")),
+                  plan_kernels(a3b, "bf16", gpu_shape("sm_90"), prefill_kernels="portable"),
+                  plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_90"))):
+        assert "moe_sm90.cu" not in {source for source, _ in _sources(other)}
+
+
 def test_fp8_weights_on_hopper_prefill_on_the_e4m3_gemm_unless_asked_for_bf16():
     config = PRESETS["qwen3-4b"]
     plan = plan_kernels(config, "fp8", gpu_shape("sm_90"))
