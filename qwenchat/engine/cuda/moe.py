@@ -76,7 +76,8 @@ class MoeLayers:
         self.moe_tiles = self._device_buffer(self._moe_most_tiles(tokens) * 16)
         self.moe_n_tiles = self._device_buffer(4)
         # The fp32 gate/up outputs (moe_gu) are dead once SwiGLU has read them, which is
-        # before the down products write theirs (moe_y, fp32): one staging buffer holds both.
+        # before the down products write theirs (moe_y, fp32): one staging buffer holds both,
+        # and before them a layer's qkv and q rows (engine.py: dead once attention has run).
         self.moe_stage = self._device_buffer(max(pairs * moe_stage_bytes(cfg), least_stage))
         self.moe_gu = rt.Ptr(self.moe_stage.ptr)
         self.moe_y = rt.Ptr(self.moe_stage.ptr)
