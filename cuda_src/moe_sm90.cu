@@ -32,12 +32,6 @@ constexpr int LAG = 2;  // steps a producer thread's copies may still be in flig
 
 enum Epilogue { STORE_F32 = 0, SWIGLU_BF16 = 2 };
 
-__device__ __forceinline__ void cp_async_16_to(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
-
 // c = the tile's products: A's rows `a` (K wide; through a_rows when given, else the grouped
 // order's rows themselves), B the map of every expert's rows (rows_per_expert each).
 // SWIGLU_BF16: B's first up_row rows of an expert are gate, the next up_row up; N = up_row.
@@ -95,7 +89,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
             for (int chunk = 0; chunk < BK / 8; ++chunk) {  // 16 bytes: 8 columns
                 const int col = step * BK + chunk * 8;
                 const bool ok = mine && col < K;
-                cp_async_16_to(a_dst + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src + col : a,
+                cp_async_16_shared(a_dst + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src + col : a,
                                ok ? 16 : 0);
             }
             cp_async_commit();
