@@ -166,10 +166,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
 }
 
 // 16-byte global->shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+// `dst`: a shared-memory address (as the TMA and wgmma take them).
+__device__ __forceinline__ void cp_async_16_shared(unsigned dst, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                  "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+    cp_async_16_shared(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, src_bytes);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }

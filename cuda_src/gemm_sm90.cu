@@ -170,27 +170,8 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
 
     // The consumers: warpgroup 1 takes rows 0-63 of the tile, warpgroup 2 rows 64-127.
     const int half = warpgroup - 1;
-    // The first step overwrites the accumulators (accumulate = 0): zeroing them with ordinary
-    // instructions instead would make ptxas serialize the wgmmas (its warning C7515).
     float d[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) asm volatile("" : "=f"(d[i]));
-    for (int step = 0; step < steps; ++step) {
-        const int s = step % STAGES;
-        mbar_wait(smem_addr(&full[s]), (step / STAGES) & 1);
-        const unsigned a = ring + s * STAGE_BYTES + half * 64 * 128, b = ring + s * STAGE_BYTES + A_BYTES;
-        fence_operands(d);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < BK / 16; ++k)
-            Wgmma<BN>::mma(d, smem_desc(a + k * 32), smem_desc(b + k * 32), step > 0 || k > 0);
-        wgmma_commit();
-        fence_operands(d);
-        wgmma_wait<1>();  // the previous step's products are done: release its stage
-        if (step > 0 && (threadIdx.x & 31) == 0) mbar_arrive(smem_addr(&empty[(step - 1) % STAGES]));
-    }
-    wgmma_wait<0>();
-    fence_operands(d);
+    wgmma_consume<BN, STAGES, STAGE_BYTES, A_BYTES>(d, ring, half, full, empty, steps);
 
     // d[j * 4 + e]: row (warp % 4) * 16 + lane / 4 (+ 8 for e >= 2), column j * 8 + (lane % 4) * 2
     // (+ 1 for odd e) of this warpgroup's 64 x BN part.
@@ -198,25 +179,7 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
     const int row0 = m0 + half * 64 + w * 16 + (lane >> 2);
     const int col0 = (lane & 3) * 2;
     if constexpr (EPI == SWIGLU_BF16) {
-        bf16_t* out = static_cast<bf16_t*>(c);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int col = tile_n * BOX_ROWS + j * 8 + col0;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row0 + h * 8;
-                if (row >= M || col >= N) continue;
-                const float g0 = d[j * 4 + h * 2], g1 = d[j * 4 + h * 2 + 1];
-                const float u0 = d[(j + 16) * 4 + h * 2], u1 = d[(j + 16) * 4 + h * 2 + 1];
-                bf16_t* o = out + static_cast<long long>(row) * ldc + col;
-                if (col + 1 < N && (ldc & 1) == 0) {  // one 4-byte store (col is even)
-                    *reinterpret_cast<unsigned*>(o) = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
-                } else {
-                    o[0] = f32_to_bf16(silu(g0) * u0);
-                    if (col + 1 < N) o[1] = f32_to_bf16(silu(g1) * u1);
-                }
-            }
-        }
+        store_swiglu(d, static_cast<bf16_t*>(c), row0, tile_n * BOX_ROWS + col0, M, N, ldc);
     } else {
         store_accumulators<EPI == ADD_F32>(
             d, static_cast<float*>(c) + static_cast<long long>(blockIdx.z) * M * ldc, row0,

@@ -41,12 +41,6 @@ static_assert(LAG < STAGES && CLAG < STAGES, "a stage is handed over before its 
 
 enum Epilogue { STORE_F32 = 0, SWIGLU_BF16 = 2 };
 
-__device__ __forceinline__ void cp_async_16_to(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
-
 // FP8: the stage's codes (BN rows of 64, plain, at `codes`) of step `step` into the bf16 tile at
 // `tile` in the 128-byte swizzle; b_row(r) is the matrix row of the tile's row r, whose block
 // scales follow its codes in b_codes (rows past total_rows: zeros, as the TMA's codes are).
@@ -159,7 +153,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
             for (int chunk = 0; chunk < BK / 8; ++chunk) {  // 16 bytes: 8 columns
                 const int col = step * BK + chunk * 8;
                 const bool ok = mine && col < K;
-                cp_async_16_to(a_dst + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src + col : a,
+                cp_async_16_shared(a_dst + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src + col : a,
                                ok ? 16 : 0);
             }
             cp_async_commit();
@@ -182,26 +176,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
     // The consumers: warpgroup 1 takes rows 0-63 of the tile, warpgroup 2 rows 64-127.
     const int half = warpgroup - 1;
     float d[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) asm volatile("" : "=f"(d[i]));
-    for (int step = 0; step < steps; ++step) {
-        const int s = step % STAGES;
-        mbar_wait(smem_addr(&full[s]), (step / STAGES) & 1);
-        const unsigned a_tile = ring + s * STAGE_BYTES + half * 64 * 128;
-        const unsigned b_tile = ring + s * STAGE_BYTES + A_BYTES;
-        fence_operands(d);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < BK / 16; ++k)
-            Wgmma<BN>::mma(d, smem_desc(a_tile + k * 32), smem_desc(b_tile + k * 32),
-                           step > 0 || k > 0);
-        wgmma_commit();
-        fence_operands(d);
-        wgmma_wait<1>();  // the previous step's products are done: release its stage
-        if (step > 0 && (threadIdx.x & 31) == 0) mbar_arrive(smem_addr(&empty[(step - 1) % STAGES]));
-    }
-    wgmma_wait<0>();
-    fence_operands(d);
+    wgmma_consume<BN, STAGES, STAGE_BYTES, A_BYTES>(d, ring, half, full, empty, steps);
 
     // d[j * 4 + e]: row (warp % 4) * 16 + lane / 4 (+ 8 for e >= 2), column j * 8 + (lane % 4)
     // * 2 (+ 1 for odd e) of this warpgroup's 64 x 256 part (sm90.cuh).
@@ -209,25 +184,8 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
     const int row0 = half * 64 + w * 16 + (lane >> 2);  // within the tile
     const int col0 = (lane & 3) * 2;
     if constexpr (EPI == SWIGLU_BF16) {
-        bf16_t* out = static_cast<bf16_t*>(c) + static_cast<long long>(first) * N;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int col = tile_n * BOX_ROWS + j * 8 + col0;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row0 + h * 8;
-                if (row >= rows || col >= N) continue;
-                const float g0 = d[j * 4 + h * 2], g1 = d[j * 4 + h * 2 + 1];
-                const float u0 = d[(j + 16) * 4 + h * 2], u1 = d[(j + 16) * 4 + h * 2 + 1];
-                bf16_t* o = out + static_cast<long long>(row) * N + col;
-                if (col + 1 < N && (N & 1) == 0) {  // one 4-byte store (col is even)
-                    *reinterpret_cast<unsigned*>(o) = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
-                } else {
-                    o[0] = f32_to_bf16(silu(g0) * u0);
-                    if (col + 1 < N) o[1] = f32_to_bf16(silu(g1) * u1);
-                }
-            }
-        }
+        store_swiglu(d, static_cast<bf16_t*>(c) + static_cast<long long>(first) * N, row0,
+                     tile_n * BOX_ROWS + col0, rows, N, N);
     } else {
         store_accumulators<false>(d, static_cast<float*>(c) + static_cast<long long>(first) * N,
                                   row0, tile_n * BN + col0, rows, N, N);

@@ -213,6 +213,63 @@ __device__ __forceinline__ void store_accumulators(const float (&d)[R], float* o
     }
 }
 
+// A consumer warpgroup's part of a ring-fed product (gemm_sm90.cu, moe_sm90.cu): for each of
+// `steps` 64-deep steps, wait for stage step % STAGES to be full, multiply this warpgroup's 64
+// rows of its A tile (A_BYTES from the stage's start, rows of 128 bytes, `half` picking rows
+// 0-63 or 64-127) by its B tile (BN rows after A) into d, and once the step after it is issued
+// release the stage (one arrival a warp on `empty`). The first step overwrites d (accumulate =
+// 0): zeroing it with ordinary instructions instead would make ptxas serialize the wgmmas
+// (its warning C7515).
+template <int BN, int STAGES, int STAGE_BYTES, int A_BYTES>
+__device__ __forceinline__ void wgmma_consume(float (&d)[BN / 2], unsigned ring, int half,
+                                              unsigned long long* full,
+                                              unsigned long long* empty, int steps) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) asm volatile("" : "=f"(d[i]));
+    for (int step = 0; step < steps; ++step) {
+        const int s = step % STAGES;
+        mbar_wait(smem_addr(&full[s]), (step / STAGES) & 1);
+        const unsigned a = ring + s * STAGE_BYTES + half * 64 * 128, b = ring + s * STAGE_BYTES + A_BYTES;
+        fence_operands(d);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 64 / 16; ++k)
+            Wgmma<BN>::mma(d, smem_desc(a + k * 32), smem_desc(b + k * 32), step > 0 || k > 0);
+        wgmma_commit();
+        fence_operands(d);
+        wgmma_wait<1>();  // the previous step's products are done: release its stage
+        if (step > 0 && (threadIdx.x & 31) == 0) mbar_arrive(smem_addr(&empty[(step - 1) % STAGES]));
+    }
+    wgmma_wait<0>();
+    fence_operands(d);
+}
+
+// A consumer warpgroup's m64n256 accumulators of a SwiGLU tile (columns 0-127 gate, 128-255
+// the up rows of the same features) as bf16(silu(gate) x up) into `out` (rows ldc apart):
+// row row0 (+ 8), feature col0 + j * 8 (+ 1), as store_accumulators lays them out; rows past
+// M and features past N are left alone.
+__device__ __forceinline__ void store_swiglu(const float (&d)[128], bf16_t* out, int row0,
+                                             int col0, int M, int N, int ldc) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int col = col0 + j * 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + h * 8;
+            if (row >= M || col >= N) continue;
+            const float g0 = d[j * 4 + h * 2], g1 = d[j * 4 + h * 2 + 1];
+            const float u0 = d[(j + 16) * 4 + h * 2], u1 = d[(j + 16) * 4 + h * 2 + 1];
+            bf16_t* o = out + static_cast<long long>(row) * ldc + col;
+            if (col + 1 < N && (ldc & 1) == 0) {  // one 4-byte store (col is even)
+                *reinterpret_cast<unsigned*>(o) = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+            } else {
+                o[0] = f32_to_bf16(silu(g0) * u0);
+                if (col + 1 < N) o[1] = f32_to_bf16(silu(g1) * u1);
+            }
+        }
+    }
+}
+
 // D (64 x N) += A (64 x 16, bf16 fragments in registers, the layout of mma.sync's A) .
 // B (16 x N) from shared memory, MN-major (imm-trans-b = 1): attention's P . V;
 // accumulate = 0 overwrites D.

@@ -63,8 +63,6 @@ class MoeLayers:
         """Scratch for `tokens` tokens a pass (and one token's decode, which reuses it); the
         staging at least `least_stage` bytes (the attention's rows share it)."""
         cfg = self.config
-        if not cfg.is_moe:
-            return
         inter, k, e = cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
         pairs = tokens * k
         self.moe_logits = self._device_buffer(tokens * e * 4)
