@@ -35,9 +35,14 @@ constexpr int RING_BYTES = 192 * 1024;
 constexpr int STAGES = RING_BYTES / STAGE_BYTES;  // bf16 4, FP8 3
 constexpr int SHARED_BYTES = RING_BYTES + 1024;   // + the slack to align the ring to 1 KiB
 static_assert(SHARED_BYTES == 193 * 1024, "GEMM90_SHARED in prefill.py mirrors this");
-constexpr int LAG = 2;  // steps a producer thread's copies may still be in flight behind it
+// Steps a producer thread's copies may still be in flight behind it (bf16 2, FP8 1). The
+// consumers release a step's stage only once they hold the next step's, so the producer's wait
+// for step s - STAGES's stage needs step s - STAGES + 1 handed over before it: LAG and CLAG at
+// most STAGES - 2 (LAG 2 on FP8's three stages deadlocked).
+constexpr int LAG = STAGES >= 4 ? 2 : 1;
 constexpr int CONVERTERS = 96, CLAG = 1;
-static_assert(LAG < STAGES && CLAG < STAGES, "a stage is handed over before its slot is reused");
+static_assert(LAG <= STAGES - 2 && CLAG <= STAGES - 2,
+              "a stage is handed over before the producer waits for the one it refills");
 
 enum Epilogue { STORE_F32 = 0, SWIGLU_BF16 = 2 };
 
