@@ -88,7 +88,7 @@ SM90_PARTS = {
                      ("gemm90_store_256",), ("gemm90_add_128",), ("gemm90_add_256",)),
     "gemm_fp8_sm90.cu": (("gemm_fp8_swiglu", "quantize_rows_e4m3"), ("gemm_fp8_store_128",),
                          ("gemm_fp8_store_256",), ("gemm_fp8_add_128",), ("gemm_fp8_add_256",)),
-    "moe_sm90.cu": (("moe90_gate_up",), ("moe90_down",)),  # bf16 experts' grouped products
+    "moe_sm90.cu": (("moe90_gate_up",), ("moe90_down",)),  # bf16 and FP8 experts' grouped products
 }
 SM90_KERNELS = {**{source: tuple(name for part in parts for name in part)
                    for source, parts in SM90_PARTS.items()},

@@ -111,7 +111,7 @@ class MoeLayers:
 
     def _build_moe_maps(self) -> None:
         """moe_sm90.cu's tensor maps of each sparse layer's experts (every expert's rows as one
-        matrix), where it runs: Hopper, bf16 experts."""
+        matrix), where it runs: Hopper, bf16 and FP8 experts (FP8: their codes)."""
         cfg = self.config
         self.moe90 = moe90_runs(cfg, self.weight_format, self.gemm90)
         if not self.moe90:
