@@ -191,23 +191,24 @@ extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, int rows,
     swiglu_rows_of<qwm::INTER>(gu, rows, act);
 }
 
-// Prefill: x[t] += sum over k (in order) of weights[t][k] x y[slot[t x TOPK + k]] (the grouped
-// down products' rows), one block a token, four columns a thread at a time.
+// Prefill: x[t][col0 + j] += sum over k (in order) of weights[t][k] x y[slot[t x TOPK + k]][j]
+// for j < width (the grouped down products' rows of one part of the columns, width apart:
+// moe.py's moe_down_parts), one block a token, four columns a thread at a time.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ slot,
                                        const float* __restrict__ weights, int tokens,
-                                       float* __restrict__ x) {
-    static_assert(qw::hidden % 4 == 0, "float4 columns");
+                                       float* __restrict__ x, int col0, int width) {
     __shared__ const float* rows[qwm::TOPK];
     __shared__ float w[qwm::TOPK];
     const int t = blockIdx.x;
     if (t >= tokens) return;
     for (int k = threadIdx.x; k < qwm::TOPK; k += blockDim.x) {
-        rows[k] = y + static_cast<long long>(slot[t * qwm::TOPK + k]) * qw::hidden;
+        rows[k] = y + static_cast<long long>(slot[t * qwm::TOPK + k]) * width;
         w[k] = weights[t * qwm::TOPK + k];
     }
     __syncthreads();
-    float4* out = reinterpret_cast<float4*>(x + static_cast<long long>(t) * qw::hidden);
-    for (int j = threadIdx.x; j < qw::hidden / 4; j += blockDim.x) {
+    // (col0 and width are multiples of 4: the host checks)
+    float4* out = reinterpret_cast<float4*>(x + static_cast<long long>(t) * qw::hidden + col0);
+    for (int j = threadIdx.x; j < width / 4; j += blockDim.x) {
         float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int k = 0; k < qwm::TOPK; ++k) {  // (each column's sum in rank order, as before)

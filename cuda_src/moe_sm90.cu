@@ -80,6 +80,8 @@ __device__ __forceinline__ void convert_stage(unsigned tile, const unsigned char
 // order's rows themselves), B the map of every expert's rows (rows_per_expert each; FP8: of
 // their codes, b_codes the rows themselves with their scales, total_rows of them).
 // SWIGLU_BF16: B's first up_row rows of an expert are gate, the next up_row up; N = up_row.
+// STORE_F32: the tile's columns are B's rows b_row0 + n of the expert (one part of the outputs,
+// N wide, c's rows N apart).
 template <int EPI>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
                                          const int* __restrict__ a_rows, const TensorMap& map_b,
@@ -87,7 +89,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
                                          int total_rows, void* __restrict__ c,
                                          const int4* __restrict__ tiles,
                                          const int* __restrict__ n_tiles, int N, int K,
-                                         int rows_per_expert, int up_row) {
+                                         int rows_per_expert, int up_row, int b_row0) {
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     extern __shared__ unsigned char moe_shared[];
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES], codes_full[STAGES];
@@ -102,7 +104,8 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
     const auto b_row = [&](int r) {
         const int box = r / BOX_ROWS;
         return t.x * rows_per_expert + r % BOX_ROWS +
-               (EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS : tile_n * BN + box * BOX_ROWS);
+               (EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
+                                   : b_row0 + tile_n * BN + box * BOX_ROWS);
     };
 
     if (threadIdx.x == 0) {
@@ -209,18 +212,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                   int total_rows, bf16_t* act, const int4* __restrict__ tiles,
                   const int* __restrict__ n_tiles, int inter, int hidden) {
     moe_tile<SWIGLU_BF16>(xn, token, map_b, b_codes, total_rows, act, tiles, n_tiles, inter, hidden,
-                          2 * inter, inter);
+                          2 * inter, inter, 0);
 }
 #endif
 #if QW_IN_PART(1)
-// y (fp32, hidden a pair) = the pairs' act rows (grouped order) through their experts' down
-// rows (map_b: every expert's hidden rows of inter).
+// y (fp32, width a pair) = the pairs' act rows (grouped order) through their experts' down
+// rows col0 .. col0 + width (map_b: every expert's hidden rows of inter): one part of the
+// outputs (moe.py's moe_down_parts).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     moe90_down(const bf16_t* act, const __grid_constant__ TensorMap map_b,
                const unsigned char* b_codes, int total_rows, float* y,
                const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int hidden,
-               int inter) {
-    moe_tile<STORE_F32>(act, nullptr, map_b, b_codes, total_rows, y, tiles, n_tiles, hidden, inter,
-                        hidden, 0);
+               int inter, int col0, int width) {
+    moe_tile<STORE_F32>(act, nullptr, map_b, b_codes, total_rows, y, tiles, n_tiles, width, inter,
+                        hidden, 0, col0);
 }
 #endif

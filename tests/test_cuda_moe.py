@@ -226,6 +226,25 @@ def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_eng
     check_pass(*wide_engine, 300)
 
 
+def check_pass_in_parts(engine, model, n: int, parts: int) -> None:
+    """check_pass with the staging taken as too short for the pass's fp32 down rows whole, so
+    that its down products and weighted sums run a `parts`th of the columns at a time."""
+    cfg = model.config
+    whole = n * cfg.num_experts_per_tok * cfg.hidden_size * 4
+    kept = engine.moe_stage_size
+    engine.moe_stage_size = whole // parts  # (the buffer itself is larger: nothing overflows)
+    try:
+        assert engine._moe_pass_parts(n) == parts
+        check_pass(engine, model, n)
+    finally:
+        engine.moe_stage_size = kept
+
+
+def test_a_pass_sums_its_experts_a_part_of_the_columns_at_a_time_where_staging_is_short(
+        wide_engine):
+    check_pass_in_parts(*wide_engine, 300, 4)
+
+
 @pytest.mark.parametrize("dtype", ["BF16", "FP8"])
 def test_hoppers_grouped_products_take_experts_off_their_tiles_grid(tmp_path_factory,
                                                                     tiny_tokenizer, dtype):
@@ -238,6 +257,8 @@ def test_hoppers_grouped_products_take_experts_off_their_tiles_grid(tmp_path_fac
         # moe_sm90.cu wherever Hopper's GEMMs run the dense products (moe.cu's moe_gemm else)
         assert engine.moe90 == engine.gemm90
         check_pass(engine, model, 500)
+        # a quarter of 464 outputs (116) a part: inside one 256-wide tile, off its grid
+        check_pass_in_parts(engine, model, 500, 4)
     finally:
         engine.close()
 

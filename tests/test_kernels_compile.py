@@ -1069,32 +1069,43 @@ def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
 
 
 def test_a_routed_pairs_staging_holds_each_of_its_uses_in_turn():
-    """moe.py stages a pair's fp32 gate/up outputs, then its fp32 down output, in the same bytes
-    (its input row is gathered by the product, not copied), which also hold the attention's qkv
-    and q rows (dead by the sparse MLP). 30B-A3B has no dense layer, so its chunk spends nothing
-    on a dense MLP's rows: 2,048 tokens in bf16, four times the 512 that separate buffers left."""
+    """moe.py stages a token's attention rows (qkv and q), then its pairs' fp32 gate/up outputs
+    (off Hopper), then their fp32 down outputs, in the same bytes, the down outputs a part of
+    the columns at a time so that they take no more than the rest; the attention's output
+    shares the SwiGLU rows. 30B-A3B has no dense layer, so its chunk spends nothing on a dense
+    MLP's rows: 4,096 tokens in bf16 on Hopper (its down products in quarters), eight times
+    the 512 that separate buffers left."""
     from types import MethodType, SimpleNamespace
 
     from qwenchat.engine.cuda.engine import CudaEngine
-    from qwenchat.engine.cuda.moe import moe_stage_bytes
+    from qwenchat.engine.cuda.moe import moe_down_parts, moe_stage_bytes
     from qwenchat.engine.cuda.prefill import dense_mlp_rows
     from qwenchat.model.presets import PRESETS
 
-    for overrides in ({}, {"hidden_size": 256, "moe_intermediate_size": 16}):
-        config = Qwen3Config.from_dict(tiny_moe_config(**overrides))
-        h, inter = config.hidden_size, config.moe_intermediate_size
-        assert moe_stage_bytes(config) == max(2 * inter * 4, h * 4)
     a3b = PRESETS["qwen3-30b-a3b"]
+    attention = 5120 * 4 + 4096 * 2  # qkv (fp32) and q (bf16) rows
+    # 8 fp32 rows of 2,048 are 64 KB: a quarter is within the attention's 28 KB, a half not
+    assert moe_down_parts(a3b, attention) == 4
+    assert moe_stage_bytes(a3b, True, attention) == attention
+    # off Hopper the fp32 gate/up rows (8 x 2 x 768 x 4 = 48 KB) set the floor: halves
+    assert moe_down_parts(a3b, 8 * 2 * 768 * 4) == 2
+    assert moe_stage_bytes(a3b, False, attention) == 8 * 2 * 768 * 4
+    for overrides, parts in (({}, 1), ({"hidden_size": 256, "moe_intermediate_size": 16}, 8),
+                             ({"hidden_size": 232, "moe_intermediate_size": 16}, 2)):
+        config = Qwen3Config.from_dict(tiny_moe_config(**overrides))
+        k, h, inter = config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size
+        got = moe_down_parts(config, 2 * inter * 4 * k)
+        assert got == parts and h % (4 * got) == 0, overrides
+        assert moe_stage_bytes(config, False, 0) == max(2 * inter * 4 * k, k * h * 4 // got)
     assert not dense_mlp_rows(a3b)
     assert dense_mlp_rows(Qwen3Config.from_dict(tiny_moe_config(mlp_only_layers=[0])))
-    for fp8, chunk in ((False, 2048), (True, 2048)):
+    for fmt, fp8, chunk in (("bf16", False, 4096), ("fp8", True, 3584), ("int4", False, 2560)):
         engine = SimpleNamespace(config=a3b, gemm90=True, fp8_gemm=fp8, attention90=True,
-                                 device=SimpleNamespace(sm_count=132))
+                                 weight_format=fmt, device=SimpleNamespace(sm_count=132))
         engine._staging_bytes_per_token = MethodType(CudaEngine._staging_bytes_per_token, engine)
-        attention = 5120 * 4 + 4096 * 2  # qkv (fp32) and q (bf16) rows
-        assert engine._staging_bytes_per_token(attention) == 128 * 4 + 8 * (32 + 768 * 2 + 8192)
-        assert CudaEngine._prefill_chunk_tokens(engine) == chunk
-        # (the staging a chunk takes stays within the budget with the rest of its scratch)
+        floor = attention if fmt != "int4" else 8 * 2 * 768 * 4  # (int4: moe_gemm's gate/up)
+        assert engine._staging_bytes_per_token(attention) == 128 * 4 + 8 * (32 + 768 * 2) + floor
+        assert CudaEngine._prefill_chunk_tokens(engine) == chunk, fmt
 
 
 def test_capacity_planning_charges_the_kv_cache_and_little_more_per_position():

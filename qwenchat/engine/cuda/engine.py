@@ -485,14 +485,15 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         qkv_cols = cfg.q_size + 2 * cfg.kv_size
         self.x = self._device_buffer(c * cfg.hidden_size * 4)
         self.xn = self._device_buffer(c * cfg.hidden_size * 2)
-        if cfg.is_moe:  # qkv and q are dead by the sparse MLP: they lie in its staging
-            self._allocate_moe(max(c, VERIFY_ROWS), c * (qkv_cols * 4 + cfg.q_size * 2))
+        if cfg.is_moe:  # qkv, q and attn are dead by the sparse MLP: they lie in its scratch
+            self._allocate_moe(max(c, VERIFY_ROWS), qkv_cols * 4 + cfg.q_size * 2)
             self.qkv = rt.Ptr(self.moe_stage.ptr)
             self.q = rt.Ptr(self.moe_stage.ptr + c * qkv_cols * 4)
+            self.attn = rt.Ptr(self.moe_act.ptr)
         else:
             self.qkv = self._device_buffer(c * qkv_cols * 4)
             self.q = self._device_buffer(c * cfg.q_size * 2)
-        self.attn = self._device_buffer(c * cfg.q_size * 2)
+            self.attn = self._device_buffer(c * cfg.q_size * 2)
         # fp32 gate/up rows: the layered decode's one row, and the prefill's unless
         # gemm_sm90.cu applies SwiGLU in gate/up's product.
         self.gu = self._device_buffer((1 if self.gemm90 else c) * 2 * cfg.intermediate_size * 4)

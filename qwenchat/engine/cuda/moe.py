@@ -36,11 +36,29 @@ def moe90_runs(cfg: Qwen3Config, weight_format: str, hopper_gemm: bool) -> bool:
     return hopper_gemm and cfg.is_moe and weight_format in ("bf16", "fp8")
 
 
-def moe_stage_bytes(cfg: Qwen3Config) -> int:
-    """A routed pair's staging in a pass: its fp32 gate/up outputs, later (the same bytes) its
-    fp32 down output. (Its input row is read where it lies: moe_gemm gathers it.)"""
-    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    return max(2 * inter * 4, h * 4)
+DOWN_PARTS = (1, 2, 4, 8)  # the parts of the hidden columns a pass's down products may take
+
+
+def moe_down_parts(cfg: Qwen3Config, floor: int) -> int:
+    """The parts of the hidden columns a chunk's down products and weighted sums take in turn
+    (each part's fp32 rows staged, then summed into x, before the next): the fewest for which a
+    token's k fp32 down rows (64 KB on 30B-A3B) take no more of the staging than `floor`, what
+    its other tenants take a token anyway (the attention's rows; off Hopper the fp32 gate/up
+    rows). Each part is a multiple of 4 columns (moe_combine's float4); 8 parts at most."""
+    k, h = cfg.num_experts_per_tok, cfg.hidden_size
+    fitting = [p for p in DOWN_PARTS if h % (4 * p) == 0]
+    return next((p for p in fitting if k * h * 4 // p <= floor), fitting[-1])
+
+
+def moe_stage_bytes(cfg: Qwen3Config, moe90: bool, attention: int) -> int:
+    """A token's staging in a pass: its attention's `attention` bytes of rows (qkv and q, dead
+    by the sparse MLP), then per routed pair its fp32 gate/up outputs (moe_gemm; moe_sm90.cu
+    applies SwiGLU in the product), then (the same bytes) its fp32 down outputs, one part of
+    the columns at a time (moe_down_parts). (Its input row is read where it lies: the gate/up
+    product gathers it.)"""
+    k, h, inter = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    floor = max(attention, 0 if moe90 else k * 2 * inter * 4)
+    return max(floor, k * h * 4 // moe_down_parts(cfg, floor))
 
 
 class MoeLayers:
@@ -50,21 +68,25 @@ class MoeLayers:
     def _staging_bytes_per_token(self, attention: int) -> int:
         """The scratch a pass's token takes for its `attention` bytes (its qkv and q rows) and
         in a sparse layer (prefill sizes its chunks with it): its router logits, its top-k
-        weights and experts, and per routed pair its places in the grouping, its SwiGLU row
-        and its staging, which holds the attention's rows too (dead by the sparse MLP)."""
+        weights and experts, and per routed pair its places in the grouping and its SwiGLU row
+        (which the attention's output row shares: dead by then too), and its staging
+        (moe_stage_bytes)."""
         cfg = self.config
         if not cfg.is_moe:
             return attention
         k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        return (cfg.num_experts * 4 + k * (8 + 8 + 16 + inter * 2)
-                + max(k * moe_stage_bytes(cfg), attention))
+        moe90 = moe90_runs(cfg, self.weight_format, self.gemm90)
+        return (cfg.num_experts * 4 + k * (8 + 8 + 16) + max(k * inter * 2, cfg.q_size * 2)
+                + moe_stage_bytes(cfg, moe90, attention))
 
-    def _allocate_moe(self, tokens: int, least_stage: int = 0) -> None:
-        """Scratch for `tokens` tokens a pass (and one token's decode, which reuses it); the
-        staging at least `least_stage` bytes (the attention's rows share it)."""
+    def _allocate_moe(self, tokens: int, attention: int) -> None:
+        """Scratch for `tokens` tokens a pass (and one token's decode, which reuses it), whose
+        staging also holds each token's `attention` bytes of rows (qkv and q: engine.py puts
+        them there), and the attention's output rows (in moe_act)."""
         cfg = self.config
         inter, k, e = cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
         pairs = tokens * k
+        moe90 = moe90_runs(cfg, self.weight_format, self.gemm90)
         self.moe_logits = self._device_buffer(tokens * e * 4)
         self.moe_weights = self._device_buffer(pairs * 4)
         self.moe_ids = self._device_buffer(pairs * 4)
@@ -74,12 +96,22 @@ class MoeLayers:
         self.moe_tiles = self._device_buffer(self._moe_most_tiles(tokens) * 16)
         self.moe_n_tiles = self._device_buffer(4)
         # The fp32 gate/up outputs (moe_gu) are dead once SwiGLU has read them, which is
-        # before the down products write theirs (moe_y, fp32): one staging buffer holds both,
-        # and before them a layer's qkv and q rows (engine.py: dead once attention has run).
-        self.moe_stage = self._device_buffer(max(pairs * moe_stage_bytes(cfg), least_stage))
+        # before the down products write theirs (moe_y, fp32, a part of the columns at a
+        # time): one staging buffer holds both, and before them a layer's qkv and q rows
+        # (engine.py: dead once attention has run).
+        self.moe_stage_size = tokens * moe_stage_bytes(cfg, moe90, attention)
+        self.moe_stage = self._device_buffer(self.moe_stage_size)
         self.moe_gu = rt.Ptr(self.moe_stage.ptr)
         self.moe_y = rt.Ptr(self.moe_stage.ptr)
-        self.moe_act = self._device_buffer(pairs * inter * 2)
+        self.moe_act = self._device_buffer(tokens * max(k * inter, cfg.q_size) * 2)
+
+    def _moe_pass_parts(self, n: int) -> int:
+        """The parts of the columns a pass of n tokens takes its down products in: the fewest
+        whose fp32 rows fit the staging (a chunk's moe_down_parts; one for a few tokens)."""
+        cfg = self.config
+        k, h = cfg.num_experts_per_tok, cfg.hidden_size
+        return next(p for p in DOWN_PARTS
+                    if h % (4 * p) == 0 and n * k * h * 4 // p <= self.moe_stage_size)
 
     def _moe_most_tiles(self, tokens: int) -> int:
         """The grouped products' tiles for `tokens` tokens at most: a partial tile an expert."""
@@ -130,37 +162,50 @@ class MoeLayers:
              rt.tile_map(w.router.ptr, e, h, GEMM90_BOX, GEMM90_BOX_K))
             for w in self.layers]
 
-    def _moe_products(self, layer: int, w: LayerBuffers, n: int) -> None:
-        """moe_act = SwiGLU of the pairs' gate/up products, then moe_y = their down products
-        (grouped order, the tiles moe_place listed): on Hopper moe_sm90.cu, SwiGLU in the
-        gate/up product; elsewhere moe.cu's moe_gemm, moe_swiglu between."""
+    def _moe_gate_up(self, layer: int, w: LayerBuffers, n: int) -> None:
+        """moe_act = SwiGLU of the pairs' gate/up products (grouped order, the tiles moe_place
+        listed): on Hopper moe_sm90.cu, SwiGLU in the product; elsewhere moe.cu's moe_gemm,
+        then moe_swiglu."""
         cfg, c_int = self.config, ctypes.c_int
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         tiles = self._moe_most_tiles(n)
         if self.moe90:
-            map_gate_up, map_down, _ = self.moe90_maps[layer]
-            e = cfg.num_experts
+            map_gate_up = self.moe90_maps[layer][0]
             self._launch("moe90_gate_up", (math.ceil(inter / MOE90_COLUMNS[0]), tiles),
                          GEMM90_THREADS, self.xn, self.moe_token, map_gate_up, w.experts_gate_up,
-                         c_int(e * 2 * inter), self.moe_act, self.moe_tiles, self.moe_n_tiles,
-                         c_int(inter), c_int(h), shared=GEMM90_SHARED)
-            self._launch("moe90_down", (math.ceil(h / MOE90_COLUMNS[1]), tiles), GEMM90_THREADS,
-                         self.moe_act, map_down, w.experts_down, c_int(e * h), self.moe_y,
-                         self.moe_tiles, self.moe_n_tiles, c_int(h), c_int(inter),
-                         shared=GEMM90_SHARED)
+                         c_int(cfg.num_experts * 2 * inter), self.moe_act, self.moe_tiles,
+                         self.moe_n_tiles, c_int(inter), c_int(h), shared=GEMM90_SHARED)
             return
-        gate_up_bytes, down_bytes = self._moe_expert_bytes()
-        shared = gemm_shared_bytes(self.weight_format)
+        gate_up_bytes, _ = self._moe_expert_bytes()
         self._launch("moe_gemm", (math.ceil(2 * inter / GROUP_ROWS), tiles), 256, self.xn,
                      self.moe_token, w.experts_gate_up, ctypes.c_longlong(gate_up_bytes),
                      self.moe_gu, self.moe_tiles, self.moe_n_tiles, c_int(2 * inter), c_int(h),
-                     shared=shared)
+                     shared=gemm_shared_bytes(self.weight_format))
         pairs = n * cfg.num_experts_per_tok
         self._launch("moe_swiglu", min(4096, math.ceil(pairs * inter / 256)), 256, self.moe_gu,
                      c_int(pairs), self.moe_act)
-        self._launch("moe_gemm", (math.ceil(h / GROUP_ROWS), tiles), 256, self.moe_act,
-                     rt.Ptr(0), w.experts_down, ctypes.c_longlong(down_bytes), self.moe_y,
-                     self.moe_tiles, self.moe_n_tiles, c_int(h), c_int(inter), shared=shared)
+
+    def _moe_down(self, layer: int, w: LayerBuffers, n: int, col0: int, width: int) -> None:
+        """moe_y (fp32, `width` a pair) = the pairs' down products of the hidden columns col0 ..
+        col0 + width (grouped order): moe_sm90.cu on Hopper, moe_gemm elsewhere (from the
+        part's first row of each expert's down rows)."""
+        cfg, c_int = self.config, ctypes.c_int
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        tiles = self._moe_most_tiles(n)
+        if self.moe90:
+            self._launch("moe90_down", (math.ceil(width / MOE90_COLUMNS[1]), tiles),
+                         GEMM90_THREADS, self.moe_act, self.moe90_maps[layer][1], w.experts_down,
+                         c_int(cfg.num_experts * h), self.moe_y, self.moe_tiles,
+                         self.moe_n_tiles, c_int(h), c_int(inter), c_int(col0), c_int(width),
+                         shared=GEMM90_SHARED)
+            return
+        _, down_bytes = self._moe_expert_bytes()
+        row_bytes = FORMATS[self.weight_format].row_bytes(inter)
+        self._launch("moe_gemm", (math.ceil(width / GROUP_ROWS), tiles), 256, self.moe_act,
+                     rt.Ptr(0), rt.Ptr(w.experts_down.ptr + col0 * row_bytes),
+                     ctypes.c_longlong(down_bytes), self.moe_y, self.moe_tiles,
+                     self.moe_n_tiles, c_int(width), c_int(inter),
+                     shared=gemm_shared_bytes(self.weight_format))
 
     def _moe_router_logits(self, layer: int, w: LayerBuffers, n: int) -> None:
         """moe_logits = xn . router^T (fp32): on Hopper gemm_sm90.cu's product, its K split
@@ -184,7 +229,8 @@ class MoeLayers:
         moe_place: the order of the tokens kept within an expert, so a run's layout is
         always the same), each expert's rows through its gate/up and down products (tiles
         listed on the device, the grid sized for the most there can be), and each token's
-        experts summed back with their weights in rank order."""
+        experts summed back with their weights in rank order (a part of the columns at a
+        time where a chunk's fp32 down rows would not fit the staging whole)."""
         cfg, c_int = self.config, ctypes.c_int
         k, e = cfg.num_experts_per_tok, cfg.num_experts
         pairs = n * k
@@ -194,9 +240,13 @@ class MoeLayers:
         self._launch("moe_count", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts)
         self._launch("moe_place", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts,
                      self.moe_slot, self.moe_token, self.moe_tiles, self.moe_n_tiles)
-        self._moe_products(layer, w, n)
-        self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights, c_int(n),
-                     self.x)
+        self._moe_gate_up(layer, w, n)
+        parts = self._moe_pass_parts(n)
+        width = cfg.hidden_size // parts
+        for col0 in range(0, cfg.hidden_size, width):
+            self._moe_down(layer, w, n, col0, width)
+            self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights,
+                         c_int(n), self.x, c_int(col0), c_int(width))
 
     def _moe_shared(self) -> None:
         """The grouped products' dynamic shared memory (gemm.cuh), past the 48 KB default."""

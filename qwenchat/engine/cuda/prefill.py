@@ -21,9 +21,11 @@ PREFILL_MAX_KEY_SPLITS = 16  # a few new tokens' attention split over the cached
 PREFILL_MIN_SPLIT_KEYS = 256  # keys per split at least: fewer is not worth a merge
 PREFILL_SCRATCH_BUDGET = 160 * 2**20
 # A mixture of experts' prefill reads every expert again for each chunk (1.2 GB a layer on
-# 30B-A3B in bf16), so longer chunks are worth more scratch: 2,048 tokens on 30B-A3B, its
+# 30B-A3B in bf16), so longer chunks are worth more scratch: 4,096 tokens on 30B-A3B (bf16
+# experts on Hopper; its down products a quarter of the columns at a time, moe.py), its
 # scratch in all within the 256 MB the dense sizes keep to.
-MOE_PREFILL_SCRATCH_BUDGET = 208 * 2**20
+MOE_PREFILL_SCRATCH_BUDGET = 212 * 2**20
+PREFILL_LONGEST, MOE_PREFILL_LONGEST = 2048, 4096  # a chunk's tokens at most
 GEMM90_SHARED = 193 * 1024  # gemm_sm90.cu's SHARED_BYTES: a 192 KiB ring aligned to 1 KiB
 GEMM90_THREADS = 384  # a producer warpgroup and two consumers
 GEMM90_BOX = 128  # rows of one TMA box, of A and of B
@@ -177,9 +179,11 @@ class Prefill:
         act, codes = (1.04, max(cfg.hidden_size, cfg.q_size) * 1.04) if self.fp8_gemm else (2, 0)
         mlp = cfg.intermediate_size * (gate_up + act) if dense_mlp_rows(cfg) else 0
         attention = (cfg.q_size + 2 * cfg.kv_size) * 4 + cfg.q_size * 2  # qkv, q
-        per_token = int(cfg.hidden_size * (4 + 2) + cfg.q_size * 2 + mlp + codes + 4
+        attn = 0 if cfg.is_moe else cfg.q_size * 2  # (a mixture of experts': in its scratch)
+        per_token = int(cfg.hidden_size * (4 + 2) + attn + mlp + codes + 4
                         + self._staging_bytes_per_token(attention))
-        most = int(max(64, min(2048, prefill_scratch_budget(cfg) // per_token // 64 * 64)))
+        longest = MOE_PREFILL_LONGEST if cfg.is_moe else PREFILL_LONGEST
+        most = int(max(64, min(longest, prefill_scratch_budget(cfg) // per_token // 64 * 64)))
         if not self.attention90:
             return most
         return attention_wave_chunk(most, cfg.num_attention_heads, self.device.sm_count)
