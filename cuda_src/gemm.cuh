@@ -14,7 +14,7 @@ constexpr int A_STAGE = BM * LDS, B_STAGE = BN * LDS, CODES_STAGE = BN * BK;
 constexpr int SHARED_BYTES = qw::fp8 ? STAGES * A_STAGE * 2 + B_STAGE * 2 + STAGES * CODES_STAGE
                                      : STAGES * (A_STAGE + B_STAGE) * 2;
 
-enum Epilogue { STORE_F32 = 0, ADD_F32 = 1 };
+enum Epilogue { STORE_F32 = 0, ADD_F32 = 1, STORE_BF16 = 2 };  // C float, or bf16 (STORE_BF16)
 
 __device__ __forceinline__ void load_tile(bf16_t (*dst)[LDS], const bf16_t* __restrict__ src,
                                           int rows, int K, int row0, int k0) {
@@ -119,7 +119,7 @@ __device__ __forceinline__ void load_tile_gathered(bf16_t (*dst)[LDS], const Gat
 // With a_rows (moe.cu's gate/up products), A's rows are gathered through it (GatherRows).
 template <int EPI, int WF>
 __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__ Bv,
-                          float* __restrict__ C, int M, int N, int K, int ldc, int m0,
+                          void* __restrict__ Cv, int M, int N, int K, int ldc, int m0,
                           const int* __restrict__ a_rows = nullptr) {
     extern __shared__ __align__(16) unsigned char gemm_shared[];
     typedef bf16_t Tile[LDS];
@@ -216,8 +216,18 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
             for (int half = 0; half < 2; ++half) {
                 const int row = m0 + wm + i * 16 + g + half * 8;
                 if (row >= M) continue;
-                float* out = C + static_cast<long long>(row) * ldc + col;
                 const float v0 = acc[i][j][half * 2], v1 = acc[i][j][half * 2 + 1];
+                if constexpr (EPI == STORE_BF16) {
+                    bf16_t* out = static_cast<bf16_t*>(Cv) + static_cast<long long>(row) * ldc + col;
+                    if (col + 1 < N && (ldc & 1) == 0) {  // one 4-byte store (col is even)
+                        *reinterpret_cast<unsigned*>(out) = pack_bf16x2(v0, v1);
+                    } else {
+                        out[0] = f32_to_bf16(v0);
+                        if (col + 1 < N) out[1] = f32_to_bf16(v1);
+                    }
+                    continue;
+                }
+                float* out = static_cast<float*>(Cv) + static_cast<long long>(row) * ldc + col;
                 if (col + 1 < N && (ldc & 1) == 0) {  // one 8-byte access (col is even)
                     float2* o2 = reinterpret_cast<float2*>(out);
                     if (EPI == ADD_F32) {

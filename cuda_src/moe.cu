@@ -164,19 +164,22 @@ extern "C" __global__ void moe_place(const int* __restrict__ experts, int pairs,
 // deep, for the tiles moe_place listed (blockIdx.y; those past n_tiles return at once);
 // expert_bytes apart in B. blockIdx.x: BN columns. With a_rows (gate/up: the pairs' tokens in
 // the grouped order), a group's row r is A's row a_rows[its first + r], read where it lies
-// (no gathered copy); without, A's rows are in the grouped order already (down: SwiGLU's).
+// (no gathered copy), and C is fp32; without, A's rows are in the grouped order already (down:
+// SwiGLU's), and C is bf16 (moe_combine sums the rows).
 extern "C" __global__ void __launch_bounds__(THREADS)
     moe_gemm(const bf16_t* A, const int* __restrict__ a_rows, const unsigned char* B,
-             long long expert_bytes, float* C, const int4* __restrict__ tiles,
+             long long expert_bytes, void* C, const int4* __restrict__ tiles,
              const int* __restrict__ n_tiles, int N, int K) {
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
     const unsigned char* b = B + t.x * expert_bytes;
-    float* c = C + static_cast<long long>(t.y) * N;
+    const long long first = static_cast<long long>(t.y) * N;
     if (a_rows != nullptr)
-        gemm_bf16<STORE_F32, qw::wfmt>(A, b, c, t.z, N, K, N, t.w, a_rows + t.y);
+        gemm_bf16<STORE_F32, qw::wfmt>(A, b, static_cast<float*>(C) + first, t.z, N, K, N, t.w,
+                                       a_rows + t.y);
     else
-        gemm_bf16<STORE_F32, qw::wfmt>(A + static_cast<long long>(t.y) * K, b, c, t.z, N, K, N, t.w);
+        gemm_bf16<STORE_BF16, qw::wfmt>(A + static_cast<long long>(t.y) * K, b,
+                                        static_cast<bf16_t*>(C) + first, t.z, N, K, N, t.w);
 }
 
 // Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).
@@ -192,12 +195,12 @@ extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, int rows,
 }
 
 // Prefill: x[t][col0 + j] += sum over k (in order) of weights[t][k] x y[slot[t x TOPK + k]][j]
-// for j < width (the grouped down products' rows of one part of the columns, width apart:
-// moe.py's moe_down_parts), one block a token, four columns a thread at a time.
-extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ slot,
+// for j < width (the grouped down products' bf16 rows of one part of the columns, width
+// apart: moe.py's moe_down_parts), one block a token, eight columns a thread at a time.
+extern "C" __global__ void moe_combine(const bf16_t* __restrict__ y, const int* __restrict__ slot,
                                        const float* __restrict__ weights, int tokens,
                                        float* __restrict__ x, int col0, int width) {
-    __shared__ const float* rows[qwm::TOPK];
+    __shared__ const bf16_t* rows[qwm::TOPK];
     __shared__ float w[qwm::TOPK];
     const int t = blockIdx.x;
     if (t >= tokens) return;
@@ -206,23 +209,28 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
         w[k] = weights[t * qwm::TOPK + k];
     }
     __syncthreads();
-    // (col0 and width are multiples of 4: the host checks)
+    // (col0 and width are multiples of 8: the host checks)
     float4* out = reinterpret_cast<float4*>(x + static_cast<long long>(t) * qw::hidden + col0);
-    for (int j = threadIdx.x; j < width / 4; j += blockDim.x) {
-        float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = threadIdx.x; j < width / 8; j += blockDim.x) {
+        float total[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < qwm::TOPK; ++k) {  // (each column's sum in rank order, as before)
-            const float4 v = reinterpret_cast<const float4*>(rows[k])[j];
-            total.x += w[k] * v.x;
-            total.y += w[k] * v.y;
-            total.z += w[k] * v.z;
-            total.w += w[k] * v.w;
+            const uint4 v = reinterpret_cast<const uint4*>(rows[k])[j];
+            const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                total[2 * i] += w[k] * __uint_as_float(words[i] << 16);
+                total[2 * i + 1] += w[k] * __uint_as_float(words[i] & 0xffff0000u);
+            }
         }
-        float4 o = out[j];
-        o.x += total.x;
-        o.y += total.y;
-        o.z += total.z;
-        o.w += total.w;
-        out[j] = o;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float4 o = out[2 * j + half];
+            o.x += total[4 * half];
+            o.y += total[4 * half + 1];
+            o.z += total[4 * half + 2];
+            o.w += total[4 * half + 3];
+            out[2 * j + half] = o;
+        }
     }
 }

@@ -14,7 +14,8 @@
 //
 // moe90_gate_up: act[pair] = bf16(silu(gate) * up), the tile's 128 gate rows and the 128 up
 // rows of the same features, as gemm90_swiglu: no fp32 gate/up rows, no moe_swiglu.
-// moe90_down: y[pair] = act[pair] . down^T (fp32), A's rows in the grouped order already.
+// moe90_down: y[pair] = act[pair] . down^T rounded to bf16 (as transformers' experts give it),
+// A's rows in the grouped order already.
 // Rows past a tile's pairs are zeros in shared memory and never stored; columns past K are
 // zeros, past N never stored (B's rows past an expert's are another's or the TMA's zeros).
 #include "common.cuh"
@@ -44,7 +45,7 @@ constexpr int CONVERTERS = 96, CLAG = 1;
 static_assert(LAG <= STAGES - 2 && CLAG <= STAGES - 2,
               "a stage is handed over before the producer waits for the one it refills");
 
-enum Epilogue { STORE_F32 = 0, SWIGLU_BF16 = 2 };
+enum Epilogue { STORE_BF16 = 0, SWIGLU_BF16 = 2 };
 
 // FP8: the stage's codes (BN rows of 64, plain, at `codes`) of step `step` into the bf16 tile at
 // `tile` in the 128-byte swizzle; b_row(r) is the matrix row of the tile's row r, whose block
@@ -80,8 +81,8 @@ __device__ __forceinline__ void convert_stage(unsigned tile, const unsigned char
 // order's rows themselves), B the map of every expert's rows (rows_per_expert each; FP8: of
 // their codes, b_codes the rows themselves with their scales, total_rows of them).
 // SWIGLU_BF16: B's first up_row rows of an expert are gate, the next up_row up; N = up_row.
-// STORE_F32: the tile's columns are B's rows b_row0 + n of the expert (one part of the outputs,
-// N wide, c's rows N apart).
+// STORE_BF16: the tile's columns are B's rows b_row0 + n of the expert (one part of the
+// outputs, N wide, c's bf16 rows N apart).
 template <int EPI>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
                                          const int* __restrict__ a_rows, const TensorMap& map_b,
@@ -195,8 +196,8 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
         store_swiglu(d, static_cast<bf16_t*>(c) + static_cast<long long>(first) * N, row0,
                      tile_n * BOX_ROWS + col0, rows, N, N);
     } else {
-        store_accumulators<false>(d, static_cast<float*>(c) + static_cast<long long>(first) * N,
-                                  row0, tile_n * BN + col0, rows, N, N);
+        store_accumulators_bf16(d, static_cast<bf16_t*>(c) + static_cast<long long>(first) * N,
+                                row0, tile_n * BN + col0, rows, N, N);
     }
 }
 }  // namespace
@@ -216,15 +217,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 }
 #endif
 #if QW_IN_PART(1)
-// y (fp32, width a pair) = the pairs' act rows (grouped order) through their experts' down
+// y (bf16, width a pair) = the pairs' act rows (grouped order) through their experts' down
 // rows col0 .. col0 + width (map_b: every expert's hidden rows of inter): one part of the
 // outputs (moe.py's moe_down_parts).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     moe90_down(const bf16_t* act, const __grid_constant__ TensorMap map_b,
-               const unsigned char* b_codes, int total_rows, float* y,
+               const unsigned char* b_codes, int total_rows, bf16_t* y,
                const int4* __restrict__ tiles, const int* __restrict__ n_tiles, int hidden,
                int inter, int col0, int width) {
-    moe_tile<STORE_F32>(act, nullptr, map_b, b_codes, total_rows, y, tiles, n_tiles, width, inter,
+    moe_tile<STORE_BF16>(act, nullptr, map_b, b_codes, total_rows, y, tiles, n_tiles, width, inter,
                         hidden, 0, col0);
 }
 #endif

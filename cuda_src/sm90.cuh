@@ -213,6 +213,31 @@ __device__ __forceinline__ void store_accumulators(const float (&d)[R], float* o
     }
 }
 
+// store_accumulators' layout rounded to bf16 into `out` (moe_sm90.cu's down rows): one 4-byte
+// store a pair of columns where it can.
+template <int R>
+__device__ __forceinline__ void store_accumulators_bf16(const float (&d)[R], bf16_t* out,
+                                                        int row0, int col0, int M, int N,
+                                                        int ldc) {
+#pragma unroll
+    for (int j = 0; j < R / 4; ++j) {
+        const int col = col0 + j * 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + h * 8;
+            if (row >= M || col >= N) continue;
+            bf16_t* o = out + static_cast<long long>(row) * ldc + col;
+            const float v0 = d[j * 4 + h * 2], v1 = d[j * 4 + h * 2 + 1];
+            if (col + 1 < N && (ldc & 1) == 0) {  // (col is even)
+                *reinterpret_cast<unsigned*>(o) = pack_bf16x2(v0, v1);
+            } else {
+                o[0] = f32_to_bf16(v0);
+                if (col + 1 < N) o[1] = f32_to_bf16(v1);
+            }
+        }
+    }
+}
+
 // A consumer warpgroup's part of a ring-fed product (gemm_sm90.cu, moe_sm90.cu): for each of
 // `steps` 64-deep steps, wait for stage step % STAGES to be full, multiply this warpgroup's 64
 // rows of its A tile (A_BYTES from the stage's start, rows of 128 bytes, `half` picking rows

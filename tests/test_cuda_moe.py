@@ -227,10 +227,10 @@ def test_a_pass_routes_groups_and_sums_its_tokens_experts_as_numpy_does(wide_eng
 
 
 def check_pass_in_parts(engine, model, n: int, parts: int) -> None:
-    """check_pass with the staging taken as too short for the pass's fp32 down rows whole, so
+    """check_pass with the staging taken as too short for the pass's bf16 down rows whole, so
     that its down products and weighted sums run a `parts`th of the columns at a time."""
     cfg = model.config
-    whole = n * cfg.num_experts_per_tok * cfg.hidden_size * 4
+    whole = n * cfg.num_experts_per_tok * cfg.hidden_size * 2
     kept = engine.moe_stage_size
     engine.moe_stage_size = whole // parts  # (the buffer itself is larger: nothing overflows)
     try:
@@ -257,8 +257,8 @@ def test_hoppers_grouped_products_take_experts_off_their_tiles_grid(tmp_path_fac
         # moe_sm90.cu wherever Hopper's GEMMs run the dense products (moe.cu's moe_gemm else)
         assert engine.moe90 == engine.gemm90
         check_pass(engine, model, 500)
-        # a quarter of 464 outputs (116) a part: inside one 256-wide tile, off its grid
-        check_pass_in_parts(engine, model, 500, 4)
+        # a half of 464 outputs (232) a part: inside one 256-wide tile, off its grid
+        check_pass_in_parts(engine, model, 500, 2)
     finally:
         engine.close()
 
@@ -304,15 +304,19 @@ def check_pass(engine, model, n: int) -> None:
     assert int(download(engine.moe_n_tiles, np.int32, (1,))[0]) == int(np.sum(-(-counts // 128)))
     assert counts.max() > 128  # (an expert's rows take more than one tile)
 
-    out = x0.astype(np.float64)
+    # The experts' outputs are rounded to bf16 (as transformers' are) before their weighted sum;
+    # one that lies on the edge between two bf16 values may round the other way on the GPU
+    # (slack: one bf16 step of each), as may a SwiGLU output (the 2e-3).
+    out, slack = x0.astype(np.float64), np.zeros((n, h))
     for t in range(n):
         for j in range(k):
             ex = experts[chosen[t, j]]
             act = bf16_round(silu(ex["gate"] @ xn[t]) * (ex["up"] @ xn[t]))
-            out[t] += weights[t, j] * (ex["down"] @ act)
+            y = ex["down"] @ act
+            out[t] += weights[t, j] * bf16_round(y)
+            slack[t] += weights[t, j] * np.abs(y) * 2.0**-7
     got = download(engine.x, np.float32, (n, h))
-    # (a SwiGLU output on the edge between two bf16 values may round the other way on the GPU)
-    assert np.abs(got - out).max() <= 2e-3 * np.abs(out - x0).max()
+    assert np.all(np.abs(got - out) <= 2e-3 * np.abs(out - x0).max() + slack)
 
 
 def test_a_decode_step_routes_and_sums_its_experts_as_numpy_does(wide_engine):

@@ -1070,11 +1070,11 @@ def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
 
 def test_a_routed_pairs_staging_holds_each_of_its_uses_in_turn():
     """moe.py stages a token's attention rows (qkv and q), then its pairs' fp32 gate/up outputs
-    (off Hopper), then their fp32 down outputs, in the same bytes, the down outputs a part of
+    (off Hopper), then their bf16 down outputs, in the same bytes, the down outputs a part of
     the columns at a time so that they take no more than the rest; the attention's output
     shares the SwiGLU rows. 30B-A3B has no dense layer, so its chunk spends nothing on a dense
-    MLP's rows: 4,096 tokens in bf16 on Hopper (its down products in quarters), eight times
-    the 512 that separate buffers left."""
+    MLP's rows: 4,096 tokens in bf16 on Hopper (its down products in halves), eight times the
+    512 that separate buffers left."""
     from types import MethodType, SimpleNamespace
 
     from qwenchat.engine.cuda.engine import CudaEngine
@@ -1084,19 +1084,19 @@ def test_a_routed_pairs_staging_holds_each_of_its_uses_in_turn():
 
     a3b = PRESETS["qwen3-30b-a3b"]
     attention = 5120 * 4 + 4096 * 2  # qkv (fp32) and q (bf16) rows
-    # 8 fp32 rows of 2,048 are 64 KB: a quarter is within the attention's 28 KB, a half not
-    assert moe_down_parts(a3b, attention) == 4
+    # 8 bf16 rows of 2,048 are 32 KB: a half is within the attention's 28 KB, the whole not
+    assert moe_down_parts(a3b, attention) == 2
     assert moe_stage_bytes(a3b, True, attention) == attention
-    # off Hopper the fp32 gate/up rows (8 x 2 x 768 x 4 = 48 KB) set the floor: halves
-    assert moe_down_parts(a3b, 8 * 2 * 768 * 4) == 2
+    # off Hopper the fp32 gate/up rows (8 x 2 x 768 x 4 = 48 KB) set the floor: whole
+    assert moe_down_parts(a3b, 8 * 2 * 768 * 4) == 1
     assert moe_stage_bytes(a3b, False, attention) == 8 * 2 * 768 * 4
-    for overrides, parts in (({}, 1), ({"hidden_size": 256, "moe_intermediate_size": 16}, 8),
-                             ({"hidden_size": 232, "moe_intermediate_size": 16}, 2)):
+    for overrides, parts in (({}, 1), ({"hidden_size": 256, "moe_intermediate_size": 16}, 4),
+                             ({"hidden_size": 240, "moe_intermediate_size": 16}, 2)):
         config = Qwen3Config.from_dict(tiny_moe_config(**overrides))
         k, h, inter = config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size
         got = moe_down_parts(config, 2 * inter * 4 * k)
-        assert got == parts and h % (4 * got) == 0, overrides
-        assert moe_stage_bytes(config, False, 0) == max(2 * inter * 4 * k, k * h * 4 // got)
+        assert got == parts and h % (8 * got) == 0, overrides
+        assert moe_stage_bytes(config, False, 0) == max(2 * inter * 4 * k, k * h * 2 // got)
     assert not dense_mlp_rows(a3b)
     assert dense_mlp_rows(Qwen3Config.from_dict(tiny_moe_config(mlp_only_layers=[0])))
     for fmt, fp8, chunk in (("bf16", False, 4096), ("fp8", True, 3584), ("int4", False, 2560)):

@@ -41,24 +41,25 @@ DOWN_PARTS = (1, 2, 4, 8)  # the parts of the hidden columns a pass's down produ
 
 def moe_down_parts(cfg: Qwen3Config, floor: int) -> int:
     """The parts of the hidden columns a chunk's down products and weighted sums take in turn
-    (each part's fp32 rows staged, then summed into x, before the next): the fewest for which a
-    token's k fp32 down rows (64 KB on 30B-A3B) take no more of the staging than `floor`, what
-    its other tenants take a token anyway (the attention's rows; off Hopper the fp32 gate/up
-    rows). Each part is a multiple of 4 columns (moe_combine's float4); 8 parts at most."""
+    (each part's bf16 rows staged, then summed into x, before the next): the fewest for which a
+    token's k down rows (32 KB on 30B-A3B) take no more of the staging than `floor`, what its
+    other tenants take a token anyway (the attention's rows; off Hopper the fp32 gate/up
+    rows). Each part is a multiple of 8 columns (moe_combine's 16-byte loads); 8 parts at
+    most."""
     k, h = cfg.num_experts_per_tok, cfg.hidden_size
-    fitting = [p for p in DOWN_PARTS if h % (4 * p) == 0]
-    return next((p for p in fitting if k * h * 4 // p <= floor), fitting[-1])
+    fitting = [p for p in DOWN_PARTS if h % (8 * p) == 0]
+    return next((p for p in fitting if k * h * 2 // p <= floor), fitting[-1])
 
 
 def moe_stage_bytes(cfg: Qwen3Config, moe90: bool, attention: int) -> int:
     """A token's staging in a pass: its attention's `attention` bytes of rows (qkv and q, dead
     by the sparse MLP), then per routed pair its fp32 gate/up outputs (moe_gemm; moe_sm90.cu
-    applies SwiGLU in the product), then (the same bytes) its fp32 down outputs, one part of
+    applies SwiGLU in the product), then (the same bytes) its bf16 down outputs, one part of
     the columns at a time (moe_down_parts). (Its input row is read where it lies: the gate/up
     product gathers it.)"""
     k, h, inter = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     floor = max(attention, 0 if moe90 else k * 2 * inter * 4)
-    return max(floor, k * h * 4 // moe_down_parts(cfg, floor))
+    return max(floor, k * h * 2 // moe_down_parts(cfg, floor))
 
 
 class MoeLayers:
@@ -96,9 +97,9 @@ class MoeLayers:
         self.moe_tiles = self._device_buffer(self._moe_most_tiles(tokens) * 16)
         self.moe_n_tiles = self._device_buffer(4)
         # The fp32 gate/up outputs (moe_gu) are dead once SwiGLU has read them, which is
-        # before the down products write theirs (moe_y, fp32, a part of the columns at a
-        # time): one staging buffer holds both, and before them a layer's qkv and q rows
-        # (engine.py: dead once attention has run).
+        # before the down products write theirs (moe_y, bf16 as transformers' experts give
+        # them, a part of the columns at a time): one staging buffer holds both, and before
+        # them a layer's qkv and q rows (engine.py: dead once attention has run).
         self.moe_stage_size = tokens * moe_stage_bytes(cfg, moe90, attention)
         self.moe_stage = self._device_buffer(self.moe_stage_size)
         self.moe_gu = rt.Ptr(self.moe_stage.ptr)
@@ -107,11 +108,11 @@ class MoeLayers:
 
     def _moe_pass_parts(self, n: int) -> int:
         """The parts of the columns a pass of n tokens takes its down products in: the fewest
-        whose fp32 rows fit the staging (a chunk's moe_down_parts; one for a few tokens)."""
+        whose bf16 rows fit the staging (a chunk's moe_down_parts; one for a few tokens)."""
         cfg = self.config
         k, h = cfg.num_experts_per_tok, cfg.hidden_size
         return next(p for p in DOWN_PARTS
-                    if h % (4 * p) == 0 and n * k * h * 4 // p <= self.moe_stage_size)
+                    if h % (8 * p) == 0 and n * k * h * 2 // p <= self.moe_stage_size)
 
     def _moe_most_tiles(self, tokens: int) -> int:
         """The grouped products' tiles for `tokens` tokens at most: a partial tile an expert."""
@@ -186,7 +187,7 @@ class MoeLayers:
                      c_int(pairs), self.moe_act)
 
     def _moe_down(self, layer: int, w: LayerBuffers, n: int, col0: int, width: int) -> None:
-        """moe_y (fp32, `width` a pair) = the pairs' down products of the hidden columns col0 ..
+        """moe_y (bf16, `width` a pair) = the pairs' down products of the hidden columns col0 ..
         col0 + width (grouped order): moe_sm90.cu on Hopper, moe_gemm elsewhere (from the
         part's first row of each expert's down rows)."""
         cfg, c_int = self.config, ctypes.c_int
@@ -230,7 +231,7 @@ class MoeLayers:
         always the same), each expert's rows through its gate/up and down products (tiles
         listed on the device, the grid sized for the most there can be), and each token's
         experts summed back with their weights in rank order (a part of the columns at a
-        time where a chunk's fp32 down rows would not fit the staging whole)."""
+        time where a chunk's bf16 down rows would not fit the staging whole)."""
         cfg, c_int = self.config, ctypes.c_int
         k, e = cfg.num_experts_per_tok, cfg.num_experts
         pairs = n * k
