@@ -218,6 +218,7 @@ __device__ void gemm_bf16(const bf16_t* __restrict__ A, const void* __restrict__
                 if (row >= M) continue;
                 const float v0 = acc[i][j][half * 2], v1 = acc[i][j][half * 2 + 1];
                 if constexpr (EPI == STORE_BF16) {
+                    if (col >= N) continue;
                     bf16_t* out = static_cast<bf16_t*>(Cv) + static_cast<long long>(row) * ldc + col;
                     if (col + 1 < N && (ldc & 1) == 0) {  // one 4-byte store (col is even)
                         *reinterpret_cast<unsigned*>(out) = pack_bf16x2(v0, v1);
