@@ -8,9 +8,11 @@
 // xn gathered through the pairs' tokens; the TMA cannot gather rows on sm_90), so each of the
 // producer's 128 threads copies its own row of each step with cp.async, writing the 128-byte
 // swizzle the TMA would have; B (the expert's weights, one row a feature) comes by the TMA as
-// in gemm_sm90.cu. A stage is full once the TMA's bytes have landed and each producer thread
-// has seen its copies land (cp.async.wait_group, LAG steps behind its issue so that several
-// steps stay in flight) and fenced them for the tensor cores (the async proxy).
+// in gemm_sm90.cu. A stage is full once the TMA's bytes have landed and each producer thread's
+// copies have: each thread's cp.async.mbarrier.arrive arrives on the stage's barrier when its
+// copies land, so no producer thread waits for its own copies and every stage of the ring can
+// be in flight; the consumers fence the async proxy after the barrier, before their wgmma read
+// the copied rows.
 //
 // moe90_gate_up: act[pair] = bf16(silu(gate) * up), the tile's 128 gate rows and the 128 up
 // rows of the same features, as gemm90_swiglu: no fp32 gate/up rows, no moe_swiglu.
@@ -36,13 +38,12 @@ constexpr int RING_BYTES = 192 * 1024;
 constexpr int STAGES = RING_BYTES / STAGE_BYTES;  // bf16 4, FP8 3
 constexpr int SHARED_BYTES = RING_BYTES + 1024;   // + the slack to align the ring to 1 KiB
 static_assert(SHARED_BYTES == 193 * 1024, "GEMM90_SHARED in prefill.py mirrors this");
-// Steps a producer thread's copies may still be in flight behind it (bf16 2, FP8 1). The
-// consumers release a step's stage only once they hold the next step's, so the producer's wait
-// for step s - STAGES's stage needs step s - STAGES + 1 handed over before it: LAG and CLAG at
-// most STAGES - 2 (LAG 2 on FP8's three stages deadlocked).
-constexpr int LAG = STAGES >= 4 ? 2 : 1;
+// The converters' lag behind the copies' issue. The consumers release a step's stage only once
+// they hold the next step's, so the producer's wait for step s - STAGES's stage needs step
+// s - STAGES + 1 handed over before it: CLAG at most STAGES - 2 (a lag of 2 on FP8's three
+// stages deadlocked).
 constexpr int CONVERTERS = 96, CLAG = 1;
-static_assert(LAG <= STAGES - 2 && CLAG <= STAGES - 2,
+static_assert(CLAG <= STAGES - 2,
               "a stage is handed over before the producer waits for the one it refills");
 
 enum Epilogue { STORE_BF16 = 0, SWIGLU_BF16 = 2 };
@@ -165,27 +166,19 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
                 cp_async_16_shared(a_dst + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src + col : a,
                                ok ? 16 : 0);
             }
-            cp_async_commit();
-            if (step >= LAG) {  // step - LAG's copies have landed: hand that stage over
-                cp_async_wait<LAG>();
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                mbar_arrive(smem_addr(&full[(step - LAG) % STAGES]));
-            }
+            mbar_arrive_on_copies(smem_addr(&full[s]));  // (once they have landed)
             if (qw::fp8 && r >= 32 && step >= CLAG) convert(step - CLAG);
         }
-        cp_async_wait<0>();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        for (int step = max(0, steps - LAG); step < steps; ++step)
-            mbar_arrive(smem_addr(&full[step % STAGES]));
         if (qw::fp8 && r >= 32)
             for (int step = max(0, steps - CLAG); step < steps; ++step) convert(step);
+        asm volatile("cp.async.wait_all;" ::: "memory");  // (no thread leaves copies in flight)
         return;
     }
 
     // The consumers: warpgroup 1 takes rows 0-63 of the tile, warpgroup 2 rows 64-127.
     const int half = warpgroup - 1;
     float d[BN / 2];
-    wgmma_consume<BN, STAGES, STAGE_BYTES, A_BYTES>(d, ring, half, full, empty, steps);
+    wgmma_consume<BN, STAGES, STAGE_BYTES, A_BYTES, true>(d, ring, half, full, empty, steps);
 
     // d[j * 4 + e]: row (warp % 4) * 16 + lane / 4 (+ 8 for e >= 2), column j * 8 + (lane % 4)
     // * 2 (+ 1 for odd e) of this warpgroup's 64 x 256 part (sm90.cuh).

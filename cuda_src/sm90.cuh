@@ -60,6 +60,12 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// One arrival on `bar` once every cp.async this thread has issued so far has landed (counted
+// among the barrier's expected arrivals: .noinc), without waiting for them here.
+__device__ __forceinline__ void mbar_arrive_on_copies(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     asm volatile(
         "{\n.reg .pred done;\n"
@@ -245,7 +251,9 @@ __device__ __forceinline__ void store_accumulators_bf16(const float (&d)[R], bf1
 // release the stage (one arrival a warp on `empty`). The first step overwrites d (accumulate =
 // 0): zeroing it with ordinary instructions instead would make ptxas serialize the wgmmas
 // (its warning C7515).
-template <int BN, int STAGES, int STAGE_BYTES, int A_BYTES>
+// COPIED: some of the stage came by cp.async (generic-proxy writes, seen through the barrier),
+// so the consumer fences the async proxy before its wgmma read them.
+template <int BN, int STAGES, int STAGE_BYTES, int A_BYTES, bool COPIED = false>
 __device__ __forceinline__ void wgmma_consume(float (&d)[BN / 2], unsigned ring, int half,
                                               unsigned long long* full,
                                               unsigned long long* empty, int steps) {
@@ -254,6 +262,7 @@ __device__ __forceinline__ void wgmma_consume(float (&d)[BN / 2], unsigned ring,
     for (int step = 0; step < steps; ++step) {
         const int s = step % STAGES;
         mbar_wait(smem_addr(&full[s]), (step / STAGES) & 1);
+        if constexpr (COPIED) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         const unsigned a = ring + s * STAGE_BYTES + half * 64 * 128, b = ring + s * STAGE_BYTES + A_BYTES;
         fence_operands(d);
         wgmma_fence();
