@@ -18,18 +18,33 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, int n,
         x[static_cast<long long>(row) * qw::hidden + j] = bf16_to_f32(src[j]);
 }
 
-// out[i, :] = bf16(rmsnorm(x[i, :]) * w) for n rows (one block per row): prefill's GEMM input.
+// out[i, :] = bf16(rmsnorm(x[i, :]) * w) for n rows (one block per row, of 256 threads or
+// more): prefill's GEMM input. A thread's columns (blockDim.x apart) are loaded at once and
+// kept in registers for the second pass; its sum adds them in the same order as a loop over
+// them would (the columns past the row add 0).
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const bf16_t* __restrict__ w,
                                         int n, float eps, bf16_t* __restrict__ out) {
+    constexpr int MOST = (qw::hidden + 255) / 256;  // a thread's columns at most
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= n) return;
     const float* xr = x + static_cast<long long>(row) * qw::hidden;
+    float v[MOST];
+#pragma unroll
+    for (int i = 0; i < MOST; ++i) {
+        const int j = threadIdx.x + i * blockDim.x;
+        v[i] = j < qw::hidden ? xr[j] : 0.f;
+    }
     float ss = 0.f;
-    for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x) ss += xr[j] * xr[j];
+#pragma unroll
+    for (int i = 0; i < MOST; ++i) ss += v[i] * v[i];
     const float rstd = rsqrtf(block_sum(ss, scratch) / qw::hidden + eps);
-    for (int j = threadIdx.x; j < qw::hidden; j += blockDim.x)
-        out[static_cast<long long>(row) * qw::hidden + j] = f32_to_bf16(xr[j] * rstd * bf16_to_f32(w[j]));
+#pragma unroll
+    for (int i = 0; i < MOST; ++i) {
+        const int j = threadIdx.x + i * blockDim.x;
+        if (j < qw::hidden)
+            out[static_cast<long long>(row) * qw::hidden + j] = f32_to_bf16(v[i] * rstd * bf16_to_f32(w[j]));
+    }
 }
 
 // Q/K/V and gate/up: the model's weight format.
