@@ -114,49 +114,70 @@ extern "C" __global__ void moe_count(const int* __restrict__ experts, int pairs,
 // pairs' order (offset: the counts of the experts before it): slot[p] is p's row, token[row]
 // its token. Expert e's tiles of the grouped products (BM rows each) follow the earlier
 // experts' in `tiles`: (expert, offset, count, first row of the tile in the group); block 0
-// writes their number. blockDim.x: a multiple of 32, at most 1024.
+// writes their number. blockDim.x: a multiple of 32, at most 1024. Each warp takes one
+// contiguous segment of the pairs, counts its expert's pairs there, and after one block
+// barrier places them from where the earlier warps' end (so the order is the pairs').
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 extern "C" __global__ void moe_place(const int* __restrict__ experts, int pairs,
                                      const int* __restrict__ counts, int* __restrict__ slot,
                                      int* __restrict__ token, int4* __restrict__ tiles,
                                      int* __restrict__ n_tiles) {
-    __shared__ int offset, tile0, warp_count[32], base;
+    __shared__ int offset, tile0, all_tiles, warp_count[32];
     const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        int rows = 0, t = 0;
-        for (int f = 0; f < e; ++f) {
-            rows += counts[f];
-            t += (counts[f] + BM - 1) / BM;
+    const int warps = blockDim.x >> 5;
+    if (threadIdx.x == 0) offset = tile0 = all_tiles = 0;
+    __syncthreads();
+    // the rows and tiles of the experts before e, and (block 0) every expert's tiles
+    int rows = 0, before_tiles = 0, every_tile = 0;
+    for (int f = threadIdx.x; f < qwm::EXPERTS; f += blockDim.x) {
+        const int c = counts[f], t = (c + BM - 1) / BM;
+        if (f < e) {
+            rows += c;
+            before_tiles += t;
         }
-        offset = rows;
-        tile0 = t;
-        base = 0;
-        if (e == 0) {
-            int all = 0;
-            for (int f = 0; f < qwm::EXPERTS; ++f) all += (counts[f] + BM - 1) / BM;
-            *n_tiles = all;
-        }
+        every_tile += t;
+    }
+    rows = warp_sum_int(rows);
+    before_tiles = warp_sum_int(before_tiles);
+    every_tile = warp_sum_int(every_tile);
+    // the pairs of this warp's segment that chose e
+    const int seg = (pairs + warps - 1) / warps, lo = min(pairs, warp * seg),
+              hi = min(pairs, lo + seg);
+    int n_mine = 0;
+#pragma unroll 8
+    for (int p0 = lo; p0 < hi; p0 += 32) {
+        const int p = p0 + lane;
+        n_mine += __popc(__ballot_sync(0xffffffffu, p < hi && experts[p] == e));
+    }
+    if (lane == 0) {
+        warp_count[warp] = n_mine;
+        atomicAdd(&offset, rows);
+        atomicAdd(&tile0, before_tiles);
+        atomicAdd(&all_tiles, every_tile);
     }
     __syncthreads();
+    if (e == 0 && threadIdx.x == 0) *n_tiles = all_tiles;
     const int count = counts[e];
     for (int t = threadIdx.x; t * BM < count; t += blockDim.x)
         tiles[tile0 + t] = make_int4(e, offset, count, t * BM);
-    for (int p0 = 0; p0 < pairs; p0 += blockDim.x) {
-        const int p = p0 + threadIdx.x;
-        const bool mine = p < pairs && experts[p] == e;
+    int row = offset;
+    for (int w = 0; w < warp; ++w) row += warp_count[w];
+#pragma unroll 8
+    for (int p0 = lo; p0 < hi; p0 += 32) {
+        const int p = p0 + lane;
+        const bool mine = p < hi && experts[p] == e;
         const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-        if (lane == 0) warp_count[warp] = __popc(ballot);
-        __syncthreads();
-        int before = base;
-        for (int w = 0; w < warp; ++w) before += warp_count[w];
         if (mine) {
-            const int row = offset + before + __popc(ballot & ((1u << lane) - 1u));
-            slot[p] = row;
-            token[row] = p / qwm::TOPK;
+            const int r = row + __popc(ballot & ((1u << lane) - 1u));
+            slot[p] = r;
+            token[r] = p / qwm::TOPK;
         }
-        __syncthreads();
-        if (threadIdx.x == 0)
-            for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) base += warp_count[w];
-        __syncthreads();
+        row += __popc(ballot);
     }
 }
 
