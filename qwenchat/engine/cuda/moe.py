@@ -210,7 +210,7 @@ class MoeLayers:
 
     def _moe_router_logits(self, layer: int, w: LayerBuffers, n: int) -> None:
         """moe_logits = xn . router^T (fp32): on Hopper gemm_sm90.cu's product, its K split
-        where the experts' few columns leave SMs idle (a 2,048-token chunk of 30B-A3B: 16
+        where the experts' few columns leave SMs idle (a 4,096-token chunk of 30B-A3B: 32
         tiles on 132 SMs); elsewhere moe.cu's moe_router_gemm."""
         cfg, c_int = self.config, ctypes.c_int
         h, e = cfg.hidden_size, cfg.num_experts
