@@ -74,13 +74,14 @@ __device__ __forceinline__ void route_block(const MegaArgs& a, const tagged_t* l
 }
 
 // Narrow rows on the tensor cores (their input in shared memory, stage_f16): the consumer
-// warps may stage gate/up's input while the producer warp routes (QW_MK_OVERLAP 1; 0, the
-// default: after it). Measured +4% on 30B-A3B FP8 and int4 at position 1 (H100, docs/perf.md),
-// but its first form (the producer's bar.arrive on a named barrier) made racecheck report
-// hazards in every later staging; this form (a block barrier first) is not yet checked, so it
-// stays off until racecheck passes on it.
+// warps stage gate/up's input while the producer warp routes (QW_MK_OVERLAP 1, the default; 0:
+// after it). Measured +4-5% on 30B-A3B FP8 and int4 at position 1 (H100, docs/perf.md).
+// racecheck reports hazards in the later whole-block stagings of a build with it on: its model
+// of the block barrier breaks after a named barrier over part of the block, as
+// tests/racecheck_probe.py shows on a kernel race-free by construction (docs/perf.md, sixth
+// session); memcheck and synccheck check it, and racecheck the build with it off.
 #ifndef QW_MK_OVERLAP
-#define QW_MK_OVERLAP 0
+#define QW_MK_OVERLAP 1
 #endif
 constexpr bool ROUTE_OVERLAP = NARROW_MMA && QW_MK_OVERLAP != 0;
 
@@ -228,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
 #if QW_MK_OVERLAP
                     const float gu_scale = route_and_stage(a, logits, t + 3u,
                                                            routing_key(a, fwd, layer), L.post_norm);
-#else  // (the build as measured and checked: no variable, no capture)
+#else  // (QW_MK_OVERLAP 0, the build racecheck checks: no variable, no capture)
                     route_block(a, logits, t + 3u, routing_key(a, fwd, layer));
 #endif
                     // The chosen experts' SwiGLU outputs, each times its routing weight, tag t + 4.
