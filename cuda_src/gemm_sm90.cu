@@ -21,8 +21,7 @@
 // B's 64 x 128 (a BN = 256 tile takes two). Dynamic shared memory: SHARED_BYTES, mirrored
 // by GEMM90_SHARED there.
 #include "common.cuh"
-#include "sm90.cuh"
-#include "weights.cuh"
+#include "sm90_fp8.cuh"
 
 namespace {
 constexpr int BM = 128, BK = 64, BOX_ROWS = 128;
@@ -44,41 +43,18 @@ struct Tiles {
 };
 constexpr int CONVERTERS = 96;  // FP8: warps 1-3 of the producer warpgroup
 
-// FP8: B's codes for one step (BN rows x 64, plain rows of 64 bytes at `codes`) into bf16
-// weights (code x the row's block scale, rounded) at `tile`, in the 128-byte-swizzled layout
-// the TMA gives bf16 tiles. A converter takes 16 codes (a quarter row) at a time: a warp's
-// reads are 512 contiguous bytes and its writes fill every bank once per 8 rows.
+// FP8: B's codes for one step into its bf16 tile (sm90.cuh's convert_codes_step): the tile's
+// rows are gate/up's (SWIGLU_BF16: box 0 gate, box 1 up) or BN consecutive outputs.
 template <int BN, int EPI>
 __device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char* codes,
                                               const unsigned char* __restrict__ b_rows, int N,
                                               int K, int step, int tile_n, int up_row) {
-    constexpr int ITEMS = (BN * 4 + CONVERTERS - 1) / CONVERTERS;  // per converter
-    const long long row_stride = row_bytes<qw::FP8>(K);
-    const int rows_b = N + (EPI == SWIGLU_BF16 ? up_row : 0);
-    // Every scale this converter needs first, all loads in flight together: one at a time,
-    // each global load's latency would be paid ITEMS times a step.
-    float scale[ITEMS];
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int item = threadIdx.x - 32 + i * CONVERTERS, r = item >> 2;
-        const int box = r / BOX_ROWS;
-        const int row = (EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
-                                            : tile_n * BN + box * BOX_ROWS) + r % BOX_ROWS;
-        scale[i] = item < BN * 4 && row < rows_b
-            ? __ldg(reinterpret_cast<const float*>(b_rows + row * row_stride + K) +
-                    step * BK / qw::FP8_BLOCK)
-            : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int item = threadIdx.x - 32 + i * CONVERTERS;
-        if (item >= BN * 4) break;
-        const int r = item >> 2, quarter = item & 3;
-        unsigned packed[8];
-        codes_to_bf16(*reinterpret_cast<const uint4*>(codes + r * BK + quarter * 16), scale[i],
-                      packed, [](unsigned w, float* v) { e4m3x4_values(w, v); });
-        st_swizzled_pair(tile + r * 128, 2 * quarter, r, packed);
-    }
+    convert_codes_step<BN, CONVERTERS>(
+        tile, codes, b_rows, N + (EPI == SWIGLU_BF16 ? up_row : 0), K, step, [&](int r) {
+            const int box = r / BOX_ROWS;
+            return (EPI == SWIGLU_BF16 ? box * up_row + tile_n * BOX_ROWS
+                                       : tile_n * BN + box * BOX_ROWS) + r % BOX_ROWS;
+        });
 }
 
 // C (row stride ldc) = or += A . B^T for the tile (blockIdx.x, blockIdx.y): 128 rows of A

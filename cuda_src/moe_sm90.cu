@@ -21,8 +21,7 @@
 // Rows past a tile's pairs are zeros in shared memory and never stored; columns past K are
 // zeros, past N never stored (B's rows past an expert's are another's or the TMA's zeros).
 #include "common.cuh"
-#include "sm90.cuh"
-#include "weights.cuh"
+#include "sm90_fp8.cuh"
 
 namespace {
 constexpr int BM = 128, BK = 64, BN = 256, BOX_ROWS = 128;
@@ -47,36 +46,6 @@ static_assert(CLAG <= STAGES - 2,
               "a stage is handed over before the producer waits for the one it refills");
 
 enum Epilogue { STORE_BF16 = 0, SWIGLU_BF16 = 2 };
-
-// FP8: the stage's codes (BN rows of 64, plain, at `codes`) of step `step` into the bf16 tile at
-// `tile` in the 128-byte swizzle; b_row(r) is the matrix row of the tile's row r, whose block
-// scales follow its codes in b_codes (rows past total_rows: zeros, as the TMA's codes are).
-template <class RowOf>
-__device__ __forceinline__ void convert_stage(unsigned tile, const unsigned char* codes,
-                                              const unsigned char* __restrict__ b_codes,
-                                              int total_rows, int K, int step, RowOf b_row) {
-    constexpr int ITEMS = (BN * 4 + CONVERTERS - 1) / CONVERTERS;  // quarter rows a converter
-    const long long stride = row_bytes<qw::FP8>(K);
-    float scale[ITEMS];  // every scale's load in flight together first
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int item = threadIdx.x - 32 + i * CONVERTERS, row = b_row(item >> 2);
-        scale[i] = item < BN * 4 && row < total_rows
-            ? __ldg(reinterpret_cast<const float*>(b_codes + row * stride + K) +
-                    step * BK / qw::FP8_BLOCK)
-            : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int item = threadIdx.x - 32 + i * CONVERTERS;
-        if (item >= BN * 4) break;
-        const int r = item >> 2, quarter = item & 3;
-        unsigned packed[8];
-        codes_to_bf16(*reinterpret_cast<const uint4*>(codes + r * BK + quarter * 16), scale[i],
-                      packed, [](unsigned w, float* v) { e4m3x4_values(w, v); });
-        st_swizzled_pair(tile + r * 128, 2 * quarter, r, packed);
-    }
-}
 
 // c = the tile's products: A's rows `a` (K wide; through a_rows when given, else the grouped
 // order's rows themselves), B the map of every expert's rows (rows_per_expert each; FP8: of
@@ -137,8 +106,9 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
             const int s = st % STAGES;
             mbar_wait(smem_addr(&codes_full[s]), (st / STAGES) & 1);
             const unsigned b_dst = ring + s * STAGE_BYTES + A_BYTES;
-            convert_stage(b_dst, moe_shared + (b_dst + 2 * BOX_BYTES - smem_addr(moe_shared)),
-                          b_codes, total_rows, K, st, b_row);
+            convert_codes_step<BN, CONVERTERS>(
+                b_dst, moe_shared + (b_dst + 2 * BOX_BYTES - smem_addr(moe_shared)), b_codes,
+                total_rows, K, st, b_row);
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             mbar_arrive(smem_addr(&full[s]));
         };
@@ -189,8 +159,8 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ a,
         store_swiglu(d, static_cast<bf16_t*>(c) + static_cast<long long>(first) * N, row0,
                      tile_n * BOX_ROWS + col0, rows, N, N);
     } else {
-        store_accumulators_bf16(d, static_cast<bf16_t*>(c) + static_cast<long long>(first) * N,
-                                row0, tile_n * BN + col0, rows, N, N);
+        store_accumulators<false>(d, static_cast<bf16_t*>(c) + static_cast<long long>(first) * N,
+                                  row0, tile_n * BN + col0, rows, N, N);
     }
 }
 }  // namespace

@@ -186,13 +186,15 @@ struct WgmmaE4m3 {
         : "l"(a), "l"(b), "r"(accumulate));
     }
 };
-// A consumer warpgroup's fp32 accumulators into C (fp32, rows ldc apart), stored (ADD false)
-// or added: d[j * 4 + e] is row row0 (+ 8 for e >= 2), column col0 + j * 8 (+ 1 for odd e),
-// the layout of wgmma's m64nN accumulators (row0: this thread's first row, col0: its first
-// column). Rows past M and columns past N are left alone.
-template <bool ADD, int R>
-__device__ __forceinline__ void store_accumulators(const float (&d)[R], float* out, int row0,
+// A consumer warpgroup's fp32 accumulators into C (rows ldc apart), stored (ADD false) or
+// added; C fp32, or bf16 (rounded; stored only): d[j * 4 + e] is row row0 (+ 8 for e >= 2),
+// column col0 + j * 8 (+ 1 for odd e), the layout of wgmma's m64nN accumulators (row0: this
+// thread's first row, col0: its first column). Rows past M and columns past N are left alone.
+template <bool ADD, int R, class T>
+__device__ __forceinline__ void store_accumulators(const float (&d)[R], T* out, int row0,
                                                    int col0, int M, int N, int ldc) {
+    constexpr bool BF16_OUT = sizeof(T) == sizeof(bf16_t);
+    static_assert(sizeof(T) == sizeof(float) || (BF16_OUT && !ADD), "fp32, or bf16 stored");
 #pragma unroll
     for (int j = 0; j < R / 4; ++j) {
         const int col = col0 + j * 8;
@@ -200,45 +202,30 @@ __device__ __forceinline__ void store_accumulators(const float (&d)[R], float* o
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + h * 8;
             if (row >= M || col >= N) continue;
-            float* o = out + static_cast<long long>(row) * ldc + col;
+            T* o = out + static_cast<long long>(row) * ldc + col;
             const float v0 = d[j * 4 + h * 2], v1 = d[j * 4 + h * 2 + 1];
-            if (col + 1 < N && (ldc & 1) == 0) {  // one 8-byte access (col is even)
-                float2* o2 = reinterpret_cast<float2*>(o);
-                float2 v = make_float2(v0, v1);
-                if (ADD) {
-                    const float2 old = *o2;
-                    v.x += old.x;
-                    v.y += old.y;
+            if constexpr (BF16_OUT) {
+                if (col + 1 < N && (ldc & 1) == 0) {  // one 4-byte store (col is even)
+                    *reinterpret_cast<unsigned*>(o) = pack_bf16x2(v0, v1);
+                } else {
+                    o[0] = f32_to_bf16(v0);
+                    if (col + 1 < N) o[1] = f32_to_bf16(v1);
                 }
-                *o2 = v;
                 continue;
-            }
-            o[0] = ADD ? o[0] + v0 : v0;
-            if (col + 1 < N) o[1] = ADD ? o[1] + v1 : v1;
-        }
-    }
-}
-
-// store_accumulators' layout rounded to bf16 into `out` (moe_sm90.cu's down rows): one 4-byte
-// store a pair of columns where it can.
-template <int R>
-__device__ __forceinline__ void store_accumulators_bf16(const float (&d)[R], bf16_t* out,
-                                                        int row0, int col0, int M, int N,
-                                                        int ldc) {
-#pragma unroll
-    for (int j = 0; j < R / 4; ++j) {
-        const int col = col0 + j * 8;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + h * 8;
-            if (row >= M || col >= N) continue;
-            bf16_t* o = out + static_cast<long long>(row) * ldc + col;
-            const float v0 = d[j * 4 + h * 2], v1 = d[j * 4 + h * 2 + 1];
-            if (col + 1 < N && (ldc & 1) == 0) {  // (col is even)
-                *reinterpret_cast<unsigned*>(o) = pack_bf16x2(v0, v1);
             } else {
-                o[0] = f32_to_bf16(v0);
-                if (col + 1 < N) o[1] = f32_to_bf16(v1);
+                if (col + 1 < N && (ldc & 1) == 0) {  // one 8-byte access (col is even)
+                    float2* o2 = reinterpret_cast<float2*>(o);
+                    float2 v = make_float2(v0, v1);
+                    if (ADD) {
+                        const float2 old = *o2;
+                        v.x += old.x;
+                        v.y += old.y;
+                    }
+                    *o2 = v;
+                    continue;
+                }
+                o[0] = ADD ? o[0] + v0 : v0;
+                if (col + 1 < N) o[1] = ADD ? o[1] + v1 : v1;
             }
         }
     }

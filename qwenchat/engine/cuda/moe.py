@@ -39,15 +39,20 @@ def moe90_runs(cfg: Qwen3Config, weight_format: str, hopper_gemm: bool) -> bool:
 DOWN_PARTS = (1, 2, 4, 8)  # the parts of the hidden columns a pass's down products may take
 
 
+def down_part_counts(hidden: int) -> list[int]:
+    """The counts of parts the hidden columns may be cut into for the down products: each part
+    a multiple of 8 columns (moe_combine's 16-byte loads), 8 parts at most."""
+    return [p for p in DOWN_PARTS if hidden % (8 * p) == 0]
+
+
 def moe_down_parts(cfg: Qwen3Config, floor: int) -> int:
     """The parts of the hidden columns a chunk's down products and weighted sums take in turn
     (each part's bf16 rows staged, then summed into x, before the next): the fewest for which a
     token's k down rows (32 KB on 30B-A3B) take no more of the staging than `floor`, what its
     other tenants take a token anyway (the attention's rows; off Hopper the fp32 gate/up
-    rows). Each part is a multiple of 8 columns (moe_combine's 16-byte loads); 8 parts at
-    most."""
+    rows); the most there may be (down_part_counts) where none does."""
     k, h = cfg.num_experts_per_tok, cfg.hidden_size
-    fitting = [p for p in DOWN_PARTS if h % (8 * p) == 0]
+    fitting = down_part_counts(h)
     return next((p for p in fitting if k * h * 2 // p <= floor), fitting[-1])
 
 
@@ -111,8 +116,7 @@ class MoeLayers:
         whose bf16 rows fit the staging (a chunk's moe_down_parts; one for a few tokens)."""
         cfg = self.config
         k, h = cfg.num_experts_per_tok, cfg.hidden_size
-        return next(p for p in DOWN_PARTS
-                    if h % (8 * p) == 0 and n * k * h * 2 // p <= self.moe_stage_size)
+        return next(p for p in down_part_counts(h) if n * k * h * 2 // p <= self.moe_stage_size)
 
     def _moe_most_tiles(self, tokens: int) -> int:
         """The grouped products' tiles for `tokens` tokens at most: a partial tile an expert."""
