@@ -8,8 +8,10 @@ spending device time on a megakernel change, compare its report with main's:
     python tests/spill_report.py --define QW_MK_TAGMERGE=1      # a variant behind a define
     python tests/spill_report.py --json > spills.json
 
-Each line: a configuration (model, weight format, ring depth as the layout picks it on an H100)
-and the functions that spill, with the bytes stored and loaded.
+Each line: a configuration (model, weight format, ring depth as the layout picks it on an H100),
+the functions that spill, with the bytes stored and loaded, and the size of the kernel's code
+(its cubin's .text sections: 280-390 KB in 2026-11, more than an SM's instruction cache holds,
+so a step's phases may each fetch their code again).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import struct
 
 from consumer_compare import parse_defines
 
@@ -38,8 +41,23 @@ def short_name(symbol: str) -> str:
     return found[-1] if found else symbol
 
 
-def spills(name: str, weights: str, arch: str) -> dict[str, list[int]]:
-    """{function: [bytes stored, bytes loaded]} of the functions that spill."""
+def text_bytes(cubin: bytes) -> int:
+    """The bytes of code in an ELF64 cubin: the sizes of its .text sections."""
+    table, = struct.unpack_from("<Q", cubin, 0x28)
+    entry, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, table + i * entry) for i in range(count)]
+    strings = sections[names][4]  # (sh_offset of the section names)
+
+    def name(at: int) -> bytes:
+        start = strings + at
+        return cubin[start:cubin.index(b"\0", start)]
+
+    return sum(s[5] for s in sections if name(s[0]).startswith(b".text"))
+
+
+def spills(name: str, weights: str, arch: str) -> tuple[dict[str, list[int]], int]:
+    """({function: [bytes stored, bytes loaded]} of the functions that spill, the kernel's
+    bytes of code)."""
     from cuda.bindings import nvrtc
 
     config = PRESETS[name]
@@ -61,6 +79,9 @@ def spills(name: str, weights: str, arch: str) -> dict[str, list[int]]:
     if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise SystemExit(f"{name} {weights}: the megakernel does not compile\n"
                          f"{log.decode(errors='replace')}")
+    _, size = nvrtc.nvrtcGetCUBINSize(program)
+    cubin = b" " * size
+    nvrtc.nvrtcGetCUBIN(program, cubin)
     found: dict[str, list[int]] = {}
     function = None
     for line in log.decode(errors="replace").splitlines():
@@ -72,7 +93,7 @@ def spills(name: str, weights: str, arch: str) -> dict[str, list[int]]:
                 total = found.setdefault(function, [0, 0])
                 total[0] += stored
                 total[1] += loaded
-    return found
+    return found, text_bytes(cubin)
 
 
 def main() -> None:
@@ -88,10 +109,11 @@ def main() -> None:
     report = {}
     for pair in args.configs.split(","):
         name, _, weights = pair.partition(":")
-        report[pair] = spills(name, weights or "bf16", args.arch)
+        found, code = spills(name, weights or "bf16", args.arch)
+        report[pair] = {"spills": found, "code_bytes": code}
         if not args.json:
-            shown = ", ".join(f"{f} {s}/{ld} B" for f, (s, ld) in report[pair].items())
-            print(f"{pair:>18}: {shown or 'no spills'}", flush=True)
+            shown = ", ".join(f"{f} {s}/{ld} B" for f, (s, ld) in found.items())
+            print(f"{pair:>18}: {shown or 'no spills'}; code {code / 1024:.0f} KB", flush=True)
     if args.json:
         print(json.dumps(report))
 
