@@ -19,7 +19,10 @@ full ones (cycles at `--clock-ghz`, the SM clock under load).
 `--define QW_MK_TL_AT=K` moves the attention phase's "weights" mark to its probe point K
 (cuda_src/mk_attention.cuh numbers them: the keys done, the fence, the merge, the outputs
 written), so that the table's weights-input column times the attention's own chain piece by
-piece; `--define` takes any megakernel define (QW_MK_...) for an experiment.
+piece; `--probes 0,2,3,4,5,6` records one step for each probe point in one process and prints
+the attention's row of each, drawing nothing (a 30B-A3B timeline and its picture take about two
+minutes a run); `--define` takes any megakernel define (QW_MK_...) for an experiment, and
+`--no-draw` skips the SVG and PNG.
 """
 
 from __future__ import annotations
@@ -246,6 +249,25 @@ def write_png(step: np.ndarray, analysis: dict, title: str, path: Path) -> bool:
     return True
 
 
+def print_probes(probes: list[int], args: argparse.Namespace, stages) -> None:
+    """The attention's row of the summary at each probe point (mk_attention.cuh's QW_TL_AT):
+    its weights-input column is the median block's time from its q/k/v to that point."""
+    print(f"{'probe':>5} {'span µs':>8} {'input wait':>11} {'probe-input µs':>15} {'step µs':>9}")
+    for k in probes:
+        EXPERIMENT_DEFINES["QW_MK_TL_AT"] = k
+        step, _ = record_step(args.config, args.quantize, args.position, args.steps, args.rows,
+                              stages, args.kv_cache)
+        analysis = analyse(step)
+        (row,) = [r for r in summary(analysis) if r["phase"] == "attention"]
+
+        def fmt(v: float | None) -> str:
+            return "–" if v is None else f"{v:.2f}"
+
+        print(f"{k:>5} {fmt(row['span_us']):>8} {fmt(row['input_wait_us']):>11} "
+              f"{fmt(row['weights_after_input_us']):>15} {analysis['step_ns'] / 1000:>9.1f}",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="qwen3-0.6b", choices=sorted(PRESETS))
@@ -267,9 +289,16 @@ def main() -> None:
                              "QW_MK_TL_AT=3: the attention's probe point (mk_attention.cuh)")
     parser.add_argument("--out", type=Path, default=Path("step-timeline"),
                         help="file name without suffix: .svg, .png and .json are written")
+    parser.add_argument("--no-draw", action="store_true", help="write no SVG or PNG")
+    parser.add_argument("--probes", metavar="K,K,...",
+                        help="the attention's probe points (QW_MK_TL_AT) to record a step for, "
+                             "one after another; prints the attention's row of each")
     args = parser.parse_args()
     EXPERIMENT_DEFINES.update(parse_defines(args.define))
     stages = parse_ring(args.stages) if args.stages else None
+    if args.probes:
+        print_probes([int(k) for k in args.probes.split(",")], args, stages)
+        return
     step, described = record_step(args.config, args.quantize, args.position, args.steps,
                                   args.rows, stages, args.kv_cache)
     analysis = analyse(step)
@@ -279,20 +308,22 @@ def main() -> None:
     def named(suffix: str) -> Path:  # (with_suffix would eat "0.6b" in a name)
         return args.out.parent / (args.out.name + suffix)
 
-    write_svg(step, analysis, described, named(".svg"))
-    png = write_png(step, analysis, described, named(".png"))
+    png = False
+    if not args.no_draw:
+        write_svg(step, analysis, described, named(".svg"))
+        png = write_png(step, analysis, described, named(".png"))
     named(".json").write_text(json.dumps(
         {"described": described, "summary": rows, "pipeline": ring, "stragglers": stragglers,
          "phases": analysis["phases"]}, indent=1))
-    if args.zoom is not None:
+    if args.zoom is not None and not args.no_draw:
         n = layer_phases(PRESETS[args.config])
         layer = step[n * args.zoom : n * (args.zoom + 1)]
         zoomed = analyse(layer)
         title = f"{described}, layer {args.zoom}"
         write_svg(layer, zoomed, title, named(f"-layer{args.zoom}.svg"))
         write_png(layer, zoomed, title, named(f"-layer{args.zoom}.png"))
-    print(f"{described}: step {analysis['step_ns'] / 1000:.1f} µs"
-          f"{'' if png else ' (no matplotlib: SVG only)'}")
+    drawn = " (not drawn)" if args.no_draw else "" if png else " (no matplotlib: SVG only)"
+    print(f"{described}: step {analysis['step_ns'] / 1000:.1f} µs{drawn}")
     print(f"{'phase':>10} {'n':>4} {'share':>6} {'span µs':>8} {'input wait':>11} "
           f"{'weights-input':>14}")
     for r in rows:
