@@ -240,8 +240,8 @@ extern "C" __global__ void moe_combine(const bf16_t* __restrict__ y, const int* 
             const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                total[2 * i] += w[k] * __uint_as_float(words[i] << 16);
-                total[2 * i + 1] += w[k] * __uint_as_float(words[i] & 0xffff0000u);
+                total[2 * i] += w[k] * bf16_lo(words[i]);
+                total[2 * i + 1] += w[k] * bf16_hi(words[i]);
             }
         }
 #pragma unroll
