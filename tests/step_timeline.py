@@ -249,6 +249,11 @@ def write_png(step: np.ndarray, analysis: dict, title: str, path: Path) -> bool:
     return True
 
 
+def fmt(v: float | None) -> str:
+    """A table's µs, or a dash where there is none."""
+    return "–" if v is None else f"{v:.2f}"
+
+
 def print_probes(probes: list[int], args: argparse.Namespace, stages) -> None:
     """The attention's row of the summary at each probe point (mk_attention.cuh's QW_TL_AT):
     its weights-input column is the median block's time from its q/k/v to that point."""
@@ -259,10 +264,6 @@ def print_probes(probes: list[int], args: argparse.Namespace, stages) -> None:
                               stages, args.kv_cache)
         analysis = analyse(step)
         (row,) = [r for r in summary(analysis) if r["phase"] == "attention"]
-
-        def fmt(v: float | None) -> str:
-            return "–" if v is None else f"{v:.2f}"
-
         print(f"{k:>5} {fmt(row['span_us']):>8} {fmt(row['input_wait_us']):>11} "
               f"{fmt(row['weights_after_input_us']):>15} {analysis['step_ns'] / 1000:>9.1f}",
               flush=True)
@@ -327,9 +328,6 @@ def main() -> None:
     print(f"{'phase':>10} {'n':>4} {'share':>6} {'span µs':>8} {'input wait':>11} "
           f"{'weights-input':>14}")
     for r in rows:
-        def fmt(v: float | None) -> str:
-            return "–" if v is None else f"{v:.2f}"
-
         print(f"{r['phase']:>10} {r['count']:>4} {r['share']:>6.1%} {fmt(r['span_us']):>8} "
               f"{fmt(r['input_wait_us']):>11} {fmt(r['weights_after_input_us']):>14}")
     print("most frequent last blocks (block, phases):", stragglers)
