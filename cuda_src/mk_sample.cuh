@@ -44,31 +44,35 @@ struct NoPre {
     __device__ int operator()(int) const { return 0; }
 };
 
-// Block 0 samples from the blocks' candidates: slot b * CAND + j is block b's j-th, valid
-// below that block's count; blocks own rising id ranges and list theirs in id order.
-struct CandidateLogits {
-    const int2* cand;
-    const int* counts;  // shared memory: each block's count
-    int blocks;
-    __device__ __forceinline__ int n() const { return blocks * CAND; }
-    __device__ __forceinline__ bool valid(int i) const { return i % CAND < counts[i / CAND]; }
+// What block 0 samples from, as one type so that the sampler is in the kernel once (three
+// instances were 136 KB of code: docs/perf.md). The mode says which:
+// - VOCAB: the whole (penalised) vocabulary in work;
+// - CANDIDATES: the blocks' candidates, slot b * CAND + j being block b's j-th, valid below
+//   that block's count (blocks own rising id ranges and list theirs in id order);
+// - GATHERED: candidates gathered into shared memory by block 0, their values and the slots
+//   they came from (whose ids are read only for the token drawn).
+struct StepLogits {
+    enum Mode { VOCAB, CANDIDATES, GATHERED };
+    Mode mode;
+    int count;                    // slots: the vocabulary, blocks x CAND, or those gathered
+    const float* work;            // VOCAB
+    const int2* cand;             // CANDIDATES, and GATHERED's ids
+    const int* counts;            // CANDIDATES: each block's count, in shared memory
+    const float* vals;            // GATHERED, in shared memory
+    const unsigned short* slots;  // GATHERED, in shared memory
+    __device__ __forceinline__ int n() const { return count; }
+    __device__ __forceinline__ bool valid(int i) const {
+        return mode != CANDIDATES || i % CAND < counts[i / CAND];
+    }
     __device__ __forceinline__ float value(int i) const {
+        if (mode == GATHERED) return vals[i];
+        if (mode == VOCAB) return ld_cg(work + i);
         return __int_as_float(ld_cg_int(&cand[i].x));
     }
-    __device__ __forceinline__ int id(int i) const { return ld_cg_int(&cand[i].y); }
-};
-
-// Candidates gathered into shared memory by block 0: values, and the slots they came from
-// (whose ids are read only for the token drawn).
-struct GatheredLogits {
-    const float* vals;
-    const unsigned short* slots;
-    int count;
-    const int2* cand;
-    __device__ __forceinline__ int n() const { return count; }
-    __device__ __forceinline__ bool valid(int) const { return true; }
-    __device__ __forceinline__ float value(int i) const { return vals[i]; }
-    __device__ __forceinline__ int id(int i) const { return ld_cg_int(&cand[slots[i]].y); }
+    __device__ __forceinline__ int id(int i) const {
+        if (mode == VOCAB) return i;
+        return ld_cg_int(&cand[mode == GATHERED ? slots[i] : i].y);
+    }
 };
 
 // This block's sampling candidates: every one of its n logits (vals, in shared memory; ids
@@ -141,57 +145,65 @@ __device__ __noinline__ int block0_choose(const MegaArgs& a, const SampleParams&
     __syncthreads();
     if (QW_MK_SKIP & 8) return fallback;
     unsigned long long* hist = reinterpret_cast<unsigned long long*>(vec_buf());
-    if (!usable)
-        return qws::choose_token<THREADS>(qws::VocabLogits{a.work}, p, sh.best_val[0],
-                                          sh.best_idx[0], p.step, sh, hist);
-    for (int w = 0; w < WARPS; ++w) k_lo = max(k_lo, warp_k[w]);
-    // Gather the candidates at or above k_lo: count them per block, offsets, then copy.
-    for (int b = warp; b < grid; b += WARPS) {
-        int n = 0;
-        for (int j = lane; j < CAND; j += 32) {
-            const bool in = j < counts[b] &&
-                            qws::order_key(__int_as_float(ld_cg_int(&a.cand[b * CAND + j].x))) >= k_lo;
-            n += __popc(__ballot_sync(0xffffffffu, in));
-        }
-        if (lane == 0) kept[b] = n;
-    }
-    __syncthreads();
-    if (warp == 0) {  // exclusive offsets, in place; the total to scratch[316]
-        const int per = (grid + 31) / 32, lo = min(grid, lane * per), hi = min(grid, lo + per);
-        int mine = 0;
-        for (int b = lo; b < hi; ++b) mine += kept[b];
-        const int incl = warp_inclusive_scan(mine);
-        int run = incl - mine;
-        for (int b = lo; b < hi; ++b) {
-            const int n = kept[b];
-            kept[b] = run;
-            run += n;
-        }
-        if (lane == 31) scratch[316] = incl;
-    }
-    __syncthreads();
-    const int m = static_cast<int>(scratch[316]);
-    if (m > GATHER)
-        return qws::choose_token<THREADS>(CandidateLogits{a.cand, counts, grid}, p,
-                                          sh.best_val[0], sh.best_idx[0], p.step, sh, hist);
-    float* vals = vec_buf() + HISTS * 256 * 2;
-    unsigned short* slots = reinterpret_cast<unsigned short*>(vals + GATHER);
-    for (int b = warp; b < grid; b += WARPS) {
-        int at = kept[b];
-        for (int j = lane; j < CAND; j += 32) {
-            const int c = j < counts[b] ? ld_cg_int(&a.cand[b * CAND + j].x) : 0;
-            const bool in = j < counts[b] && qws::order_key(__int_as_float(c)) >= k_lo;
-            const unsigned ballot = __ballot_sync(0xffffffffu, in);
-            if (in) {
-                const int to = at + __popc(ballot & ((1u << lane) - 1u));
-                vals[to] = __int_as_float(c);
-                slots[to] = static_cast<unsigned short>(b * CAND + j);
+    StepLogits src{StepLogits::VOCAB, qw::vocab, a.work, a.cand, counts, nullptr, nullptr};
+    int hists = WARPS;
+    if (usable) {  // (the same in every thread)
+        for (int w = 0; w < WARPS; ++w) k_lo = max(k_lo, warp_k[w]);
+        // Gather the candidates at or above k_lo: count them per block, offsets, then copy.
+        for (int b = warp; b < grid; b += WARPS) {
+            int n = 0;
+            for (int j = lane; j < CAND; j += 32) {
+                const bool in = j < counts[b] && qws::order_key(__int_as_float(
+                                                     ld_cg_int(&a.cand[b * CAND + j].x))) >= k_lo;
+                n += __popc(__ballot_sync(0xffffffffu, in));
             }
-            at += __popc(ballot);
+            if (lane == 0) kept[b] = n;
+        }
+        __syncthreads();
+        if (warp == 0) {  // exclusive offsets, in place; the total to scratch[316]
+            const int per = (grid + 31) / 32, lo = min(grid, lane * per), hi = min(grid, lo + per);
+            int mine = 0;
+            for (int b = lo; b < hi; ++b) mine += kept[b];
+            const int incl = warp_inclusive_scan(mine);
+            int run = incl - mine;
+            for (int b = lo; b < hi; ++b) {
+                const int n = kept[b];
+                kept[b] = run;
+                run += n;
+            }
+            if (lane == 31) scratch[316] = incl;
+        }
+        __syncthreads();
+        const int m = static_cast<int>(scratch[316]);
+        if (m > GATHER) {
+            src.mode = StepLogits::CANDIDATES;
+            src.count = grid * CAND;
+        } else {
+            float* vals = vec_buf() + HISTS * 256 * 2;
+            unsigned short* slots = reinterpret_cast<unsigned short*>(vals + GATHER);
+            for (int b = warp; b < grid; b += WARPS) {
+                int at = kept[b];
+                for (int j = lane; j < CAND; j += 32) {
+                    const int c = j < counts[b] ? ld_cg_int(&a.cand[b * CAND + j].x) : 0;
+                    const bool in = j < counts[b] && qws::order_key(__int_as_float(c)) >= k_lo;
+                    const unsigned ballot = __ballot_sync(0xffffffffu, in);
+                    if (in) {
+                        const int to = at + __popc(ballot & ((1u << lane) - 1u));
+                        vals[to] = __int_as_float(c);
+                        slots[to] = static_cast<unsigned short>(b * CAND + j);
+                    }
+                    at += __popc(ballot);
+                }
+            }
+            __syncthreads();
+            src.mode = StepLogits::GATHERED;
+            src.count = m;
+            src.vals = vals;
+            src.slots = slots;
+            hists = HISTS;
         }
     }
-    __syncthreads();
-    return qws::choose_token<THREADS, HISTS>(GatheredLogits{vals, slots, m, a.cand}, p,
-                                             sh.best_val[0], sh.best_idx[0], p.step, sh, hist);
+    return qws::choose_token<THREADS>(src, p, sh.best_val[0], sh.best_idx[0], p.step, sh, hist,
+                                      hists);
 }
 }  // namespace

@@ -140,22 +140,22 @@ __device__ __forceinline__ void find_bin(const Count* hist, Count target, Count*
 
 // Radix descent over 32-bit keys, 8 bits at a time, from the top: returns the key of the element
 // at which the running total of `weight` (in descending key order, inclusive) first reaches
-// `target`. weight_of(i, key) gives each valid slot's weight (0 excludes it). Each of HISTS
-// groups of warps counts into its own histogram (`warp_hist`, HISTS x 256 in shared memory):
+// `target`. weight_of(i, key) gives each valid slot's weight (0 excludes it). Each of `hists`
+// groups of warps counts into its own histogram (`warp_hist`, hists x 256 in shared memory):
 // most keys share their top bits, and one shared histogram would serialise the whole
 // vocabulary on one bin (a source of a few hundred candidates can use one).
-template <int NT, int HISTS, typename Src, typename WeightFn>
+template <int NT, typename Src, typename WeightFn>
 __device__ unsigned radix_descend(const Src& src, unsigned long long target, WeightFn weight_of,
-                                  SampleShared<NT>& sh, unsigned long long* warp_hist) {
+                                  SampleShared<NT>& sh, unsigned long long* warp_hist, int hists) {
     __syncthreads();  // every thread has read the previous descent's result
     if (threadIdx.x == 0) {
         sh.prefix = 0;
         sh.above = 0;
     }
-    unsigned long long* mine = warp_hist + (threadIdx.x >> 5) % HISTS * 256;
+    unsigned long long* mine = warp_hist + (threadIdx.x >> 5) % hists * 256;
     const int n = src.n();
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < HISTS * 256; b += NT) warp_hist[b] = 0;
+        for (int b = threadIdx.x; b < hists * 256; b += NT) warp_hist[b] = 0;
         __syncthreads();
         const unsigned prefix = sh.prefix;
         const unsigned high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
@@ -169,7 +169,7 @@ __device__ unsigned radix_descend(const Src& src, unsigned long long target, Wei
         __syncthreads();
         for (int b = threadIdx.x; b < 256; b += NT) {
             unsigned long long total = 0;
-            for (int w = 0; w < HISTS; ++w) total += warp_hist[w * 256 + b];
+            for (int w = 0; w < hists; ++w) total += warp_hist[w * 256 + b];
             sh.hist[b] = total;
         }
         __syncthreads();
@@ -229,10 +229,12 @@ __device__ __forceinline__ float penalized(float l, const SampleParams& p, unsig
 // seeded draw at `step`. Every thread of the block must call it; all get the same token.
 // A source holding only some of the vocabulary gives the same token as the whole vocabulary
 // when it holds every logit at or above the k-th largest (top-k keeps no other).
-// warp_hist: HISTS x 256 unsigned long long of shared memory (HISTS: see radix_descend).
-template <int NT, int HISTS = NT / 32, typename Src>
+// warp_hist: hists x 256 unsigned long long of shared memory (hists: see radix_descend; the
+// counts and masses are integers, so the result does not depend on it).
+template <int NT, typename Src>
 __device__ int choose_token(const Src& src, const SampleParams& p, float max_logit, int argmax,
-                            int step, SampleShared<NT>& sh, unsigned long long* warp_hist) {
+                            int step, SampleShared<NT>& sh, unsigned long long* warp_hist,
+                            int hists = NT / 32) {
     const int tid = threadIdx.x;
     const int n = src.n();
     __syncthreads();
@@ -242,8 +244,8 @@ __device__ int choose_token(const Src& src, const SampleParams& p, float max_log
         // 2. top-k: the key of the k-th largest logit (ties at the cut are kept, as on the CPU).
         unsigned kth_key = 0;
         if (p.top_k > 0 && p.top_k < qw::vocab) {
-            kth_key = radix_descend<NT, HISTS>(src, static_cast<unsigned long long>(p.top_k),
-                                        [](int, unsigned) { return 1ull; }, sh, warp_hist);
+            kth_key = radix_descend<NT>(src, static_cast<unsigned long long>(p.top_k),
+                                        [](int, unsigned) { return 1ull; }, sh, warp_hist, hists);
         }
         // Each candidate's weight: exp((l - max) / T) in (0, 1], as 2^32 fixed point.
         const float inv_t = 1.f / p.temperature;
@@ -261,7 +263,8 @@ __device__ int choose_token(const Src& src, const SampleParams& p, float max_log
         if (p.top_p < 1.f) {
             const unsigned long long target =
                 static_cast<unsigned long long>(static_cast<double>(p.top_p) * total);
-            p_key = radix_descend<NT, HISTS>(src, target > 0 ? target : 1ull, fixed_prob, sh, warp_hist);
+            p_key = radix_descend<NT>(src, target > 0 ? target : 1ull, fixed_prob, sh, warp_hist,
+                                     hists);
         }
         // 4. min-p relative to the most likely token, whose weight is exactly 1.
         const unsigned long long min_fixed =
