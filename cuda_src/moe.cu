@@ -7,6 +7,7 @@
 #include "moe.cuh"
 #include "gemm.cuh"
 #include "gemv.cuh"
+#include "verify.cuh"
 
 namespace qwm {
 constexpr int INTER = QW_MOE_INTER;
@@ -201,6 +202,36 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     else
         gemm_bf16<STORE_BF16, qw::wfmt>(A + static_cast<long long>(t.y) * K, b,
                                         static_cast<bf16_t*>(C) + first, t.z, N, K, N, t.w);
+}
+
+// A pass of at most VT_TOKENS tokens (a speculative pass; moe.py's moe_few_rows), after
+// moe_place: each listed expert's rows read once for all of its pairs on verify.cuh's product,
+// whose blocks take 16 rows of one expert (blockIdx.x) and split K, where moe_gemm's 128-row
+// tiles would be a few rows full. A token routes to an expert once, so an expert's pairs are at
+// most the tokens, one tile (tiles[blockIdx.y]: expert, first row, count; those past n_tiles
+// return at once). gate/up: gu[its rows of the grouped order] = the gate/up rows . xn[token of
+// the pair] (fp32, for moe_swiglu).
+extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
+    moe_few_gate_up(const bf16_t* __restrict__ xn, const int* __restrict__ token,
+                    const unsigned char* W, float* __restrict__ gu,
+                    const int4* __restrict__ tiles, const int* __restrict__ n_tiles) {
+    if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
+    const int4 t = tiles[blockIdx.y];
+    verify_product<qw::hidden, qw::wfmt, false, false, 1>(
+        xn, token + t.y, t.z, W + t.x * qwm::GATE_UP_BYTES, 2 * qwm::INTER,
+        gu + static_cast<long long>(t.y) * 2 * qwm::INTER);
+}
+
+// down: y[its rows of the grouped order] = the down rows . act[those rows] (bf16, for
+// moe_combine).
+extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
+    moe_few_down(const bf16_t* __restrict__ act, const unsigned char* W, bf16_t* __restrict__ y,
+                 const int4* __restrict__ tiles, const int* __restrict__ n_tiles) {
+    if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
+    const int4 t = tiles[blockIdx.y];
+    verify_product<qwm::INTER, qw::wfmt, false, false, 1, true>(
+        act + static_cast<long long>(t.y) * qwm::INTER, nullptr, t.z, W + t.x * qwm::DOWN_BYTES,
+        qw::hidden, y + static_cast<long long>(t.y) * qw::hidden);
 }
 
 // Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).

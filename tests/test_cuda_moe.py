@@ -302,7 +302,8 @@ def check_pass(engine, model, n: int) -> None:
     counts = np.bincount(chosen.reshape(-1), minlength=e)
     np.testing.assert_array_equal(download(engine.moe_counts, np.int32, (e,)), counts)
     assert int(download(engine.moe_n_tiles, np.int32, (1,))[0]) == int(np.sum(-(-counts // 128)))
-    assert counts.max() > 128  # (an expert's rows take more than one tile)
+    if n > 128:  # (the rows are enough for an expert's to take more than one tile)
+        assert counts.max() > 128
 
     # The experts' outputs are rounded to bf16 (as transformers' are) before their weighted sum;
     # one that lies on the edge between two bf16 values may round the other way on the GPU
@@ -317,6 +318,59 @@ def check_pass(engine, model, n: int) -> None:
             slack[t] += weights[t, j] * np.abs(y) * 2.0**-7
     got = download(engine.x, np.float32, (n, h))
     assert np.all(np.abs(got - out) <= 2e-3 * np.abs(out - x0).max() + slack)
+
+
+def launched_kernels(engine, monkeypatch) -> list[str]:
+    """The names of the kernels the engine launches from now on (the spy lets them run)."""
+    names: list[str] = []
+    launch = engine._launch
+
+    def spy(name, *args, **kwargs):
+        names.append(name)
+        return launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_launch", spy)
+    return names
+
+
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_a_few_token_pass_reads_each_chosen_expert_once_for_its_tokens(wide_engine, n,
+                                                                       monkeypatch):
+    """A pass of at most VERIFY_ROWS tokens (a speculative pass) takes its experts on
+    verify.cuh's product (moe_few_gate_up, moe_few_down) instead of the grouped GEMMs: the same
+    routing, grouping and sums as NumPy's."""
+    engine, model = wide_engine
+    names = launched_kernels(engine, monkeypatch)
+    check_pass(engine, model, n)
+    assert "moe_few_gate_up" in names and "moe_few_down" in names
+    assert not {"moe_gemm", "moe90_gate_up", "moe90_down"} & set(names)
+
+
+def test_a_pass_of_more_tokens_than_the_few_rows_takes_the_grouped_products(wide_engine,
+                                                                             monkeypatch):
+    engine, model = wide_engine
+    names = launched_kernels(engine, monkeypatch)
+    check_pass(engine, model, engine.moe_few_rows + 1)
+    assert "moe_few_gate_up" not in names and "moe_few_down" not in names
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "FP8"])
+def test_the_few_token_products_take_rows_and_columns_off_their_grid(tmp_path_factory,
+                                                                     tiny_tokenizer, dtype,
+                                                                     monkeypatch):
+    """odd-wide's experts on the few-token products: K = 464 (gate/up) and 336 (down) end inside
+    a step of 64 bf16 or 128 FP8 columns, and 7 tokens leave a row of the mma's 8 empty."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.loader import open_model_dir
+
+    model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "odd-wide", dtype))
+    engine = CudaEngine(model.config, model.checkpoint, decode="layered")
+    try:
+        names = launched_kernels(engine, monkeypatch)
+        check_pass(engine, model, 7)
+        assert "moe_few_down" in names
+    finally:
+        engine.close()
 
 
 def test_a_decode_step_routes_and_sums_its_experts_as_numpy_does(wide_engine):
@@ -446,6 +500,19 @@ def test_the_megakernels_greedy_tokens_are_the_per_op_paths_on_every_expert(all_
     from test_megakernel import greedy_paths_agree, prompt_for
 
     ties = greedy_paths_agree(all_routed_engine, prompt_for(all_routed_engine, seed=5), 512)
+    assert len(ties) <= 8, f"too many near-ties to be ties: {ties}"
+
+
+def test_speculative_greedy_on_every_expert_is_plain_greedy(all_routed_engine):
+    """Prompt lookup's passes (their experts on the few-token products) against plain greedy
+    decoding, 256 tokens: equal except at near-ties of a pass's and a step's logits
+    (test_cuda_speculative.py's rule)."""
+    from test_cuda_speculative import greedy_agrees, prompt_for
+
+    assert all_routed_engine.can_speculate
+    ties, (passes, proposed, kept) = greedy_agrees(all_routed_engine,
+                                                   prompt_for(all_routed_engine), 256)
+    assert passes > 0 and kept > 0, (passes, proposed, kept)
     assert len(ties) <= 8, f"too many near-ties to be ties: {ties}"
 
 

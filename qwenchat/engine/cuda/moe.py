@@ -1,7 +1,9 @@
 """A mixture of experts' layers on the per-op path (cuda_src/moe.cu): the router and the chosen
 experts for one token (the layered decode) and for a pass's tokens (prefill and the speculative
-pass), grouped by expert on the device: no host round trip in either. The megakernel routes its
-own (megakernel.cu) where every layer is sparse; elsewhere these models decode here."""
+pass), grouped by expert on the device: no host round trip in either. A pass of a few tokens (a
+speculative pass) reads each chosen expert once for its tokens on verify.cuh's product. The
+megakernel routes its own (megakernel.cu) where every layer is sparse; elsewhere these models
+decode here."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from qwenchat.engine.cuda.prefill import (
     GEMM90_THREADS,
     gemm_shared_bytes,
 )
+from qwenchat.engine.cuda.verify import VERIFY_ROWS, VERIFY_THREADS, VERIFY_TILE
 from qwenchat.engine.cuda.weights import LayerBuffers
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.formats import FORMATS, FP8
 
 MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
-               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine")
+               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine", "moe_few_gate_up",
+               "moe_few_down")
 GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM, moe_sm90.cu's)
 MOE90_COLUMNS = (128, 256)  # moe_sm90.cu's columns a block: SwiGLU's features, down's outputs
 GEMV_ROWS_PER_BLOCK = 16  # moe_gate_up: 8 warps x 2 rows (rmsnorm_gemv<2>)
@@ -71,6 +75,10 @@ class MoeLayers:
     """CudaEngine's sparse layers. Uses the engine's config, weight_format, kernels, stream
     and buffers (x, xn)."""
 
+    # A pass of at most this many tokens takes its experts on moe.cu's moe_few_* products
+    # (verify.cuh's, at most VERIFY_ROWS tokens); 0 sends every pass to the grouped GEMMs.
+    moe_few_rows = VERIFY_ROWS
+
     def _staging_bytes_per_token(self, attention: int) -> int:
         """The scratch a pass's token takes for its `attention` bytes (its qkv and q rows) and
         in a sparse layer (prefill sizes its chunks with it): its router logits, its top-k
@@ -105,7 +113,10 @@ class MoeLayers:
         # before the down products write theirs (moe_y, bf16 as transformers' experts give
         # them, a part of the columns at a time): one staging buffer holds both, and before
         # them a layer's qkv and q rows (engine.py: dead once attention has run).
-        self.moe_stage_size = tokens * moe_stage_bytes(cfg, moe90, attention)
+        # (And a few-token pass's fp32 gate/up rows and bf16 down rows, which Hopper's grouped
+        # products do not stage, or not whole: _moe_few.)
+        self.moe_stage_size = max(tokens * moe_stage_bytes(cfg, moe90, attention),
+                                  VERIFY_ROWS * k * max(2 * inter * 4, cfg.hidden_size * 2))
         self.moe_stage = self._device_buffer(self.moe_stage_size)
         self.moe_gu = rt.Ptr(self.moe_stage.ptr)
         self.moe_y = rt.Ptr(self.moe_stage.ptr)
@@ -245,6 +256,9 @@ class MoeLayers:
         self._launch("moe_count", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts)
         self._launch("moe_place", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts,
                      self.moe_slot, self.moe_token, self.moe_tiles, self.moe_n_tiles)
+        if n <= self.moe_few_rows:
+            self._moe_few(w, n)
+            return
         self._moe_gate_up(layer, w, n)
         parts = self._moe_pass_parts(n)
         width = cfg.hidden_size // parts
@@ -252,6 +266,27 @@ class MoeLayers:
             self._moe_down(layer, w, n, col0, width)
             self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights,
                          c_int(n), self.x, c_int(col0), c_int(width))
+
+    def _moe_few(self, w: LayerBuffers, n: int) -> None:
+        """x += the experts of a pass of n <= VERIFY_ROWS tokens, grouped by moe_place: each
+        chosen expert's gate/up and down rows read once for its pairs (moe_few_gate_up,
+        moe_few_down: 16 rows of one expert a block, where moe_gemm's 128-row tiles would be
+        a few rows full), SwiGLU between, and each token's experts summed back in rank order.
+        An expert's pairs are one tile (a token routes to it once), so there are at most as
+        many tiles as pairs or experts."""
+        cfg, c_int = self.config, ctypes.c_int
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        pairs = n * cfg.num_experts_per_tok
+        tiles = min(pairs, cfg.num_experts)
+        self._launch("moe_few_gate_up", (math.ceil(2 * inter / VERIFY_TILE), tiles),
+                     VERIFY_THREADS, self.xn, self.moe_token, w.experts_gate_up, self.moe_gu,
+                     self.moe_tiles, self.moe_n_tiles)
+        self._launch("moe_swiglu", min(4096, math.ceil(pairs * inter / 256)), 256, self.moe_gu,
+                     c_int(pairs), self.moe_act)
+        self._launch("moe_few_down", (math.ceil(h / VERIFY_TILE), tiles), VERIFY_THREADS,
+                     self.moe_act, w.experts_down, self.moe_y, self.moe_tiles, self.moe_n_tiles)
+        self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights,
+                     c_int(n), self.x, c_int(0), c_int(h))
 
     def _moe_shared(self) -> None:
         """The grouped products' dynamic shared memory (gemm.cuh), past the 48 KB default."""

@@ -17,8 +17,8 @@ from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 
 VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head")
-VERIFY_THREADS = 256  # verify.cu's VT_THREADS
-VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cu's VT_TOKENS
+VERIFY_THREADS = 256  # verify.cuh's VT_THREADS
+VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cuh's VT_TOKENS
 VERIFY_TILE = 16  # weight rows of one mma tile
 NORM_THREADS = 1024  # rmsnorm_rows' block for a pass's few rows: its loads in fewer rounds
 
