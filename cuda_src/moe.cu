@@ -204,34 +204,92 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                                         static_cast<bf16_t*>(C) + first, t.z, N, K, N, t.w);
 }
 
-// A pass of at most VT_TOKENS tokens (a speculative pass; moe.py's moe_few_rows), after
-// moe_place: each listed expert's rows read once for all of its pairs on verify.cuh's product,
-// whose blocks take 16 rows of one expert (blockIdx.x) and split K, where moe_gemm's 128-row
-// tiles would be a few rows full. A token routes to an expert once, so an expert's pairs are at
-// most the tokens, one tile (tiles[blockIdx.y]: expert, first row, count; those past n_tiles
-// return at once). gate/up: gu[its rows of the grouped order] = the gate/up rows . xn[token of
-// the pair] (fp32, for moe_swiglu).
+// A pass of at most VT_TOKENS tokens (a speculative pass; moe.py's moe_few_rows) runs its
+// sparse MLP in five launches: the router's logits, the routing and grouping in one block, the
+// experts' gate/up and down rows on verify.cuh's product (each chosen expert's rows read once
+// for all of its pairs, 16 rows of one expert a block, where moe_gemm's 128-row tiles would be
+// a few rows full), and moe_combine. A token routes to an expert once, so an expert's pairs
+// are at most the tokens: one tile (tiles[blockIdx.y]: expert, first row, count; those past
+// n_tiles return at once).
+
+// logits[token][e] = router row e . xn[token] (bf16 rows in every format), n <= VT_TOKENS.
+extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
+    moe_few_router(const bf16_t* __restrict__ xn, int n, const bf16_t* W,
+                   float* __restrict__ logits) {
+    verify_product<qw::hidden, qw::BF16, A_BF16, false, 1>(
+        xn, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits);
+}
+
+// One block of VT_THREADS: warp t routes token t (route_warp), then the pairs p = token x TOPK
+// + k are grouped by expert as moe_count and moe_place group them (stable: the pairs' order
+// within an expert), each pair's row counted directly (the pairs before it in that order).
+extern "C" __global__ void __launch_bounds__(VT_THREADS)
+    moe_few_route(const float* __restrict__ logits, int n, float* __restrict__ weights,
+                  int* __restrict__ experts, int* __restrict__ counts, int* __restrict__ slot,
+                  int* __restrict__ token, int4* __restrict__ tiles, int* __restrict__ n_tiles) {
+    constexpr int MOST = VT_TOKENS * qwm::TOPK;
+    static_assert(MOST <= VT_THREADS, "a thread a pair");
+    __shared__ int ex[MOST];
+    __shared__ bool first[MOST];
+    const int warp = threadIdx.x >> 5, pairs = n * qwm::TOPK, p = threadIdx.x;
+    if (warp < n)
+        qwm::route_warp(logits + warp * qwm::EXPERTS, weights + warp * qwm::TOPK,
+                        experts + warp * qwm::TOPK);
+    __syncthreads();  // (the block's global writes are visible to it after the barrier)
+    if (p < pairs) ex[p] = experts[p];
+    __syncthreads();
+    int e = -1, below = 0, before = 0, same = 0;  // this pair's expert and the pairs' counts
+    if (p < pairs) {
+        e = ex[p];
+        for (int q = 0; q < pairs; ++q) {
+            below += ex[q] < e;           // pairs of lower experts
+            same += ex[q] == e;           // of this expert
+            before += ex[q] == e && q < p;  // of this expert, before this pair
+        }
+        first[p] = before == 0;
+    }
+    __syncthreads();
+    if (p < pairs) {
+        const int row = below + before;
+        slot[p] = row;
+        token[row] = p / qwm::TOPK;
+        if (before == 0) {  // the expert's tile: after those of the lower experts
+            int tile = 0;
+            for (int q = 0; q < pairs; ++q) tile += first[q] && ex[q] < e;
+            tiles[tile] = make_int4(e, below, same, 0);
+        }
+    }
+    const int listed = __syncthreads_count(p < pairs && before == 0);
+    if (threadIdx.x == 0) *n_tiles = listed;
+    for (int f = threadIdx.x; f < qwm::EXPERTS; f += VT_THREADS) {
+        int c = 0;
+        for (int q = 0; q < pairs; ++q) c += ex[q] == f;
+        counts[f] = c;
+    }
+}
+
+// gate/up: gu[its rows of the grouped order] = the gate/up rows . xn[token of the pair] (fp32).
 extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
     moe_few_gate_up(const bf16_t* __restrict__ xn, const int* __restrict__ token,
                     const unsigned char* W, float* __restrict__ gu,
                     const int4* __restrict__ tiles, const int* __restrict__ n_tiles) {
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
-    verify_product<qw::hidden, qw::wfmt, false, false, 1>(
+    verify_product<qw::hidden, qw::wfmt, A_BF16, false, 1>(
         xn, token + t.y, t.z, W + t.x * qwm::GATE_UP_BYTES, 2 * qwm::INTER,
         gu + static_cast<long long>(t.y) * 2 * qwm::INTER);
 }
 
-// down: y[its rows of the grouped order] = the down rows . act[those rows] (bf16, for
+// down: y[its rows of the grouped order] = the down rows . SwiGLU of gu's rows (bf16, for
 // moe_combine).
 extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
-    moe_few_down(const bf16_t* __restrict__ act, const unsigned char* W, bf16_t* __restrict__ y,
+    moe_few_down(const float* __restrict__ gu, const unsigned char* W, bf16_t* __restrict__ y,
                  const int4* __restrict__ tiles, const int* __restrict__ n_tiles) {
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
-    verify_product<qwm::INTER, qw::wfmt, false, false, 1, true>(
-        act + static_cast<long long>(t.y) * qwm::INTER, nullptr, t.z, W + t.x * qwm::DOWN_BYTES,
-        qw::hidden, y + static_cast<long long>(t.y) * qw::hidden);
+    verify_product<qwm::INTER, qw::wfmt, A_SWIGLU, false, 1, true>(
+        gu + static_cast<long long>(t.y) * 2 * qwm::INTER, nullptr, t.z,
+        W + t.x * qwm::DOWN_BYTES, qw::hidden, y + static_cast<long long>(t.y) * qw::hidden);
 }
 
 // Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).

@@ -32,16 +32,36 @@ __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
     return v;
 }
 
+// What a product's activation rows hold: bf16 values, floats (o_proj's input), or a row of
+// 2K floats [gate | up] whose K activations are SwiGLU's, silu(gate) x up (an expert's down
+// input, moe.cu), each rounded to bf16 as moe_swiglu rounds it.
+enum ActRows { A_BF16, A_F32, A_SWIGLU };
+
 // Token tok's 8 activations at column col (a row of K) as bf16 pairs, zero where !ok.
-template <int K, bool AF32>
+template <int K, int AIN>
 __device__ __forceinline__ uint4 act8(const void* a, int tok, int col, bool ok) {
     if (!ok) return make_uint4(0u, 0u, 0u, 0u);
     const long long at = static_cast<long long>(tok) * K + col;
-    if constexpr (AF32) {
+    if constexpr (AIN == A_F32) {
         const float4 lo = *reinterpret_cast<const float4*>(static_cast<const float*>(a) + at);
         const float4 hi = *reinterpret_cast<const float4*>(static_cast<const float*>(a) + at + 4);
         return make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
                           pack_bf16x2(hi.z, hi.w));
+    } else if constexpr (AIN == A_SWIGLU) {
+        static_assert(K % 4 == 0, "the up half of a row starts on 16 bytes");
+        const float* g = static_cast<const float*>(a) + static_cast<long long>(tok) * 2 * K + col;
+        float v[8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float4 gate = *reinterpret_cast<const float4*>(g + 4 * h);
+            const float4 up = *reinterpret_cast<const float4*>(g + K + 4 * h);
+            v[4 * h] = silu(gate.x) * up.x;
+            v[4 * h + 1] = silu(gate.y) * up.y;
+            v[4 * h + 2] = silu(gate.z) * up.z;
+            v[4 * h + 3] = silu(gate.w) * up.w;
+        }
+        return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]),
+                          pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
     } else {
         return *reinterpret_cast<const uint4*>(static_cast<const bf16_t*>(a) + at);
     }
@@ -88,9 +108,10 @@ __device__ __forceinline__ uint4 int4_bf16(unsigned w, unsigned neg_zero2) {
 }
 
 // out[tok][row] (= or +=) Σ_k W[row][k] a[a_row(tok)][k] for tok < n <= VT_TOKENS and the
-// block's 16 R rows, where a_row(tok) is a_rows[tok] or, with a_rows null, tok itself. out is
-// float, or with OUT_BF16 bf16 (stored, rounded; not with ADD).
-template <int K, int WF, bool AF32, bool ADD, int R, bool OUT_BF16 = false>
+// block's 16 R rows, where a_row(tok) is a_rows[tok] or, with a_rows null, tok itself; a's
+// rows as AIN says (ActRows). out is float, or with OUT_BF16 bf16 (stored, rounded; not with
+// ADD).
+template <int K, int WF, int AIN, bool ADD, int R, bool OUT_BF16 = false>
 __device__ __forceinline__ void verify_product(const void* __restrict__ a,
                                                const int* __restrict__ a_rows, int n,
                                                const unsigned char* __restrict__ W, int N,
@@ -162,7 +183,7 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a,
 #pragma unroll
         for (int p = 0; p < PIECES; ++p) {
             const int col = c0 + 8 * p;
-            l.x[p] = act8<K, AF32>(a, a_row, col, tok && (K % COLS == 0 || col < K));
+            l.x[p] = act8<K, AIN>(a, a_row, col, tok && (K % COLS == 0 || col < K));
         }
     };
     const auto multiply = [&](const Loads& l) {

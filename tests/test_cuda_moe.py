@@ -336,14 +336,16 @@ def launched_kernels(engine, monkeypatch) -> list[str]:
 @pytest.mark.parametrize("n", [1, 5, 8])
 def test_a_few_token_pass_reads_each_chosen_expert_once_for_its_tokens(wide_engine, n,
                                                                        monkeypatch):
-    """A pass of at most VERIFY_ROWS tokens (a speculative pass) takes its experts on
-    verify.cuh's product (moe_few_gate_up, moe_few_down) instead of the grouped GEMMs: the same
-    routing, grouping and sums as NumPy's."""
+    """A pass of at most VERIFY_ROWS tokens (a speculative pass) routes and groups its pairs in
+    one block (moe_few_route) and takes its experts on verify.cuh's product (moe_few_gate_up,
+    moe_few_down) instead of the grouped GEMMs: the same routing, grouping and sums as
+    NumPy's."""
     engine, model = wide_engine
     names = launched_kernels(engine, monkeypatch)
     check_pass(engine, model, n)
-    assert "moe_few_gate_up" in names and "moe_few_down" in names
-    assert not {"moe_gemm", "moe90_gate_up", "moe90_down"} & set(names)
+    assert {"moe_few_router", "moe_few_route", "moe_few_gate_up", "moe_few_down"} <= set(names)
+    assert not {"moe_gemm", "moe90_gate_up", "moe90_down", "moe_route", "moe_place",
+                "moe_swiglu"} & set(names)
 
 
 def test_a_pass_of_more_tokens_than_the_few_rows_takes_the_grouped_products(wide_engine,

@@ -24,8 +24,8 @@ from qwenchat.model.config import Qwen3Config
 from qwenchat.model.formats import FORMATS, FP8
 
 MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
-               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine", "moe_few_gate_up",
-               "moe_few_down")
+               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine", "moe_few_router",
+               "moe_few_route", "moe_few_gate_up", "moe_few_down")
 GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM, moe_sm90.cu's)
 MOE90_COLUMNS = (128, 256)  # moe_sm90.cu's columns a block: SwiGLU's features, down's outputs
 GEMV_ROWS_PER_BLOCK = 16  # moe_gate_up: 8 warps x 2 rows (rmsnorm_gemv<2>)
@@ -113,13 +113,15 @@ class MoeLayers:
         # before the down products write theirs (moe_y, bf16 as transformers' experts give
         # them, a part of the columns at a time): one staging buffer holds both, and before
         # them a layer's qkv and q rows (engine.py: dead once attention has run).
-        # (And a few-token pass's fp32 gate/up rows and bf16 down rows, which Hopper's grouped
-        # products do not stage, or not whole: _moe_few.)
+        # (And a few-token pass's fp32 gate/up rows and, after them, its bf16 down rows, which
+        # moe_few_down writes while it reads the gate/up rows: _moe_few.)
+        few_gu = VERIFY_ROWS * k * 2 * inter * 4
         self.moe_stage_size = max(tokens * moe_stage_bytes(cfg, moe90, attention),
-                                  VERIFY_ROWS * k * max(2 * inter * 4, cfg.hidden_size * 2))
+                                  few_gu + VERIFY_ROWS * k * cfg.hidden_size * 2)
         self.moe_stage = self._device_buffer(self.moe_stage_size)
         self.moe_gu = rt.Ptr(self.moe_stage.ptr)
         self.moe_y = rt.Ptr(self.moe_stage.ptr)
+        self.moe_few_y = rt.Ptr(self.moe_stage.ptr + few_gu)
         self.moe_act = self._device_buffer(tokens * max(k * inter, cfg.q_size) * 2)
 
     def _moe_pass_parts(self, n: int) -> int:
@@ -247,6 +249,9 @@ class MoeLayers:
         listed on the device, the grid sized for the most there can be), and each token's
         experts summed back with their weights in rank order (a part of the columns at a
         time where a chunk's bf16 down rows would not fit the staging whole)."""
+        if n <= self.moe_few_rows:
+            self._moe_few(w, n)
+            return
         cfg, c_int = self.config, ctypes.c_int
         k, e = cfg.num_experts_per_tok, cfg.num_experts
         pairs = n * k
@@ -256,9 +261,6 @@ class MoeLayers:
         self._launch("moe_count", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts)
         self._launch("moe_place", e, 1024, self.moe_ids, c_int(pairs), self.moe_counts,
                      self.moe_slot, self.moe_token, self.moe_tiles, self.moe_n_tiles)
-        if n <= self.moe_few_rows:
-            self._moe_few(w, n)
-            return
         self._moe_gate_up(layer, w, n)
         parts = self._moe_pass_parts(n)
         width = cfg.hidden_size // parts
@@ -268,24 +270,28 @@ class MoeLayers:
                          c_int(n), self.x, c_int(col0), c_int(width))
 
     def _moe_few(self, w: LayerBuffers, n: int) -> None:
-        """x += the experts of a pass of n <= VERIFY_ROWS tokens, grouped by moe_place: each
-        chosen expert's gate/up and down rows read once for its pairs (moe_few_gate_up,
-        moe_few_down: 16 rows of one expert a block, where moe_gemm's 128-row tiles would be
-        a few rows full), SwiGLU between, and each token's experts summed back in rank order.
+        """x += the sparse MLP of a pass of n <= VERIFY_ROWS tokens (xn their normed rows) in
+        five launches (moe.cu): the router's logits and the routing and grouping in one block
+        (moe_few_router, moe_few_route), each chosen expert's gate/up and down rows read once
+        for its pairs (moe_few_gate_up, moe_few_down: 16 rows of one expert a block, SwiGLU
+        applied as down reads its input), and each token's experts summed back in rank order.
         An expert's pairs are one tile (a token routes to it once), so there are at most as
         many tiles as pairs or experts."""
         cfg, c_int = self.config, ctypes.c_int
-        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        pairs = n * cfg.num_experts_per_tok
-        tiles = min(pairs, cfg.num_experts)
+        h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        tiles = min(n * cfg.num_experts_per_tok, e)
+        self._launch("moe_few_router", math.ceil(e / VERIFY_TILE), VERIFY_THREADS, self.xn,
+                     c_int(n), w.router, self.moe_logits)
+        self._launch("moe_few_route", 1, VERIFY_THREADS, self.moe_logits, c_int(n),
+                     self.moe_weights, self.moe_ids, self.moe_counts, self.moe_slot,
+                     self.moe_token, self.moe_tiles, self.moe_n_tiles)
         self._launch("moe_few_gate_up", (math.ceil(2 * inter / VERIFY_TILE), tiles),
                      VERIFY_THREADS, self.xn, self.moe_token, w.experts_gate_up, self.moe_gu,
                      self.moe_tiles, self.moe_n_tiles)
-        self._launch("moe_swiglu", min(4096, math.ceil(pairs * inter / 256)), 256, self.moe_gu,
-                     c_int(pairs), self.moe_act)
         self._launch("moe_few_down", (math.ceil(h / VERIFY_TILE), tiles), VERIFY_THREADS,
-                     self.moe_act, w.experts_down, self.moe_y, self.moe_tiles, self.moe_n_tiles)
-        self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights,
+                     self.moe_gu, w.experts_down, self.moe_few_y, self.moe_tiles,
+                     self.moe_n_tiles)
+        self._launch("moe_combine", n, 256, self.moe_few_y, self.moe_slot, self.moe_weights,
                      c_int(n), self.x, c_int(0), c_int(h))
 
     def _moe_shared(self) -> None:
