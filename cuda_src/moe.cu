@@ -223,10 +223,12 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
 // One block of VT_THREADS: warp t routes token t (route_warp), then the pairs p = token x TOPK
 // + k are grouped by expert as moe_count and moe_place group them (stable: the pairs' order
 // within an expert), each pair's row counted directly (the pairs before it in that order).
+// *read counts the experts listed, over every call (bench: the bytes a pass reads).
 extern "C" __global__ void __launch_bounds__(VT_THREADS)
     moe_few_route(const float* __restrict__ logits, int n, float* __restrict__ weights,
                   int* __restrict__ experts, int* __restrict__ counts, int* __restrict__ slot,
-                  int* __restrict__ token, int4* __restrict__ tiles, int* __restrict__ n_tiles) {
+                  int* __restrict__ token, int4* __restrict__ tiles, int* __restrict__ n_tiles,
+                  unsigned long long* __restrict__ read) {
     constexpr int MOST = VT_TOKENS * qwm::TOPK;
     static_assert(MOST <= VT_THREADS, "a thread a pair");
     __shared__ int ex[MOST];
@@ -260,7 +262,10 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS)
         }
     }
     const int listed = __syncthreads_count(p < pairs && before == 0);
-    if (threadIdx.x == 0) *n_tiles = listed;
+    if (threadIdx.x == 0) {
+        *n_tiles = listed;
+        *read += static_cast<unsigned long long>(listed);  // (one block, one thread)
+    }
     for (int f = threadIdx.x; f < qwm::EXPERTS; f += VT_THREADS) {
         int c = 0;
         for (int q = 0; q < pairs; ++q) c += ex[q] == f;

@@ -134,6 +134,24 @@ def weight_bytes_per_step(config: Qwen3Config, weight_format: str = "bf16") -> i
     return FORMATS[weight_format].weight_bytes(shapes)
 
 
+def expert_bytes(config: Qwen3Config, weight_format: str = "bf16") -> int:
+    """The bytes of one expert's gate, up and down rows (0 for a dense model)."""
+    shapes = {n: s for n, s in config.tensor_shapes().items() if ".mlp.experts.0." in n}
+    if not shapes:
+        return 0
+    layer = next(iter(shapes)).split(".mlp.")[0]
+    return FORMATS[weight_format].weight_bytes(
+        {n: s for n, s in shapes.items() if n.startswith(layer + ".")})
+
+
+def pass_weight_bytes(config: Qwen3Config, weight_format: str, experts_a_layer: float) -> int:
+    """Weight bytes a speculative pass reads: a decode step's, with each sparse layer's
+    num_experts_per_tok experts replaced by the `experts_a_layer` its tokens chose."""
+    extra = (experts_a_layer - config.num_experts_per_tok) * config.sparse_layers
+    return weight_bytes_per_step(config, weight_format) + round(
+        extra * expert_bytes(config, weight_format))
+
+
 def bytes_per_step(config: Qwen3Config, position: int, weight_format: str = "bf16",
                    kv_format: str = "bf16") -> int:
     """Weights plus the keys and values of `position` cached tokens (with their scales in an
@@ -194,6 +212,9 @@ class SpeculationResult:
     accepted: int
     tokens: int
     seconds: float
+    # a mixture of experts: the experts a pass read a sparse layer, on average (each chosen
+    # expert once for all of the pass's tokens; a plain step reads num_experts_per_tok)
+    experts_a_layer: float | None = None
 
     @property
     def speedup(self) -> float:
@@ -461,11 +482,16 @@ def _measure_speculation(engine: Engine, settings: BenchSettings, rng: np.random
             engine.prefill(ids)
             request = dataclasses.replace(_greedy(steps + 1), speculate=SPECULATE_MOST,
                                           proposer=make())
+            read = _optional_call(engine, "experts_read")
             tokens, seconds = _timed_steps(engine, request)
             stats = engine.speculation
+            after = _optional_call(engine, "experts_read")
+            experts = (None if read is None or after is None or not stats.passes
+                       or not engine.config.sparse_layers else
+                       (after - read) / (stats.passes * engine.config.sparse_layers))
             runs.append(SpeculationResult(name, position, corrupt, tokens / seconds,
                                           plain_tok_s, stats.passes, stats.proposed,
-                                          stats.accepted, tokens, seconds))
+                                          stats.accepted, tokens, seconds, experts))
         results.append(sorted(runs, key=lambda r: r.tok_s)[len(runs) // 2])
     return results
 
@@ -1023,6 +1049,10 @@ def render(result: BenchResult, out: TextIO) -> None:
         console.print(note, markup=False, soft_wrap=True)
 
 
+def _proposer_name(r: SpeculationResult) -> str:
+    return f"oracle, {r.corrupt:.0%} made wrong" if r.corrupt is not None else "random draft"
+
+
 def _render_speculation(result: BenchResult, console: Any) -> None:
     from rich.table import Table
 
@@ -1033,13 +1063,19 @@ def _render_speculation(result: BenchResult, console: Any) -> None:
                    "pass / plain step"):
         table.add_column(column, justify="left" if column == "proposer" else "right")
     for r in result.speculation:
-        name = (f"oracle, {r.corrupt:.0%} made wrong" if r.corrupt is not None
-                else "random draft")
+        name = _proposer_name(r)
         per_pass = (r.accepted + r.passes) / r.passes if r.passes else None
         table.add_row(name, f"{r.accepted:,} / {r.proposed:,} ({_num(r.acceptance, '.0%')})",
                       _num(per_pass, ".2f"), f"{r.tok_s:,.1f}", f"{r.speedup:.2f}",
                       _num(r.pass_cost, ".2f"))
     console.print(table)
+    if first.experts_a_layer is not None:  # (a mixture of experts: its passes' bytes)
+        config, step = result.config, result.weight_bytes_per_step
+        read = pass_weight_bytes(config, result.weight_format, first.experts_a_layer)
+        console.print(f"a pass ({_proposer_name(first)}) read {first.experts_a_layer:.1f} "
+                      f"experts a layer, {config.num_experts_per_tok} a plain step: "
+                      f"{_bytes(read)} of weights against a plain step's {_bytes(step)}, "
+                      f"{read / step:.2f}x its bytes", markup=False, soft_wrap=True)
     console.print("(the oracle proposes the model's own greedy continuation from a plain run: "
                   "random weights give a real draft nothing to agree with, so the oracle "
                   "measures what a pass costs and what a given acceptance gives)",

@@ -628,6 +628,52 @@ def test_speculation_measures_the_oracle_at_each_share_of_wrong_proposals_and_th
     assert "oracle, 0% made wrong" in out.getvalue() and "random draft" in out.getvalue()
 
 
+MOE = Qwen3Config.from_dict(tiny_moe_config())
+
+
+def test_a_pass_reads_the_experts_its_tokens_chose_where_a_step_reads_top_k():
+    per = bench_module.expert_bytes(MOE)
+    assert per == 3 * MOE.moe_intermediate_size * MOE.hidden_size * 2  # gate, up, down in bf16
+    assert bench_module.expert_bytes(TIED) == 0
+    step = bench_module.weight_bytes_per_step(MOE)
+    k = MOE.num_experts_per_tok
+    assert bench_module.pass_weight_bytes(MOE, "bf16", k) == step
+    assert bench_module.pass_weight_bytes(MOE, "bf16", k + 1.5) == (
+        step + round(1.5 * MOE.sparse_layers * per))
+
+
+class CountingEngine(ReferenceEngine):
+    """A reference engine whose passes report four experts a sparse layer read, as the CUDA
+    engine's experts_read counts them."""
+
+    read = 0
+
+    def experts_read(self) -> int:
+        return self.read
+
+    def _speculative_pass(self, *args, **kwargs):
+        self.read += 4 * self.config.sparse_layers
+        return super()._speculative_pass(*args, **kwargs)
+
+
+def test_speculation_on_a_mixture_of_experts_reports_the_experts_a_pass_read():
+    engine = CountingEngine(MOE, RandomWeights(MOE), 64)
+    settings = BenchSettings(prompts=(4,), positions=(3,), steps=16, repeats=1,
+                             speculation=True)
+    result = measure_engine(engine, settings, "tiny", "random")
+    assert result.speculation and all(r.passes > 0 for r in result.speculation)
+    assert all(r.experts_a_layer == 4.0 for r in result.speculation)
+    out = io.StringIO()
+    bench_module.render(result, out)
+    read = bench_module.pass_weight_bytes(MOE, "bf16", 4.0)
+    assert (f"read 4.0 experts a layer, {MOE.num_experts_per_tok} a plain step: "
+            f"{read / 1e3:.2f} kB" in out.getvalue().replace("\n", " "))
+    # a dense model's passes (or an engine that does not count) say nothing of experts
+    dense = measure_engine(ReferenceEngine(TIED, RandomWeights(TIED), 64), settings, "tiny",
+                           "random")
+    assert all(r.experts_a_layer is None for r in dense.speculation)
+
+
 def test_speculation_is_skipped_where_the_context_leaves_no_room_for_it():
     engine = ReferenceEngine(TIED, RandomWeights(TIED), 30)
     settings = BenchSettings(prompts=(4,), positions=(3,), steps=24, repeats=1,

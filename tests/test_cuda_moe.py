@@ -263,9 +263,10 @@ def test_hoppers_grouped_products_take_experts_off_their_tiles_grid(tmp_path_fac
         engine.close()
 
 
-def check_pass(engine, model, n: int) -> None:
+def check_pass(engine, model, n: int) -> np.ndarray:
     """One sparse layer's pass over n random rows: the router's logits, its choices and
-    weights, the grouping and the experts' sum, each against NumPy on the GPU's own input."""
+    weights, the grouping and the experts' sum, each against NumPy on the GPU's own input.
+    Returns the experts chosen (n x top-k)."""
     from test_cuda_engine import download
 
     from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
@@ -318,6 +319,7 @@ def check_pass(engine, model, n: int) -> None:
             slack[t] += weights[t, j] * np.abs(y) * 2.0**-7
     got = download(engine.x, np.float32, (n, h))
     assert np.all(np.abs(got - out) <= 2e-3 * np.abs(out - x0).max() + slack)
+    return chosen
 
 
 def launched_kernels(engine, monkeypatch) -> list[str]:
@@ -342,7 +344,10 @@ def test_a_few_token_pass_reads_each_chosen_expert_once_for_its_tokens(wide_engi
     NumPy's."""
     engine, model = wide_engine
     names = launched_kernels(engine, monkeypatch)
-    check_pass(engine, model, n)
+    read = engine.experts_read()
+    chosen = check_pass(engine, model, n)
+    # (bench's bytes of a pass: each expert chosen counted once)
+    assert engine.experts_read() - read == len(np.unique(chosen))
     assert {"moe_few_router", "moe_few_route", "moe_few_gate_up", "moe_few_down"} <= set(names)
     assert not {"moe_gemm", "moe90_gate_up", "moe90_down", "moe_route", "moe_place",
                 "moe_swiglu"} & set(names)

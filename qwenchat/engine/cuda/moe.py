@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import math
 
+import numpy as np
+
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.prefill import (
     GEMM90_BOX,
@@ -122,6 +124,8 @@ class MoeLayers:
         self.moe_gu = rt.Ptr(self.moe_stage.ptr)
         self.moe_y = rt.Ptr(self.moe_stage.ptr)
         self.moe_few_y = rt.Ptr(self.moe_stage.ptr + few_gu)
+        self.moe_read = self._device_buffer(8)  # experts a few-token pass read: experts_read
+        self.moe_read.fill_u8(0)
         self.moe_act = self._device_buffer(tokens * max(k * inter, cfg.q_size) * 2)
 
     def _moe_pass_parts(self, n: int) -> int:
@@ -284,7 +288,7 @@ class MoeLayers:
                      c_int(n), w.router, self.moe_logits)
         self._launch("moe_few_route", 1, VERIFY_THREADS, self.moe_logits, c_int(n),
                      self.moe_weights, self.moe_ids, self.moe_counts, self.moe_slot,
-                     self.moe_token, self.moe_tiles, self.moe_n_tiles)
+                     self.moe_token, self.moe_tiles, self.moe_n_tiles, self.moe_read)
         self._launch("moe_few_gate_up", (math.ceil(2 * inter / VERIFY_TILE), tiles),
                      VERIFY_THREADS, self.xn, self.moe_token, w.experts_gate_up, self.moe_gu,
                      self.moe_tiles, self.moe_n_tiles)
@@ -293,6 +297,17 @@ class MoeLayers:
                      self.moe_n_tiles)
         self._launch("moe_combine", n, 256, self.moe_few_y, self.moe_slot, self.moe_weights,
                      c_int(n), self.x, c_int(0), c_int(h))
+
+    def experts_read(self) -> int | None:
+        """The experts that passes of a few tokens (speculative passes, short prompts' parts)
+        have read since the engine started, each chosen expert counted once a layer a pass
+        (bench: what a pass reads); None for a dense model."""
+        if not self.config.is_moe:
+            return None
+        self.stream.synchronize()
+        count = np.zeros(1, np.uint64)
+        self.moe_read.download(count)
+        return int(count[0])
 
     def _moe_shared(self) -> None:
         """The grouped products' dynamic shared memory (gemm.cuh), past the 48 KB default."""
