@@ -297,6 +297,7 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
                         const void* __restrict__ v_cache, const int* __restrict__ pos_ptr,
                         int capacity, float scale, float* __restrict__ part_o,
                         float* __restrict__ part_ml) {
+    dependent_start();
     __shared__ __align__(16) float qs[qw::group][HD];
     __shared__ float p[qw::group][DC_MAX_CHUNK];
     __shared__ float scratch[32];
@@ -480,6 +481,7 @@ extern "C" __global__ void __launch_bounds__(DC_THREADS)
 extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_o,
                                              const float* __restrict__ part_ml, int splits,
                                              float* __restrict__ out) {
+    dependent_start();
     // [splits rounded up to 4]: the unrolled loop below may read the tail as one 16-byte vector.
     extern __shared__ __align__(16) float weight[];
     __shared__ float scratch[32];

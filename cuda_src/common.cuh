@@ -17,6 +17,19 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float x) {
     return r;
 }
 
+// Programmatic dependent launch (Hopper): a kernel launched as a dependent (runtime.py's
+// launch, dependent=True) may start while the kernel before it on the stream is still ending.
+// Here it waits until that kernel has finished and its writes are visible, then lets the next
+// kernel on the stream start likewise (its blocks wait for this one's end in SM slots this one
+// leaves free). First thing in a kernel that may be launched so; a no-op in a plain launch
+// and before sm_90.
+__device__ __forceinline__ void dependent_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // SwiGLU's gate activation, x . sigmoid(x).
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 

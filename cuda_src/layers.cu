@@ -24,6 +24,7 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, int n,
 // them would (the columns past the row add 0).
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const bf16_t* __restrict__ w,
                                         int n, float eps, bf16_t* __restrict__ out) {
+    dependent_start();
     constexpr int MOST = (qw::hidden + 255) / 256;  // a thread's columns at most
     __shared__ float scratch[32];
     const int row = blockIdx.x;
@@ -131,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 // act[i, j] = bf16(silu(gu[i, j]) * gu[i, I + j]) for n rows: prefill's down_proj input.
 extern "C" __global__ void swiglu_rows(const float* __restrict__ gu, int n,
                                        bf16_t* __restrict__ act) {
+    dependent_start();
     swiglu_rows_of<qw::intermediate>(gu, n, act);
 }
 
@@ -149,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
                        const bf16_t* __restrict__ k_norm, const float* __restrict__ inv_freq,
                        float eps, int capacity, bf16_t* __restrict__ q_out,
                        void* __restrict__ k_cache, void* __restrict__ v_cache) {
+    dependent_start();
     constexpr int HD = qw::head_dim, HALF = HD / 2, PER = (HALF + 31) / 32;
     constexpr int HEADS = qw::heads + qw::kv_heads;
     const int item = blockIdx.x * ROPE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;

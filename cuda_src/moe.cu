@@ -216,6 +216,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
     moe_few_router(const bf16_t* __restrict__ xn, int n, const bf16_t* W,
                    float* __restrict__ logits) {
+    dependent_start();
     verify_product<qw::hidden, qw::BF16, A_BF16, false, 1>(
         xn, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits);
 }
@@ -229,6 +230,7 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS)
                   int* __restrict__ experts, int* __restrict__ counts, int* __restrict__ slot,
                   int* __restrict__ token, int4* __restrict__ tiles, int* __restrict__ n_tiles,
                   unsigned long long* __restrict__ read) {
+    dependent_start();
     constexpr int MOST = VT_TOKENS * qwm::TOPK;
     static_assert(MOST <= VT_THREADS, "a thread a pair");
     __shared__ int ex[MOST];
@@ -278,6 +280,7 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
     moe_few_gate_up(const bf16_t* __restrict__ xn, const int* __restrict__ token,
                     const unsigned char* W, float* __restrict__ gu,
                     const int4* __restrict__ tiles, const int* __restrict__ n_tiles) {
+    dependent_start();
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
     verify_product<qw::hidden, qw::wfmt, A_BF16, false, 1>(
@@ -290,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
     moe_few_down(const float* __restrict__ gu, const unsigned char* W, bf16_t* __restrict__ y,
                  const int4* __restrict__ tiles, const int* __restrict__ n_tiles) {
+    dependent_start();
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
     verify_product<qwm::INTER, qw::wfmt, A_SWIGLU, false, 1, true>(
@@ -315,6 +319,7 @@ extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, int rows,
 extern "C" __global__ void moe_combine(const bf16_t* __restrict__ y, const int* __restrict__ slot,
                                        const float* __restrict__ weights, int tokens,
                                        float* __restrict__ x, int col0, int width) {
+    dependent_start();
     __shared__ const bf16_t* rows[qwm::TOPK];
     __shared__ float w[qwm::TOPK];
     const int t = blockIdx.x;

@@ -9,6 +9,7 @@
     extern "C" __global__ void __launch_bounds__(VT_THREADS, qw::fp8 && R == 2 ? 1 : 2)           \
         name(const void* __restrict__ a, int n, const void* __restrict__ W, int N,                \
              float* __restrict__ out) {                                                           \
+        dependent_start();                                                                        \
         verify_product<K, qw::wfmt, AIN, ADD, R>(                                                 \
             a, nullptr, n, static_cast<const unsigned char*>(W), N, out);                         \
     }
@@ -26,6 +27,7 @@ VERIFY_KERNEL(verify_act, qw::intermediate, A_BF16, true, 1)
     extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)                                   \
         name(const void* __restrict__ a, int n, const void* __restrict__ W, int N,                \
              float* __restrict__ out) {                                                           \
+        dependent_start();                                                                        \
         verify_product<qw::hidden, qw::BF16, A_BF16, false, R>(                                   \
             a, nullptr, n, static_cast<const unsigned char*>(W), N, out);                         \
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import threading
 import time
@@ -266,6 +267,34 @@ BUILDS = ([(k, "bf16", arch) for k in KERNEL_FILES if k not in SM90_KERNELS for 
 
 def test_hopper_sources_are_among_the_kernel_files():
     assert set(SM90_KERNELS) < set(KERNEL_FILES)
+
+
+def kernel_body_start(sources: str, name: str) -> str:
+    """The first statement of kernel `name`'s body: after its parameter list, or in the macro
+    that defines it (verify.cu's VERIFY_KERNEL(name, ...), VERIFY_HEAD)."""
+    if macro := re.search(r"^(VERIFY_\w+)\(" + name + ",", sources, re.M):
+        sources, name = sources[sources.index(f"#define {macro[1]}("):], "name"
+    start = re.search(r"__global__ void(?: __launch_bounds__\([^)]*\))?[\s\\]+" + name
+                      + r"\(", sources)
+    assert start, f"kernel {name} not found"
+    depth, i = 1, start.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(sources[i], 0)
+        i += 1
+    body = sources[sources.index("{", i) + 1:]
+    return body.lstrip(" \\\n").split(";")[0]
+
+
+def test_every_kernel_a_pass_launches_as_a_dependent_first_waits_for_the_one_before():
+    """A kernel launched as a dependent (runtime.launch's programmatic dependent launch) may
+    run while the previous kernel still writes its input: its first statement must be
+    dependent_start (common.cuh), which waits for that kernel's end."""
+    from qwenchat.engine.cuda.verify import DEPENDENT_KERNELS
+
+    sources = "\n".join(compiler._read_sources()[f] for f in KERNEL_FILES)
+    for name in sorted(DEPENDENT_KERNELS):
+        assert kernel_body_start(sources, name) == "dependent_start()", name
+    assert kernel_body_start(sources, "embed_rows") != "dependent_start()"  # (the check checks)
 
 
 COMPILE_MATRIX = pytest.mark.compile_matrix

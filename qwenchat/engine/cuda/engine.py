@@ -53,7 +53,12 @@ from qwenchat.engine.cuda.prefill import (
 )
 from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
 from qwenchat.engine.cuda.scoring import Scoring
-from qwenchat.engine.cuda.verify import VERIFY_KERNELS, VERIFY_ROWS, VerifyPass
+from qwenchat.engine.cuda.verify import (
+    DEPENDENT_KERNELS,
+    VERIFY_KERNELS,
+    VERIFY_ROWS,
+    VerifyPass,
+)
 from qwenchat.engine.cuda.weights import WeightUpload
 from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model import fp8
@@ -553,7 +558,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
 
     # ----------------------------------------------------------------------------- launches
     def _launch(self, name: str, grid, block, *args, shared: int = 0) -> None:
-        rt.launch(self.k[name], grid, block, list(args), shared=shared, stream=self.stream)
+        rt.launch(self.k[name], grid, block, list(args), shared=shared, stream=self.stream,
+                  dependent=self._dependent_now and name in DEPENDENT_KERNELS)
 
     def _ptr(self, buffer: rt.DeviceBuffer, byte_offset: int = 0) -> rt.Ptr:
         return rt.Ptr(buffer.ptr + byte_offset)

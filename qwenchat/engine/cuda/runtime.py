@@ -524,14 +524,29 @@ def _dim3(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
 
 def launch(kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
            args: Sequence[KernelArg], shared: int = 0, stream: Stream | None = None,
-           cooperative: bool = False) -> None:
+           cooperative: bool = False, dependent: bool = False) -> None:
     """Launch `kernel` on `stream` (the legacy default stream when None); `cooperative` uses
-    cuLaunchCooperativeKernel, which guarantees every block is resident (for grid barriers)."""
+    cuLaunchCooperativeKernel, which guarantees every block is resident (for grid barriers).
+    `dependent` (compute capability 9.0 and up) lets the kernel start while the stream's
+    previous kernel ends (programmatic dependent launch): the kernel must begin with
+    common.cuh's dependent_start, which waits for that kernel's end."""
     gx, gy, gz = _dim3(grid, "grid")
     bx, by, bz = _dim3(block, "block")
     params = KernelArgs(args)
     handle = _stream_handle(stream)
-    if cooperative:
+    if dependent:
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+        config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+        config.sharedMemBytes, config.hStream = shared, handle
+        attribute = driver.CUlaunchAttribute()
+        ids = driver.CUlaunchAttributeID
+        attribute.id = ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attribute], 1
+        check(driver.cuLaunchKernelEx(config, kernel.handle, params.address, 0),
+              f"cuLaunchKernelEx({kernel.name})")
+    elif cooperative:
         check(driver.cuLaunchCooperativeKernel(kernel.handle, gx, gy, gz, bx, by, bz, shared,
                                                handle, params.address),
               f"cuLaunchCooperativeKernel({kernel.name})")

@@ -17,6 +17,13 @@ from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 
 VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head")
+# The kernels a pass launches that begin with common.cuh's dependent_start: on Hopper each may
+# start while the one before it ends (programmatic dependent launch), its blocks taking the
+# SMs the other's last blocks leave free. (Not embed_rows: the graph's first kernel.)
+DEPENDENT_KERNELS = frozenset((
+    *VERIFY_KERNELS, "rmsnorm_rows", "qk_norm_rope_store", "attn_decode_partial",
+    "attn_decode_merge", "swiglu_rows", "moe_few_router", "moe_few_route", "moe_few_gate_up",
+    "moe_few_down", "moe_combine"))
 VERIFY_THREADS = 256  # verify.cuh's VT_THREADS
 VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cuh's VT_TOKENS
 VERIFY_TILE = 16  # weight rows of one mma tile
@@ -36,6 +43,11 @@ class VerifyPass:
     xn, qkv, q, act, ids), KV caches, flash-decoding split options and partial sums
     (`partials`); allocates its own scratch (the rows' logits, gate/up sums, the chunks' maxima
     and sums) on first use."""
+
+    # Whether a pass's kernels are launched as dependents where the GPU can (compute
+    # capability 9.0 and up): DEPENDENT_KERNELS.
+    dependent_launches = True
+    _dependent_now = False  # while a pass's graph is captured: CudaEngine._launch
 
     def _verify_state(self) -> None:
         if getattr(self, "_verify_graphs", None) is not None:
@@ -125,8 +137,13 @@ class VerifyPass:
         splits = self._splits_for(start + n)
         key = (n, splits)
         if key not in self._verify_graphs:
-            with rt.Graph.capture(self.stream) as graph:
-                self._forward_verify(n, splits)
+            self._dependent_now = (self.dependent_launches
+                                   and self.device.compute_capability >= (9, 0))
+            try:
+                with rt.Graph.capture(self.stream) as graph:
+                    self._forward_verify(n, splits)
+            finally:
+                self._dependent_now = False
             self._verify_graphs[key] = graph
         self._host_verify_pos[0] = start
         self.verify_pos.upload(self._host_verify_pos, stream=self.stream)
