@@ -74,3 +74,22 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     return tmp_path
+
+
+@pytest.fixture
+def spy_calls(monkeypatch):
+    """spy_calls(owner, attribute): wraps owner.attribute (for this test) so that each call
+    still runs and its first argument is recorded; returns the list of those arguments."""
+
+    def spy_on(owner, attribute: str) -> list:
+        calls: list = []
+        real = getattr(owner, attribute)
+
+        def spy(first, *args, **kwargs):
+            calls.append(first)
+            return real(first, *args, **kwargs)
+
+        monkeypatch.setattr(owner, attribute, spy)
+        return calls
+
+    return spy_on

@@ -322,28 +322,15 @@ def check_pass(engine, model, n: int) -> np.ndarray:
     return chosen
 
 
-def launched_kernels(engine, monkeypatch) -> list[str]:
-    """The names of the kernels the engine launches from now on (the spy lets them run)."""
-    names: list[str] = []
-    launch = engine._launch
-
-    def spy(name, *args, **kwargs):
-        names.append(name)
-        return launch(name, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "_launch", spy)
-    return names
-
-
 @pytest.mark.parametrize("n", [1, 5, 8])
 def test_a_few_token_pass_reads_each_chosen_expert_once_for_its_tokens(wide_engine, n,
-                                                                       monkeypatch):
+                                                                       spy_calls):
     """A pass of at most VERIFY_ROWS tokens (a speculative pass) routes and groups its pairs in
     one block (moe_few_route) and takes its experts on verify.cuh's product (moe_few_gate_up,
     moe_few_down) instead of the grouped GEMMs: the same routing, grouping and sums as
     NumPy's."""
     engine, model = wide_engine
-    names = launched_kernels(engine, monkeypatch)
+    names = spy_calls(engine, "_launch")  # (the kernels launched)
     read = engine.experts_read()
     chosen = check_pass(engine, model, n)
     # (bench's bytes of a pass: each expert chosen counted once)
@@ -354,9 +341,9 @@ def test_a_few_token_pass_reads_each_chosen_expert_once_for_its_tokens(wide_engi
 
 
 def test_a_pass_of_more_tokens_than_the_few_rows_takes_the_grouped_products(wide_engine,
-                                                                             monkeypatch):
+                                                                             spy_calls):
     engine, model = wide_engine
-    names = launched_kernels(engine, monkeypatch)
+    names = spy_calls(engine, "_launch")  # (the kernels launched)
     check_pass(engine, model, engine.moe_few_rows + 1)
     assert "moe_few_gate_up" not in names and "moe_few_down" not in names
 
@@ -364,7 +351,7 @@ def test_a_pass_of_more_tokens_than_the_few_rows_takes_the_grouped_products(wide
 @pytest.mark.parametrize("dtype", ["BF16", "FP8"])
 def test_the_few_token_products_take_rows_and_columns_off_their_grid(tmp_path_factory,
                                                                      tiny_tokenizer, dtype,
-                                                                     monkeypatch):
+                                                                     spy_calls):
     """odd-wide's experts on the few-token products: K = 464 (gate/up) and 336 (down) end inside
     a step of 64 bf16 or 128 FP8 columns, and 7 tokens leave a row of the mma's 8 empty."""
     from qwenchat.engine.cuda.engine import CudaEngine
@@ -373,7 +360,7 @@ def test_the_few_token_products_take_rows_and_columns_off_their_grid(tmp_path_fa
     model = open_model_dir(write_moe(tmp_path_factory, tiny_tokenizer, "odd-wide", dtype))
     engine = CudaEngine(model.config, model.checkpoint, decode="layered")
     try:
-        names = launched_kernels(engine, monkeypatch)
+        names = spy_calls(engine, "_launch")  # (the kernels launched)
         check_pass(engine, model, 7)
         assert "moe_few_down" in names
     finally:

@@ -228,17 +228,9 @@ def src(tmp_path) -> Path:
 
 
 @pytest.fixture
-def compiles(monkeypatch) -> list[str]:
+def compiles(spy_calls) -> list[str]:
     """Records every real NVRTC compile the cache asks for, by source name."""
-    calls: list[str] = []
-    real = compiler._compile
-
-    def spy(name, *args, **kwargs):
-        calls.append(name)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(compiler, "_compile", spy)
-    return calls
+    return spy_calls(compiler, "_compile")
 
 
 def test_kernel_defines_are_the_qwen3_macros():
