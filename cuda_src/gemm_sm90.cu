@@ -43,8 +43,8 @@ struct Tiles {
 };
 constexpr int CONVERTERS = 96;  // FP8: warps 1-3 of the producer warpgroup
 
-// FP8: B's codes for one step into its bf16 tile (sm90.cuh's convert_codes_step): the tile's
-// rows are gate/up's (SWIGLU_BF16: box 0 gate, box 1 up) or BN consecutive outputs.
+// FP8: B's codes for one step into its bf16 tile (sm90_fp8.cuh's convert_codes_step): the
+// tile's rows are gate/up's (SWIGLU_BF16: box 0 gate, box 1 up) or BN consecutive outputs.
 template <int BN, int EPI>
 __device__ __forceinline__ void convert_codes(unsigned tile, const unsigned char* codes,
                                               const unsigned char* __restrict__ b_rows, int N,

@@ -4,14 +4,13 @@
 #include "sm90.cuh"
 #include "weights.cuh"
 
-// FP8 weights on the bf16 wgmma (gemm_sm90.cu, moe_sm90.cu): B's codes for one 64-deep step
-// (BN rows, plain rows of 64 bytes at `codes`) into bf16 weights (code x the row's block scale,
-// rounded) at `tile`, in the 128-byte-swizzled layout the TMA gives bf16 tiles. row_of(r): the
-// row of b_rows (codes then block scales, row_bytes<FP8>(K) apart) that tile row r holds; rows
-// at or past `rows` get scale 0 (the TMA's codes there are zeros). The converters are the
-// producer warpgroup's threads from 32 on, CONVERTERS of them; each takes 16 codes (a quarter
-// row) at a time: a warp's reads are 512 contiguous bytes and its writes fill every bank once
-// per 8 rows.
+// B's codes for one 64-deep step (BN rows, plain rows of 64 bytes at `codes`) into bf16 weights
+// (code x the row's block scale, rounded) at `tile`, in the 128-byte-swizzled layout the TMA gives
+// bf16 tiles. row_of(r): the row of b_rows (codes then block scales, row_bytes<FP8>(K) apart) that
+// tile row r holds; rows at or past `rows` get scale 0 (the TMA's codes there are zeros). The
+// converters are the producer warpgroup's threads from 32 on, CONVERTERS of them; each takes 16
+// codes (a quarter row) at a time: a warp's reads are 512 contiguous bytes and its writes fill
+// every bank once per 8 rows.
 template <int BN, int CONVERTERS, class RowOf>
 __device__ __forceinline__ void convert_codes_step(unsigned tile, const unsigned char* codes,
                                                    const unsigned char* __restrict__ b_rows,

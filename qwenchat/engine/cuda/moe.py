@@ -252,7 +252,8 @@ class MoeLayers:
         always the same), each expert's rows through its gate/up and down products (tiles
         listed on the device, the grid sized for the most there can be), and each token's
         experts summed back with their weights in rank order (a part of the columns at a
-        time where a chunk's bf16 down rows would not fit the staging whole)."""
+        time where a chunk's bf16 down rows would not fit the staging whole). A pass of at
+        most moe_few_rows tokens takes _moe_few instead."""
         if n <= self.moe_few_rows:
             self._moe_few(w, n)
             return
