@@ -13,16 +13,7 @@
 
 namespace qw {
 constexpr bool kv8 = QW_KV8 != 0;
-constexpr int kv_bytes = kv8 ? 1 : 2;  // a cached value's
 }
-
-// A kv head's rows in a layer's cache (bytes) and, for int8 rows, their scales.
-struct KvHead {
-    const unsigned char* k;
-    const unsigned char* v;
-    const float* ks;
-    const float* vs;
-};
 
 // The scales of a layer's int8 key (or value) buffer: after its codes.
 __device__ __forceinline__ const float* kv8_scales(const void* cache, int capacity) {
@@ -52,17 +43,4 @@ __device__ __forceinline__ void kv8x4_floats(unsigned w, float* out) {
 __device__ __forceinline__ void kv8_floats(uint2 w, float (&out)[8]) {
     kv8x4_floats(w.x, out);
     kv8x4_floats(w.y, out + 4);
-}
-
-__device__ __forceinline__ KvHead kv_head(const void* k_cache, const void* v_cache, int kvh,
-                                          int capacity) {
-    const long long row0 = static_cast<long long>(kvh) * capacity;
-    KvHead h{static_cast<const unsigned char*>(k_cache) + row0 * qw::head_dim * qw::kv_bytes,
-             static_cast<const unsigned char*>(v_cache) + row0 * qw::head_dim * qw::kv_bytes,
-             nullptr, nullptr};
-    if constexpr (qw::kv8) {
-        h.ks = kv8_scales(k_cache, capacity) + row0;
-        h.vs = kv8_scales(v_cache, capacity) + row0;
-    }
-    return h;
 }

@@ -218,8 +218,7 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
                    float* __restrict__ logits) {
     dependent_start();
     verify_product<qw::hidden, qw::BF16, A_BF16, false, 1>(
-        xn, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits,
-        blockIdx.x);
+        xn, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits);
 }
 
 // One block of VT_THREADS: warp t routes token t (route_warp), then the pairs p = token x TOPK
@@ -286,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
     const int4 t = tiles[blockIdx.y];
     verify_product<qw::hidden, qw::wfmt, A_BF16, false, 1>(
         xn, token + t.y, t.z, W + t.x * qwm::GATE_UP_BYTES, 2 * qwm::INTER,
-        gu + static_cast<long long>(t.y) * 2 * qwm::INTER, blockIdx.x);
+        gu + static_cast<long long>(t.y) * 2 * qwm::INTER);
 }
 
 // down: y[its rows of the grouped order] = the down rows . SwiGLU of gu's rows (bf16, for
@@ -299,8 +298,7 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
     const int4 t = tiles[blockIdx.y];
     verify_product<qwm::INTER, qw::wfmt, A_SWIGLU, false, 1, true>(
         gu + static_cast<long long>(t.y) * 2 * qwm::INTER, nullptr, t.z,
-        W + t.x * qwm::DOWN_BYTES, qw::hidden, y + static_cast<long long>(t.y) * qw::hidden,
-        blockIdx.x);
+        W + t.x * qwm::DOWN_BYTES, qw::hidden, y + static_cast<long long>(t.y) * qw::hidden);
 }
 
 // Prefill: C = A . B^T with bf16 B in every weight format (the router's logits).

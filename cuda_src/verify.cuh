@@ -107,17 +107,15 @@ __device__ __forceinline__ uint4 int4_bf16(unsigned w, unsigned neg_zero2) {
     return make_uint4(p[0], p[1], p[2], p[3]);
 }
 
-// out[tok][row] (= or +=) Σ_k W[row][k] a[a_row(tok)][k] for tok < n <= VT_TOKENS and the 16 R
-// rows of tile `tile` (a kernel's block blockIdx.x; a persistent kernel's take several in turn),
-// where a_row(tok) is a_rows[tok] or, with a_rows null, tok itself; a's rows as AIN says
-// (ActRows). out is float, or with OUT_BF16 bf16 (stored, rounded; not with ADD). The block's
-// shared sums are read after a barrier, so a block that takes another tile next must pass a
-// barrier first.
+// out[tok][row] (= or +=) Σ_k W[row][k] a[a_row(tok)][k] for tok < n <= VT_TOKENS and the
+// block's 16 R rows, where a_row(tok) is a_rows[tok] or, with a_rows null, tok itself; a's
+// rows as AIN says (ActRows). out is float, or with OUT_BF16 bf16 (stored, rounded; not with
+// ADD).
 template <int K, int WF, int AIN, bool ADD, int R, bool OUT_BF16 = false>
 __device__ __forceinline__ void verify_product(const void* __restrict__ a,
                                                const int* __restrict__ a_rows, int n,
                                                const unsigned char* __restrict__ W, int N,
-                                               void* __restrict__ out, int tile) {
+                                               void* __restrict__ out) {
     static_assert(!(OUT_BF16 && ADD), "a bf16 output is stored, not added to");
     constexpr bool F8 = WF == qw::FP8, I4 = WF == qw::INT4;
     constexpr long long RB = row_bytes<WF>(K);
@@ -126,7 +124,7 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a,
     constexpr int PIECES = COLS / 32;  // 8-column pieces a lane takes a step: 2 or 4
     __shared__ float sums[VT_WARPS][16 * R][VT_TOKENS + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = tile * 16 * R;
+    const int row0 = blockIdx.x * 16 * R;
     const unsigned char* rows[R][2];
     bool has[R][2];
 #pragma unroll
