@@ -212,13 +212,22 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // are at most the tokens: one tile (tiles[blockIdx.y]: expert, first row, count; those past
 // n_tiles return at once).
 
-// logits[token][e] = router row e . xn[token] (bf16 rows in every format), n <= VT_TOKENS.
+// The post-attention RMSNorm comes as o_proj left it (verify.cuh's PassNorm): xg, x times
+// the norm's weights in bf16, and `parts` sums of squares a token in sq.
+
+// logits[token][e] = router row e . the normed x[token] (bf16 rows in every format),
+// n <= VT_TOKENS.
 extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
-    moe_few_router(const bf16_t* __restrict__ xn, int n, const bf16_t* W,
-                   float* __restrict__ logits) {
+    moe_few_router(const bf16_t* __restrict__ xg, int n, const bf16_t* W,
+                   float* __restrict__ logits, const float* __restrict__ sq, int parts,
+                   float eps) {
     dependent_start();
-    verify_product<qw::hidden, qw::BF16, A_BF16, false, 1>(
-        xn, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits);
+    PassNorm norm;
+    norm.sq_in = sq;
+    norm.parts = parts;
+    norm.eps = eps;
+    verify_product<qw::hidden, qw::BF16, A_SCALED, false, 1>(
+        xg, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits, norm);
 }
 
 // One block of VT_THREADS: warp t routes token t (route_warp), then the pairs p = token x TOPK
@@ -275,17 +284,23 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS)
     }
 }
 
-// gate/up: gu[its rows of the grouped order] = the gate/up rows . xn[token of the pair] (fp32).
+// gate/up: gu[its rows of the grouped order] = the gate/up rows . the normed x[token of the
+// pair] (fp32).
 extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
-    moe_few_gate_up(const bf16_t* __restrict__ xn, const int* __restrict__ token,
+    moe_few_gate_up(const bf16_t* __restrict__ xg, const int* __restrict__ token,
                     const unsigned char* W, float* __restrict__ gu,
-                    const int4* __restrict__ tiles, const int* __restrict__ n_tiles) {
+                    const int4* __restrict__ tiles, const int* __restrict__ n_tiles,
+                    const float* __restrict__ sq, int parts, float eps) {
     dependent_start();
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
-    verify_product<qw::hidden, qw::wfmt, A_BF16, false, 1>(
-        xn, token + t.y, t.z, W + t.x * qwm::GATE_UP_BYTES, 2 * qwm::INTER,
-        gu + static_cast<long long>(t.y) * 2 * qwm::INTER);
+    PassNorm norm;
+    norm.sq_in = sq;
+    norm.parts = parts;
+    norm.eps = eps;
+    verify_product<qw::hidden, qw::wfmt, A_SCALED, false, 1>(
+        xg, token + t.y, t.z, W + t.x * qwm::GATE_UP_BYTES, 2 * qwm::INTER,
+        gu + static_cast<long long>(t.y) * 2 * qwm::INTER, norm);
 }
 
 // down: y[its rows of the grouped order] = the down rows . SwiGLU of gu's rows (bf16, for

@@ -34,8 +34,25 @@ __device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
 
 // What a product's activation rows hold: bf16 values, floats (o_proj's input), or a row of
 // 2K floats [gate | up] whose K activations are SwiGLU's, silu(gate) x up (an expert's down
-// input, moe.cu), each rounded to bf16 as moe_swiglu rounds it.
-enum ActRows { A_BF16, A_F32, A_SWIGLU };
+// input, moe.cu), each rounded to bf16 as moe_swiglu rounds it; or (A_SCALED) the bf16 rows
+// x times an RMSNorm's weights that the product before wrote (PassNorm), each token's sums
+// then multiplied by its 1/rms.
+enum ActRows { A_BF16, A_F32, A_SWIGLU, A_SCALED };
+
+// RMSNorm across a pass's products, with no kernel of its own. The product that adds to the
+// residual stream x (o_proj, down) also writes, for the norm that comes next, xg = bf16(x x
+// its weights) and each block's sum of x^2 over its rows (sq[token][block]); the product after
+// the norm takes xg (A_SCALED) and multiplies each token's sums by rsqrt(sum of the parts / K
+// + eps), the parts added in block order, so the bits repeat. (Σ w (x g)/rms = (1/rms) Σ w x g:
+// the megakernel's load_normed takes 1/rms at the end the same way.)
+struct PassNorm {
+    const float* sq_in = nullptr;  // A_SCALED: parts floats a token, in its activations' order
+    int parts = 0;
+    float eps = 0.f;
+    const bf16_t* next = nullptr;  // with ADD: the next norm's weights, and where xg and the
+    bf16_t* xg = nullptr;          // block's sums of squares go (sq_out[token][blockIdx.x])
+    float* sq_out = nullptr;
+};
 
 // Token tok's 8 activations at column col (a row of K) as bf16 pairs, zero where !ok.
 template <int K, int AIN>
@@ -111,20 +128,35 @@ __device__ __forceinline__ uint4 int4_bf16(unsigned w, unsigned neg_zero2) {
 // block's 16 R rows, where a_row(tok) is a_rows[tok] or, with a_rows null, tok itself; a's
 // rows as AIN says (ActRows). out is float, or with OUT_BF16 bf16 (stored, rounded; not with
 // ADD).
+// `norm`: A_SCALED's 1/rms, and with ADD and norm.next set the next norm's xg and sums of
+// squares (PassNorm).
 template <int K, int WF, int AIN, bool ADD, int R, bool OUT_BF16 = false>
 __device__ __forceinline__ void verify_product(const void* __restrict__ a,
                                                const int* __restrict__ a_rows, int n,
                                                const unsigned char* __restrict__ W, int N,
-                                               void* __restrict__ out) {
+                                               void* __restrict__ out, PassNorm norm = {}) {
     static_assert(!(OUT_BF16 && ADD), "a bf16 output is stored, not added to");
+    static_assert(16 * R * VT_TOKENS <= VT_THREADS, "a thread an output at most");
     constexpr bool F8 = WF == qw::FP8, I4 = WF == qw::INT4;
     constexpr long long RB = row_bytes<WF>(K);
     constexpr int COLS = WF == qw::BF16 ? 64 : 128;  // a step's columns
     constexpr int STEPS = (K + COLS - 1) / COLS;
     constexpr int PIECES = COLS / 32;  // 8-column pieces a lane takes a step: 2 or 4
     __shared__ float sums[VT_WARPS][16 * R][VT_TOKENS + 1];
+    __shared__ float rstd[VT_TOKENS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 16 * R;
+    if constexpr (AIN == A_SCALED) {  // warp w: token w's 1/rms (its loads out before the weights')
+        static_assert(VT_WARPS == VT_TOKENS, "a warp a token");
+        if (warp < n) {
+            const float* sq = norm.sq_in + (a_rows != nullptr ? a_rows[warp] : warp) * norm.parts;
+            float total = 0.f;
+            for (int p = lane; p < norm.parts; p += 32) total += sq[p];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+            if (lane == 0) rstd[warp] = rsqrtf(total / K + norm.eps);
+        }
+    }
     const unsigned char* rows[R][2];
     bool has[R][2];
 #pragma unroll
@@ -240,19 +272,32 @@ __device__ __forceinline__ void verify_product(const void* __restrict__ a,
         sums[warp][16 * r + g + 8][2 * t + 1] = acc[r][0][3] + acc[r][1][3];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < 16 * R * VT_TOKENS; i += VT_THREADS) {
-        const int token = i / (16 * R), rr = i % (16 * R), row = row0 + rr;
-        if (token >= n || row >= N) continue;
+    // Thread i: output (token i / 16R, row i % 16R).
+    const int token = threadIdx.x / (16 * R), rr = threadIdx.x % (16 * R), row = row0 + rr;
+    float square = 0.f;  // (of the new x, for the next norm)
+    if (threadIdx.x < 16 * R * VT_TOKENS && token < n && row < N) {
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < VT_WARPS; ++w) v += sums[w][rr][token];
+        if constexpr (AIN == A_SCALED) v *= rstd[token];
         const long long at = static_cast<long long>(token) * N + row;
         if constexpr (OUT_BF16) {
             static_cast<bf16_t*>(out)[at] = f32_to_bf16(v);
         } else {
             float* dst = static_cast<float*>(out) + at;
-            *dst = ADD ? *dst + v : v;
+            const float x = ADD ? *dst + v : v;
+            *dst = x;
+            if (ADD && norm.next != nullptr) {
+                norm.xg[at] = f32_to_bf16(x * bf16_to_f32(norm.next[row]));
+                square = x * x;
+            }
         }
+    }
+    if (ADD && norm.next != nullptr) {  // the block's sum a token: its 16R lanes, a fixed tree
+#pragma unroll
+        for (int o = 8 * R; o > 0; o >>= 1) square += __shfl_xor_sync(0xffffffffu, square, o);
+        if (rr == 0 && token < n && threadIdx.x < 16 * R * VT_TOKENS)
+            norm.sq_out[token * gridDim.x + blockIdx.x] = square;
     }
 }
 }  // namespace

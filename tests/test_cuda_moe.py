@@ -265,7 +265,9 @@ def test_hoppers_grouped_products_take_experts_off_their_tiles_grid(tmp_path_fac
 
 def check_pass(engine, model, n: int) -> np.ndarray:
     """One sparse layer's pass over n random rows: the router's logits, its choices and
-    weights, the grouping and the experts' sum, each against NumPy on the GPU's own input.
+    weights, the grouping and the experts' sum, each against NumPy on the GPU's own input: x
+    after RMSNorm, as rmsnorm_rows left it in xn, or for a pass of at most moe_few_rows as
+    verify.cuh's PassNorm takes it (x times the norm's weights in bf16, over the rms).
     Returns the experts chosen (n x top-k)."""
     from test_cuda_engine import download
 
@@ -275,13 +277,20 @@ def check_pass(engine, model, n: int) -> np.ndarray:
     h, k, e = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts
     assert n <= engine.chunk and cfg.sparse_layer(0)
     rng = np.random.default_rng(5)
-    xn_bits = f32_to_bf16_bits(rng.standard_normal((n, h)).astype(np.float32))
     x0 = rng.standard_normal((n, h)).astype(np.float32)
-    engine.xn.upload(xn_bits)
+    engine.xn.fill_u8(0xFF)  # (NaN: the pass writes what it reads)
     engine.x.upload(x0)
     engine._moe_pass(0, engine.layers[0], n)
     engine.stream.synchronize()
-    xn = bf16_bits_to_f32(xn_bits).astype(np.float64)
+    gain = bf16_bits_to_f32(download(engine.layers[0].post_norm, np.uint16, (h,)))
+    rms = np.sqrt((x0.astype(np.float64) ** 2).mean(axis=1, keepdims=True)
+                  + np.float32(cfg.rms_norm_eps))
+    if n <= engine.moe_few_rows:
+        xn = bf16_bits_to_f32(f32_to_bf16_bits(x0 * gain)).astype(np.float64) / rms
+    else:  # (rmsnorm_rows' bf16 rows, as the GPU stored them)
+        xn = bf16_bits_to_f32(download(engine.xn, np.uint16, (n, h))).astype(np.float64)
+        want_xn = x0 / rms * gain
+        assert np.abs(xn - want_xn).max() <= 2**-7 * np.abs(want_xn).max()
     router, experts = moe_weights(model, 0, rounded=True)
 
     logits = download(engine.moe_logits, np.float32, (n, e))

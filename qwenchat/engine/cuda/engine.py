@@ -58,6 +58,7 @@ from qwenchat.engine.cuda.verify import (
     VERIFY_KERNELS,
     VERIFY_ROWS,
     VerifyPass,
+    pass_norm_parts,
 )
 from qwenchat.engine.cuda.weights import WeightUpload
 from qwenchat.errors import BackendUnavailable, QwenchatError
@@ -490,6 +491,10 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         qkv_cols = cfg.q_size + 2 * cfg.kv_size
         self.x = self._device_buffer(c * cfg.hidden_size * 4)
         self.xn = self._device_buffer(c * cfg.hidden_size * 2)
+        # A pass's RMSNorm inputs (verify.cuh's PassNorm): x times the next norm's weights in
+        # bf16, and each token's sums of squares by the blocks of the product that wrote x.
+        self.pass_xg = self._device_buffer(VERIFY_ROWS * cfg.hidden_size * 2)
+        self.pass_sq = self._device_buffer(VERIFY_ROWS * pass_norm_parts(cfg) * 4)
         if cfg.is_moe:  # qkv, q and attn are dead by the sparse MLP: they lie in its scratch
             self._allocate_moe(max(c, VERIFY_ROWS), qkv_cols * 4 + cfg.q_size * 2)
             self.qkv = rt.Ptr(self.moe_stage.ptr)

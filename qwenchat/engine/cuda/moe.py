@@ -245,8 +245,10 @@ class MoeLayers:
                      256, self.xn, w.router, self.moe_logits, c_int(n), c_int(e), c_int(h),
                      shared=gemm_shared_bytes("bf16"))
 
-    def _moe_pass(self, layer: int, w: LayerBuffers, n: int) -> None:
-        """x += the sparse MLP of n tokens whose normed rows are in xn (bf16): the router's
+    def _moe_pass(self, layer: int, w: LayerBuffers, n: int, parts: int | None = None) -> None:
+        """x += the sparse MLP of n tokens (x after attention; with `parts` set, a speculative
+        pass's, whose o_proj left the norm's input in pass_xg and pass_sq, `parts` sums of
+        squares a token: verify.cuh's PassNorm): the post-attention RMSNorm, the router's
         logits on the tensor cores, the top-k, the tokens' rows grouped by expert (moe_count,
         moe_place: the order of the tokens kept within an expert, so a run's layout is
         always the same), each expert's rows through its gate/up and down products (tiles
@@ -254,10 +256,14 @@ class MoeLayers:
         experts summed back with their weights in rank order (a part of the columns at a
         time where a chunk's bf16 down rows would not fit the staging whole). A pass of at
         most moe_few_rows tokens takes _moe_few instead."""
-        if n <= self.moe_few_rows:
-            self._moe_few(w, n)
-            return
         cfg, c_int = self.config, ctypes.c_int
+        if n <= self.moe_few_rows:
+            if parts is None:
+                parts = self._pass_norm_rows(n, w.post_norm)
+            self._moe_few(w, n, parts)
+            return
+        self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n),
+                     ctypes.c_float(cfg.rms_norm_eps), self.xn)
         k, e = cfg.num_experts_per_tok, cfg.num_experts
         pairs = n * k
         self._moe_router_logits(layer, w, n)
@@ -274,10 +280,11 @@ class MoeLayers:
             self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights,
                          c_int(n), self.x, c_int(col0), c_int(width))
 
-    def _moe_few(self, w: LayerBuffers, n: int) -> None:
-        """x += the sparse MLP of a pass of n <= VERIFY_ROWS tokens (xn their normed rows) in
-        five launches (moe.cu): the router's logits and the routing and grouping in one block
-        (moe_few_router, moe_few_route), each chosen expert's gate/up and down rows read once
+    def _moe_few(self, w: LayerBuffers, n: int, parts: int) -> None:
+        """x += the sparse MLP of a pass of n <= VERIFY_ROWS tokens (their normed rows in
+        pass_xg and pass_sq, `parts` sums a token) in five launches (moe.cu): the router's
+        logits and the routing and grouping in one block (moe_few_router, moe_few_route),
+        each chosen expert's gate/up and down rows read once
         for its pairs (moe_few_gate_up, moe_few_down: 16 rows of one expert a block, SwiGLU
         applied as down reads its input), and each token's experts summed back in rank order.
         An expert's pairs are one tile (a token routes to it once), so there are at most as
@@ -285,14 +292,15 @@ class MoeLayers:
         cfg, c_int = self.config, ctypes.c_int
         h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         tiles = min(n * cfg.num_experts_per_tok, e)
-        self._launch("moe_few_router", math.ceil(e / VERIFY_TILE), VERIFY_THREADS, self.xn,
-                     c_int(n), w.router, self.moe_logits)
+        norm = (self.pass_sq, c_int(parts), ctypes.c_float(cfg.rms_norm_eps))
+        self._launch("moe_few_router", math.ceil(e / VERIFY_TILE), VERIFY_THREADS, self.pass_xg,
+                     c_int(n), w.router, self.moe_logits, *norm)
         self._launch("moe_few_route", 1, VERIFY_THREADS, self.moe_logits, c_int(n),
                      self.moe_weights, self.moe_ids, self.moe_counts, self.moe_slot,
                      self.moe_token, self.moe_tiles, self.moe_n_tiles, self.moe_read)
         self._launch("moe_few_gate_up", (math.ceil(2 * inter / VERIFY_TILE), tiles),
-                     VERIFY_THREADS, self.xn, self.moe_token, w.experts_gate_up, self.moe_gu,
-                     self.moe_tiles, self.moe_n_tiles)
+                     VERIFY_THREADS, self.pass_xg, self.moe_token, w.experts_gate_up,
+                     self.moe_gu, self.moe_tiles, self.moe_n_tiles, *norm)
         self._launch("moe_few_down", (math.ceil(h / VERIFY_TILE), tiles), VERIFY_THREADS,
                      self.moe_gu, w.experts_down, self.moe_few_y, self.moe_tiles,
                      self.moe_n_tiles)

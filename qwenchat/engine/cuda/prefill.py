@@ -217,10 +217,10 @@ class Prefill:
                 self._attention_prefill(i, start, n, scale, start_at)
             self._quantize("attn", n, cfg.q_size)
             self._product("add", "attn", i, "o", self.x, n, h, cfg.q_size)
-            self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
-            if w.router is not None:  # a mixture of experts (moe.py)
+            if w.router is not None:  # a mixture of experts (moe.py; its RMSNorm too)
                 self._moe_pass(i, w, n)
                 continue
+            self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n), eps, self.xn)
             self._quantize("xn", n, h)
             self._gate_up(i, n)
             self._product("add", "act", i, "down", self.x, n, h, inter)

@@ -15,8 +15,10 @@ import numpy as np
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
+from qwenchat.model.config import Qwen3Config
 
-VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head")
+VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head",
+                  "verify_norm_rows")
 # The kernels a pass launches that begin with common.cuh's dependent_start: on Hopper each may
 # start while the one before it ends (programmatic dependent launch), its blocks taking the
 # SMs the other's last blocks leave free. (Not embed_rows: the graph's first kernel.)
@@ -27,7 +29,12 @@ DEPENDENT_KERNELS = frozenset((
 VERIFY_THREADS = 256  # verify.cuh's VT_THREADS
 VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cuh's VT_TOKENS
 VERIFY_TILE = 16  # weight rows of one mma tile
-NORM_THREADS = 1024  # rmsnorm_rows' block for a pass's few rows: its loads in fewer rounds
+
+
+def pass_norm_parts(config: Qwen3Config) -> int:
+    """The most sums of squares a token a pass's RMSNorm inputs hold (verify.cuh's PassNorm):
+    a block's of the products that add to the residual stream, 16 rows each at least."""
+    return math.ceil(config.hidden_size / VERIFY_TILE)
 
 
 def verify_kernel(kind: str, weight_format: str) -> tuple[str, int]:
@@ -90,25 +97,42 @@ class VerifyPass:
             self._host_pass_rows = pinned.array(np.float32).reshape(VERIFY_ROWS, cfg.vocab_size)
         return self._host_pass_rows
 
-    def _verify_product(self, kind: str, a, weight, out, n: int, rows: int) -> None:
-        """out (n x rows floats) = or += a . weight^T on verify.cu (kind "xn", "attn", "act",
-        or "head": the LM head)."""
+    def _verify_product(self, kind: str, a, weight, out, n: int, rows: int,
+                        norm_in: int | None = None, norm_out: rt.DeviceBuffer | None = None
+                        ) -> int:
+        """out (n x rows floats) = or += a . weight^T on verify.cu: kind "xn" or "head" (the
+        LM head) after an RMSNorm (a is pass_xg, `norm_in` the sums of squares a token in
+        pass_sq), "attn" (o_proj's float input) or "act" (down's), which add to the residual
+        stream and write the next norm's pass_xg and pass_sq (its weights `norm_out`).
+        Returns the sums of squares a token the product wrote (its blocks), or 0."""
         name, per_block = verify_kernel(kind, self.weight_format)
-        self._launch(name, math.ceil(rows / per_block), VERIFY_THREADS, a, ctypes.c_int(n),
-                     weight, ctypes.c_int(rows), out)
+        blocks = math.ceil(rows / per_block)
+        args = [a, ctypes.c_int(n), weight, ctypes.c_int(rows), out]
+        if norm_in is not None:
+            args += [self.pass_sq, ctypes.c_int(norm_in), ctypes.c_float(self.config.rms_norm_eps)]
+        else:
+            args += [norm_out, self.pass_xg, self.pass_sq]
+        self._launch(name, blocks, VERIFY_THREADS, *args)
+        return blocks if norm_out is not None else 0
+
+    def _pass_norm_rows(self, n: int, norm: rt.DeviceBuffer) -> int:
+        """pass_xg and pass_sq from x itself (one sum a token), where no product wrote them."""
+        self._launch("verify_norm_rows", n, 1024, self.x, ctypes.c_int(n), norm, self.pass_xg,
+                     self.pass_sq)
+        return 1
 
     def _forward_verify(self, n: int, splits: int) -> None:
         """n tokens (self.ids) at positions *verify_pos.. through every layer, each row's
-        logits into pass_logits."""
+        logits into pass_logits. No RMSNorm kernels: o_proj and down write the next norm's
+        input (verify.cuh's PassNorm)."""
         cfg, c_int, c_float = self.config, ctypes.c_int, ctypes.c_float
-        eps = c_float(cfg.rms_norm_eps)
         h, qkv_cols, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
         scale = c_float(rope.softmax_scale(cfg))
         self._launch("embed_rows", n, 256, self.ids, c_int(n), self.embed, self.x)
+        parts = self._pass_norm_rows(n, self.layers[0].input_norm)
         for i, w in enumerate(self.layers):
-            self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, w.input_norm, c_int(n), eps,
-                         self.xn)
-            self._verify_product("xn", self.xn, w.qkv, self.qkv, n, qkv_cols)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            self._verify_product("xn", self.pass_xg, w.qkv, self.qkv, n, qkv_cols, parts)
             self._qk_norm_rope_store(i, n, self.verify_pos, 0)
             self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits, n), 128,
                          self.q, self.k_cache[i], self.v_cache[i], self.verify_pos,
@@ -116,19 +140,19 @@ class VerifyPass:
             self._launch("attn_decode_merge", (cfg.num_attention_heads, n),
                          min(cfg.head_dim, 128), self.verify_part_o, self.verify_part_ml,
                          c_int(splits), self.verify_attn, shared=(splits + 3) // 4 * 16)
-            self._verify_product("attn", self.verify_attn, w.o, self.x, n, h)
-            self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, w.post_norm, c_int(n), eps,
-                         self.xn)
+            parts = self._verify_product("attn", self.verify_attn, w.o, self.x, n, h,
+                                         norm_out=w.post_norm)
             if w.router is not None:  # a mixture of experts (moe.py)
-                self._moe_pass(i, w, n)
+                self._moe_pass(i, w, n, parts)
+                parts = self._pass_norm_rows(n, after)
                 continue
-            self._verify_product("xn", self.xn, w.gate_up, self.verify_gu, n, 2 * inter)
+            self._verify_product("xn", self.pass_xg, w.gate_up, self.verify_gu, n, 2 * inter,
+                                 parts)
             blocks = min(4096, math.ceil(n * inter / 256))
             self._launch("swiglu_rows", blocks, 256, self.verify_gu, c_int(n), self.act)
-            self._verify_product("act", self.act, w.down, self.x, n, h)
-        self._launch("rmsnorm_rows", n, NORM_THREADS, self.x, self.final_norm, c_int(n), eps,
-                     self.xn)
-        self._verify_product("head", self.xn, self.lm_head, self.pass_logits, n, cfg.vocab_size)
+            parts = self._verify_product("act", self.act, w.down, self.x, n, h, norm_out=after)
+        self._verify_product("head", self.pass_xg, self.lm_head, self.pass_logits, n,
+                             cfg.vocab_size, parts)
 
     def _verify_forward(self, start: int, n: int) -> None:
         """The pass's forward for n tokens already in self.ids, the first at position start:
