@@ -212,8 +212,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // are at most the tokens: one tile (tiles[blockIdx.y]: expert, first row, count; those past
 // n_tiles return at once).
 
-// The post-attention RMSNorm comes as o_proj left it (verify.cuh's PassNorm): xg, x times
-// the norm's weights in bf16, and `parts` sums of squares a token in sq.
+// The post-attention RMSNorm comes as o_proj (or verify_norm_rows) left it (verify.cuh's
+// PassNorm): xg, x times the norm's weights in bf16, and `parts` sums of squares a token in sq.
 
 // logits[token][e] = router row e . the normed x[token] (bf16 rows in every format),
 // n <= VT_TOKENS.
@@ -222,12 +222,9 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
                    float* __restrict__ logits, const float* __restrict__ sq, int parts,
                    float eps) {
     dependent_start();
-    PassNorm norm;
-    norm.sq_in = sq;
-    norm.parts = parts;
-    norm.eps = eps;
     verify_product<qw::hidden, qw::BF16, A_SCALED, false, 1>(
-        xg, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits, norm);
+        xg, nullptr, n, reinterpret_cast<const unsigned char*>(W), qwm::EXPERTS, logits,
+        PassNorm::scaled(sq, parts, eps));
 }
 
 // One block of VT_THREADS: warp t routes token t (route_warp), then the pairs p = token x TOPK
@@ -294,13 +291,9 @@ extern "C" __global__ void __launch_bounds__(VT_THREADS, 2)
     dependent_start();
     if (static_cast<int>(blockIdx.y) >= *n_tiles) return;
     const int4 t = tiles[blockIdx.y];
-    PassNorm norm;
-    norm.sq_in = sq;
-    norm.parts = parts;
-    norm.eps = eps;
     verify_product<qw::hidden, qw::wfmt, A_SCALED, false, 1>(
         xg, token + t.y, t.z, W + t.x * qwm::GATE_UP_BYTES, 2 * qwm::INTER,
-        gu + static_cast<long long>(t.y) * 2 * qwm::INTER, norm);
+        gu + static_cast<long long>(t.y) * 2 * qwm::INTER, PassNorm::scaled(sq, parts, eps));
 }
 
 // down: y[its rows of the grouped order] = the down rows . SwiGLU of gu's rows (bf16, for

@@ -14,12 +14,9 @@
              float* __restrict__ out, const bf16_t* __restrict__ next, bf16_t* __restrict__ xg,   \
              float* __restrict__ sq) {                                                            \
         dependent_start();                                                                        \
-        PassNorm norm;                                                                            \
-        norm.next = next;                                                                         \
-        norm.xg = xg;                                                                             \
-        norm.sq_out = sq;                                                                         \
-        verify_product<K, qw::wfmt, AIN, true, R>(                                                \
-            a, nullptr, n, static_cast<const unsigned char*>(W), N, out, norm);                   \
+        verify_product<K, qw::wfmt, AIN, true, R>(a, nullptr, n,                                  \
+                                                  static_cast<const unsigned char*>(W), N, out,   \
+                                                  PassNorm::writing(next, xg, sq));               \
     }
 
 // The product after an RMSNorm (Q/K/V, gate/up in the layer's format; the LM head in bf16).
@@ -28,12 +25,9 @@
         name(const bf16_t* __restrict__ xg, int n, const void* __restrict__ W, int N,             \
              float* __restrict__ out, const float* __restrict__ sq, int parts, float eps) {       \
         dependent_start();                                                                        \
-        PassNorm norm;                                                                            \
-        norm.sq_in = sq;                                                                          \
-        norm.parts = parts;                                                                       \
-        norm.eps = eps;                                                                           \
         verify_product<qw::hidden, WF, A_SCALED, false, 1>(                                       \
-            xg, nullptr, n, static_cast<const unsigned char*>(W), N, out, norm);                  \
+            xg, nullptr, n, static_cast<const unsigned char*>(W), N, out,                         \
+            PassNorm::scaled(sq, parts, eps));                                                    \
     }
 
 // One tile a block measured faster everywhere on the H100 but at o_proj with FP8 weights, whose

@@ -52,6 +52,23 @@ struct PassNorm {
     const bf16_t* next = nullptr;  // with ADD: the next norm's weights, and where xg and the
     bf16_t* xg = nullptr;          // block's sums of squares go (sq_out[token][blockIdx.x])
     float* sq_out = nullptr;
+
+    // A product after the norm: its input's `parts` sums of squares a token in sq.
+    __device__ static PassNorm scaled(const float* sq, int parts, float eps) {
+        PassNorm norm;
+        norm.sq_in = sq;
+        norm.parts = parts;
+        norm.eps = eps;
+        return norm;
+    }
+    // A product that adds to x: the next norm's weights, and where its input goes.
+    __device__ static PassNorm writing(const bf16_t* next, bf16_t* xg, float* sq) {
+        PassNorm norm;
+        norm.next = next;
+        norm.xg = xg;
+        norm.sq_out = sq;
+        return norm;
+    }
 };
 
 // Token tok's 8 activations at column col (a row of K) as bf16 pairs, zero where !ok.

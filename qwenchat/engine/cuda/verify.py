@@ -104,7 +104,7 @@ class VerifyPass:
         LM head) after an RMSNorm (a is pass_xg, `norm_in` the sums of squares a token in
         pass_sq), "attn" (o_proj's float input) or "act" (down's), which add to the residual
         stream and write the next norm's pass_xg and pass_sq (its weights `norm_out`).
-        Returns the sums of squares a token the product wrote (its blocks), or 0."""
+        Returns the product's blocks: for "attn" and "act", the sums of squares a token."""
         name, per_block = verify_kernel(kind, self.weight_format)
         blocks = math.ceil(rows / per_block)
         args = [a, ctypes.c_int(n), weight, ctypes.c_int(rows), out]
@@ -113,7 +113,7 @@ class VerifyPass:
         else:
             args += [norm_out, self.pass_xg, self.pass_sq]
         self._launch(name, blocks, VERIFY_THREADS, *args)
-        return blocks if norm_out is not None else 0
+        return blocks
 
     def _pass_norm_rows(self, n: int, norm: rt.DeviceBuffer) -> int:
         """pass_xg and pass_sq from x itself (one sum a token), where no product wrote them."""
