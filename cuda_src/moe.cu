@@ -323,13 +323,20 @@ extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, int rows,
 
 // Prefill: x[t][col0 + j] += sum over k (in order) of weights[t][k] x y[slot[t x TOPK + k]][j]
 // for j < width (the grouped down products' bf16 rows of one part of the columns, width
-// apart: moe.py's moe_down_parts), one block a token, eight columns a thread at a time.
+// apart: moe.py's moe_down_parts), one block a token, eight columns a thread at a time. With
+// `norm` set (a speculative pass's whole rows: col0 0, width hidden), also the next RMSNorm's
+// input as verify.cuh's PassNorm has it: xg = bf16(x x norm's weights) and the token's sum of
+// x^2 in sq[t] (one part).
 extern "C" __global__ void moe_combine(const bf16_t* __restrict__ y, const int* __restrict__ slot,
                                        const float* __restrict__ weights, int tokens,
-                                       float* __restrict__ x, int col0, int width) {
+                                       float* __restrict__ x, int col0, int width,
+                                       const bf16_t* __restrict__ norm, bf16_t* __restrict__ xg,
+                                       float* __restrict__ sq) {
     dependent_start();
     __shared__ const bf16_t* rows[qwm::TOPK];
     __shared__ float w[qwm::TOPK];
+    __shared__ float scratch[32];
+    float squares = 0.f;
     const int t = blockIdx.x;
     if (t >= tokens) return;
     for (int k = threadIdx.x; k < qwm::TOPK; k += blockDim.x) {
@@ -359,6 +366,18 @@ extern "C" __global__ void moe_combine(const bf16_t* __restrict__ y, const int* 
             o.z += total[4 * half + 2];
             o.w += total[4 * half + 3];
             out[2 * j + half] = o;
+            if (norm != nullptr) {
+                const int c = 8 * j + 4 * half;  // (col0 is 0)
+                const uint2 g = *reinterpret_cast<const uint2*>(norm + c);
+                *reinterpret_cast<uint2*>(xg + static_cast<long long>(t) * qw::hidden + c) =
+                    make_uint2(pack_bf16x2(o.x * bf16_lo(g.x), o.y * bf16_hi(g.x)),
+                               pack_bf16x2(o.z * bf16_lo(g.y), o.w * bf16_hi(g.y)));
+                squares += o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
+            }
         }
+    }
+    if (norm != nullptr) {
+        squares = block_sum(squares, scratch);
+        if (threadIdx.x == 0) sq[t] = squares;
     }
 }

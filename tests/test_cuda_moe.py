@@ -349,6 +349,33 @@ def test_a_few_token_pass_reads_each_chosen_expert_once_for_its_tokens(wide_engi
                 "moe_swiglu"} & set(names)
 
 
+@pytest.mark.parametrize(("n", "few_rows"), [(3, None), (5, 2)])
+def test_a_pass_leaves_the_next_norms_input(wide_engine, n, few_rows, monkeypatch):
+    """Given the next norm's weights, a pass's sparse layer leaves that norm's input as
+    verify.cuh's PassNorm takes it: x times the weights in bf16 (from the new x, bit for bit)
+    and one sum of x^2 a token (moe_combine for a few rows, verify_norm_rows after the grouped
+    products)."""
+    from test_cuda_engine import download
+
+    from qwenchat.model.floats import bf16_bits_to_f32, f32_to_bf16_bits
+
+    engine, model = wide_engine
+    if few_rows is not None:  # (the grouped products for a pass of at most VERIFY_ROWS)
+        monkeypatch.setattr(engine, "moe_few_rows", few_rows)
+    h = model.config.hidden_size
+    engine.x.upload(np.random.default_rng(n).standard_normal((n, h)).astype(np.float32))
+    nxt = engine.layers[0].input_norm
+    engine.pass_xg.fill_u8(0xFF)
+    engine._moe_pass(0, engine.layers[0], n, None, nxt)
+    engine.stream.synchronize()
+    x = download(engine.x, np.float32, (n, h))
+    gain = bf16_bits_to_f32(download(nxt, np.uint16, (h,)))
+    np.testing.assert_array_equal(download(engine.pass_xg, np.uint16, (n, h)),
+                                  f32_to_bf16_bits(x * gain))
+    np.testing.assert_allclose(download(engine.pass_sq, np.float32, (n,)),
+                               (x.astype(np.float64) ** 2).sum(axis=1), rtol=1e-5)
+
+
 def test_a_pass_of_more_tokens_than_the_few_rows_takes_the_grouped_products(wide_engine,
                                                                              spy_calls):
     engine, model = wide_engine

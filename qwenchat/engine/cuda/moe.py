@@ -245,10 +245,13 @@ class MoeLayers:
                      256, self.xn, w.router, self.moe_logits, c_int(n), c_int(e), c_int(h),
                      shared=gemm_shared_bytes("bf16"))
 
-    def _moe_pass(self, layer: int, w: LayerBuffers, n: int, parts: int | None = None) -> None:
+    def _moe_pass(self, layer: int, w: LayerBuffers, n: int, parts: int | None = None,
+                  after: rt.DeviceBuffer | None = None) -> None:
         """x += the sparse MLP of n tokens (x after attention; with `parts` set, a speculative
         pass's, whose o_proj left the norm's input in pass_xg and pass_sq, `parts` sums of
-        squares a token: verify.cuh's PassNorm): the post-attention RMSNorm, the router's
+        squares a token: verify.cuh's PassNorm; with `after`, the next norm's weights, the
+        pass's input to that norm left there too, one sum a token): the post-attention
+        RMSNorm, the router's
         logits on the tensor cores, the top-k, the tokens' rows grouped by expert (moe_count,
         moe_place: the order of the tokens kept within an expert, so a run's layout is
         always the same), each expert's rows through its gate/up and down products (tiles
@@ -260,7 +263,7 @@ class MoeLayers:
         if n <= self.moe_few_rows:
             if parts is None:
                 parts = self._pass_norm_rows(n, w.post_norm)
-            self._moe_few(w, n, parts)
+            self._moe_few(w, n, parts, after)
             return
         self._launch("rmsnorm_rows", n, 256, self.x, w.post_norm, c_int(n),
                      ctypes.c_float(cfg.rms_norm_eps), self.xn)
@@ -278,15 +281,19 @@ class MoeLayers:
         for col0 in range(0, cfg.hidden_size, width):
             self._moe_down(layer, w, n, col0, width)
             self._launch("moe_combine", n, 256, self.moe_y, self.moe_slot, self.moe_weights,
-                         c_int(n), self.x, c_int(col0), c_int(width))
+                         c_int(n), self.x, c_int(col0), c_int(width), *[rt.Ptr(0)] * 3)
+        if after is not None:
+            self._pass_norm_rows(n, after)
 
-    def _moe_few(self, w: LayerBuffers, n: int, parts: int) -> None:
+    def _moe_few(self, w: LayerBuffers, n: int, parts: int,
+                 after: rt.DeviceBuffer | None = None) -> None:
         """x += the sparse MLP of a pass of n <= VERIFY_ROWS tokens (their normed rows in
         pass_xg and pass_sq, `parts` sums a token) in five launches (moe.cu): the router's
         logits and the routing and grouping in one block (moe_few_router, moe_few_route),
         each chosen expert's gate/up and down rows read once
         for its pairs (moe_few_gate_up, moe_few_down: 16 rows of one expert a block, SwiGLU
-        applied as down reads its input), and each token's experts summed back in rank order.
+        applied as down reads its input), and each token's experts summed back in rank order
+        (moe_combine; with `after`, the next norm's weights, writing that norm's input too).
         An expert's pairs are one tile (a token routes to it once), so there are at most as
         many tiles as pairs or experts."""
         cfg, c_int = self.config, ctypes.c_int
@@ -304,8 +311,10 @@ class MoeLayers:
         self._launch("moe_few_down", (math.ceil(h / VERIFY_TILE), tiles), VERIFY_THREADS,
                      self.moe_gu, w.experts_down, self.moe_few_y, self.moe_tiles,
                      self.moe_n_tiles)
+        next_norm = ((after, self.pass_xg, self.pass_sq) if after is not None
+                     else (rt.Ptr(0),) * 3)
         self._launch("moe_combine", n, 256, self.moe_few_y, self.moe_slot, self.moe_weights,
-                     c_int(n), self.x, c_int(0), c_int(h))
+                     c_int(n), self.x, c_int(0), c_int(h), *next_norm)
 
     def experts_read(self) -> int | None:
         """The experts that passes of a few tokens (speculative passes, short prompts' parts)

@@ -142,9 +142,9 @@ class VerifyPass:
                          c_int(splits), self.verify_attn, shared=(splits + 3) // 4 * 16)
             parts = self._verify_product("attn", self.verify_attn, w.o, self.x, n, h,
                                          norm_out=w.post_norm)
-            if w.router is not None:  # a mixture of experts (moe.py)
-                self._moe_pass(i, w, n, parts)
-                parts = self._pass_norm_rows(n, after)
+            if w.router is not None:  # a mixture of experts (moe.py: the next norm's input too)
+                self._moe_pass(i, w, n, parts, after)
+                parts = 1
                 continue
             self._verify_product("xn", self.pass_xg, w.gate_up, self.verify_gu, n, 2 * inter,
                                  parts)
