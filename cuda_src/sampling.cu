@@ -78,15 +78,27 @@ extern "C" __global__ void mark_seen(const int* __restrict__ ids, int n,
         seen[ids[i]] = 1;
 }
 
-// A speculative pass's tokens kept into the reply: seen and counted for the penalties, as a
-// plain step counts the token it draws (one thread: the ids may repeat).
-extern "C" __global__ void count_tokens(const int* __restrict__ ids, int n,
-                                        unsigned char* __restrict__ seen, int* __restrict__ counts) {
+// A speculative pass's tokens kept into the reply, by value: the launch carries them, so the
+// host queues it and goes on (no host buffer to keep until the copy has run).
+struct KeptTokens {
+    int ids[8];      // the first n (a pass's rows at most)
+    int n;
+    int next_token;  // the next step's input, and its position
+    int position;
+};
+
+// The kept tokens seen and counted for the penalties, as a plain step counts the token it
+// draws (one thread: the ids may repeat), and the next step's token and position.
+extern "C" __global__ void count_tokens(const KeptTokens kept, unsigned char* __restrict__ seen,
+                                        int* __restrict__ counts, int* __restrict__ token,
+                                        int* __restrict__ pos) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    for (int i = 0; i < n; ++i) {
-        seen[ids[i]] = 1;
-        counts[ids[i]] += 1;
+    for (int i = 0; i < kept.n; ++i) {
+        seen[kept.ids[i]] = 1;
+        counts[kept.ids[i]] += 1;
     }
+    *token = kept.next_token;
+    *pos = kept.position;
 }
 
 // A speculative pass's greedy choices where no penalty is on: each row's first maximum (one

@@ -547,6 +547,29 @@ def test_decode_attention_matches_numpy(kernels, position, splits):
     assert rel_err(got, expected) <= 1e-3
 
 
+def test_count_tokens_takes_a_passs_kept_tokens_by_value(kernels):
+    """The rewind after a pass: its kept tokens (repeats counted twice) seen and counted, and
+    the next step's token and position, all from the launch's own arguments."""
+    from qwenchat.engine.cuda.engine import KeptTokens
+
+    rt, cfg, modules, stream = kernels
+    counts0 = np.arange(cfg.vocab_size, dtype=np.int32) % 3
+    seen, counts = upload(rt, np.zeros(cfg.vocab_size, np.uint8)), upload(rt, counts0)
+    token, pos = poisoned(rt, 4), poisoned(rt, 4)
+    kept = KeptTokens(n=5, next_token=9, position=321)
+    kept.ids[:6] = [3, 9, 3, 7, 9, 500]  # (the sixth is past n: not counted)
+    rt.launch(modules["sampling.cu"].function("count_tokens"), 1, 32,
+              [kept, seen, counts, token, pos], stream=stream)
+    stream.synchronize()
+    want_seen = np.zeros(cfg.vocab_size, np.uint8)
+    want_seen[[3, 7, 9]] = 1
+    want_counts = counts0.copy()
+    want_counts[[3, 7, 9]] += [2, 1, 2]
+    np.testing.assert_array_equal(download(seen, np.uint8, cfg.vocab_size), want_seen)
+    np.testing.assert_array_equal(download(counts, np.int32, cfg.vocab_size), want_counts)
+    assert download(token, np.int32, 1)[0] == 9 and download(pos, np.int32, 1)[0] == 321
+
+
 def run_sampler(kernels, logits, params: dict, seen=None, counts=None, step=0, seed=0):
     from qwenchat.engine.cuda.sampler import SAMPLE_PARAMS, SAMPLER_HISTOGRAM_BYTES
 

@@ -289,6 +289,23 @@ def test_every_kernel_a_pass_launches_as_a_dependent_first_waits_for_the_one_bef
     assert kernel_body_start(sources, "embed_rows") != "dependent_start()"  # (the check checks)
 
 
+def test_the_kept_tokens_struct_is_laid_out_as_sampling_cu_declares_it():
+    """_rewind passes a pass's kept tokens to count_tokens by value (engine.KeptTokens): the
+    same fields, in the same order, with as many ids as a pass has rows."""
+    import ctypes
+    import re
+
+    from qwenchat.engine.cuda.engine import KeptTokens
+    from qwenchat.engine.cuda.verify import VERIFY_ROWS
+
+    source = compiler._read_sources()["sampling.cu"]
+    body = re.search(r"struct KeptTokens \{(.*?)\};", source, re.S).group(1)
+    fields = re.findall(r"int (\w+)(?:\[(\d+)\])?;", body)
+    assert [name for name, _ in fields] == [name for name, _ in KeptTokens._fields_]
+    assert int(fields[0][1]) == len(KeptTokens().ids) == VERIFY_ROWS
+    assert ctypes.sizeof(KeptTokens) == 4 * (VERIFY_ROWS + 3)
+
+
 COMPILE_MATRIX = pytest.mark.compile_matrix
 
 

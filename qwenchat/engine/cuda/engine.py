@@ -83,6 +83,13 @@ KERNELS = {
     "verify.cu": VERIFY_KERNELS,
     "moe.cu": MOE_KERNELS,  # (a mixture of experts' only)
 }
+class KeptTokens(ctypes.Structure):
+    """sampling.cu's KeptTokens: a speculative pass's kept tokens, passed by value."""
+
+    _fields_ = (("ids", ctypes.c_int * VERIFY_ROWS), ("n", ctypes.c_int),
+                ("next_token", ctypes.c_int), ("position", ctypes.c_int))
+
+
 # Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs, for
 # bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
 # The Hopper GEMMs compile as one program a product (QW_PART n, sm90.cuh), longest first: ptxas
@@ -749,16 +756,15 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         """Keep the cache up to `position` (entries past it are written over later), and
         leave the device as plain decoding would have: the pass's row `row` of logits the last
         position's, the emitted tokens counted and seen for the penalties (count_tokens, as
-        plain steps count theirs), the last one to be fed next at `position`."""
+        plain steps count theirs), the last one to be fed next at `position`. Queued only:
+        the tokens travel in count_tokens' launch, so no host buffer has to outlive it."""
         self.device.make_current()
         del self._tokens[position:]
         self._reply_counts.update(emitted)
         self._keep_pass_row(row)
-        self._upload_pass_ids(emitted)
-        self._launch("count_tokens", 1, 32, self.ids, ctypes.c_int(len(emitted)), self.seen,
-                     self.counts)
-        self._feed_next(emitted[-1], position)
-        self.stream.synchronize()  # (the host arrays _feed_next uploads from are reused)
+        kept = KeptTokens(n=len(emitted), next_token=emitted[-1], position=position)
+        kept.ids[: len(emitted)] = emitted
+        self._launch("count_tokens", 1, 32, kept, self.seen, self.counts, self.token, self.pos)
         self._logits_valid = True
 
     def _feed_next(self, token: int, position: int) -> None:
