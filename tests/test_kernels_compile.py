@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -1089,6 +1090,30 @@ def test_passes_share_one_scratch_of_partial_sums_sized_by_the_largest():
     # without split K (FP8 weights on e4m3): a prefill's key splits
     assert partials_bytes(config, 4096, False, 132) == (
         PREFILL_QUERIES_PER_BLOCK * PREFILL_MAX_KEY_SPLITS * chunk_floats * 4)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"])
+def test_a_passs_chunks_are_longer_than_a_steps_and_never_past_the_kernels_most(preset):
+    """A speculative pass takes the fewest chunks of at most VerifyPass.pass_chunk keys (a
+    decode step: DECODE_SHORT_CHUNK): at 2,000 positions 16 chunks where a step takes the
+    most. Every length up to the capacity keeps each chunk within DECODE_MAX_CHUNK keys
+    (attention.cu traps past it)."""
+    from types import SimpleNamespace
+
+    from qwenchat.engine.cuda.engine import decode_split_options
+    from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK, LayeredDecode
+    from qwenchat.engine.cuda.verify import VerifyPass
+    from qwenchat.model.presets import PRESETS
+
+    assert VerifyPass.pass_chunk <= DECODE_MAX_CHUNK
+    for capacity in (4096, 40960, 131072):
+        options = decode_split_options(PRESETS[preset], capacity, 132)
+        engine = SimpleNamespace(split_options=options, pass_chunk=VerifyPass.pass_chunk)
+        if capacity == 4096:
+            assert VerifyPass._pass_splits(engine, 2008) == 16
+            assert LayeredDecode._splits_for(engine, 2008) == options[-1] > 16
+        for length in range(1, capacity + 1, 7):
+            assert math.ceil(length / VerifyPass._pass_splits(engine, length)) <= DECODE_MAX_CHUNK
 
 
 def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():

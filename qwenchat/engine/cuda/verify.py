@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
+from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
@@ -54,6 +55,10 @@ class VerifyPass:
     # Whether a pass's kernels are launched as dependents where the GPU can (compute
     # capability 9.0 and up): DEPENDENT_KERNELS.
     dependent_launches = True
+    # The most keys of a pass's attention chunk (attention.cu's DC_MAX_CHUNK at most): a pass
+    # has a block per row as well as per chunk and kv head, so fewer, longer chunks than a
+    # decode step's still fill the chip.
+    pass_chunk = DECODE_MAX_CHUNK
     _dependent_now = False  # while a pass's graph is captured: CudaEngine._launch
 
     def _verify_state(self) -> None:
@@ -154,11 +159,19 @@ class VerifyPass:
         self._verify_product("head", self.pass_xg, self.lm_head, self.pass_logits, n,
                              cfg.vocab_size, parts)
 
+    def _pass_splits(self, length: int) -> int:
+        """The fewest flash-decoding chunks that keep each at most pass_chunk keys, else the
+        most."""
+        for splits in self.split_options:
+            if math.ceil(length / splits) <= self.pass_chunk:
+                return splits
+        return self.split_options[-1]
+
     def _verify_forward(self, start: int, n: int) -> None:
         """The pass's forward for n tokens already in self.ids, the first at position start:
         one graph launch."""
         self._verify_state()
-        splits = self._splits_for(start + n)
+        splits = self._pass_splits(start + n)
         key = (n, splits)
         if key not in self._verify_graphs:
             self._dependent_now = (self.dependent_launches
