@@ -201,7 +201,7 @@ __device__ __forceinline__ void gemm_fp8_tile(const TensorMap& map_a, const Tens
                                up_row);                                                        \
     }
 
-// QW_PART n (0-4): one product alone (part 0 with the quantizer), as for gemm_sm90.cu.
+// QW_PART n (0-4): one product alone, 5 the quantizer, as for gemm_sm90.cu.
 #if QW_IN_PART(0)
 GEMM_FP8(gemm_fp8_swiglu, SWIGLU_E4M3, 256)  // gate/up: act for down_proj, in e4m3
 #endif
@@ -217,7 +217,7 @@ GEMM_FP8(gemm_fp8_add_128, ADD_F32, 128)  // o_proj, down_proj into the residual
 #if QW_IN_PART(4)
 GEMM_FP8(gemm_fp8_add_256, ADD_F32, 256)
 #endif
-#if QW_IN_PART(0)
+#if QW_IN_PART(5)
 
 // rows (M x K bf16, ld apart) -> e4m3 codes (M x K bytes) and a float scale a row and 128
 // columns (scales[M][ceil(K / 128)]): scale = max |x| / 448, code = e4m3(x / scale) rounded to
@@ -263,4 +263,4 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     if (lane == 0) scales[static_cast<long long>(row) * groups + group] = scale;
 }
-#endif  // QW_IN_PART(0)
+#endif  // QW_IN_PART(5)

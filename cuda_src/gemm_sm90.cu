@@ -173,9 +173,10 @@ __device__ __forceinline__ void gemm_tile(const TensorMap& map_a, const TensorMa
         gemm_tile<BN, EPI>(map_a, map_b, b_rows, c, M, N, K, up_row, ldc);                     \
     }
 
-// QW_PART n (0-4) builds one of the five products alone (part 0 with the split-K sums): the
-// host compiles them as five programs on five threads, since ptxas takes each wgmma
-// instantiation on its own; without it, all of them (engine.py SM90_PARTS).
+// QW_PART n (0-4) builds one of the five products alone, 5 the split-K sums: the host compiles
+// them as six programs on six threads, since ptxas takes each wgmma instantiation on its own
+// (and the sums beside the SwiGLU product cost more than their own compile: 1.32 s together,
+// 1.12 + 0.24 apart, NVRTC on a 2-core host); without it, all of them (engine.py SM90_PARTS).
 #if QW_IN_PART(0)
 GEMM90(gemm90_swiglu, 256, SWIGLU_BF16)  // gate/up, SwiGLU applied: down_proj's bf16 input
 #endif
@@ -191,7 +192,7 @@ GEMM90(gemm90_add_128, 128, ADD_F32)  // o_proj, down_proj into the fp32 residua
 #if QW_IN_PART(4)
 GEMM90(gemm90_add_256, 256, ADD_F32)
 #endif
-#if QW_IN_PART(0)
+#if QW_IN_PART(5)
 
 // Split K's sums: C (rows ldc apart) = or += (add) the `splits` partial products parts[z]
 // (M x N each, in the order of z: the same bits run after run). Grid-stride over M x N.
@@ -224,4 +225,4 @@ extern "C" __global__ void __launch_bounds__(256)
         act[m * ldc + f] = f32_to_bf16(silu(gate) * up);
     }
 }
-#endif  // QW_IN_PART(0)
+#endif  // QW_IN_PART(5)

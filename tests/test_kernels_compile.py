@@ -612,14 +612,14 @@ def test_a_hopper_run_compiles_the_megakernel_first_and_no_portable_gemm():
     plan = plan_kernels(config, "bf16", gpu_shape("sm_90"))
     assert plan.decode == "megakernel" and plan.hopper_gemm and plan.hopper_attention
     assert _sources(plan) == [
-        ("megakernel.cu", "sm_90"), *[("gemm_sm90.cu", "sm_90a")] * 5, ("attention.cu", "sm_90"),
+        ("megakernel.cu", "sm_90"), *[("gemm_sm90.cu", "sm_90a")] * 6, ("attention.cu", "sm_90"),
         ("sampling.cu", "sm_90"), ("attention_sm90.cu", "sm_90a"), ("verify.cu", "sm_90"),
         ("layers.cu", "sm_90")]
     assert plan.builds[0] == plan.megakernel
     assert dict(plan.megakernel.defines) == {
         **plan.megakernel_layout.defines(config), "QW_MK_SKIP": 0}
-    assert [dict(build.defines) for build in plan.builds[1:6]] == [
-        {**kernel_defines(config), "QW_PART": part} for part in range(5)]
+    assert [dict(build.defines) for build in plan.builds[1:7]] == [
+        {**kernel_defines(config), "QW_PART": part} for part in range(6)]
 
 
 def gemm_part_build(source, weights, part) -> Build:

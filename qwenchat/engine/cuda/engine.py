@@ -93,14 +93,14 @@ class KeptTokens(ctypes.Structure):
 # Hopper's prefill kernels (wgmma, TMA), built for sm_90a: the prefill path on sm_90 GPUs, for
 # bf16 and FP8 weights (attention_sm90 takes head_dim 64 and 128, attention.cu the rest).
 # The Hopper GEMMs compile as one program a product (QW_PART n, sm90.cuh), longest first: ptxas
-# takes each wgmma instantiation on its own, so five programs on five threads cost about the
+# takes each wgmma instantiation on its own, so six programs on six threads cost about the
 # longest one instead of their sum (gemm_sm90.cu 4.9 s whole on the H100 host: it bounded a
 # first run's compiles once the megakernel compiled in the background; docs/perf.md).
 SM90_PARTS = {
-    "gemm_sm90.cu": (("gemm90_swiglu", "splitk_sum", "splitk_swiglu"), ("gemm90_store_128",),
-                     ("gemm90_store_256",), ("gemm90_add_128",), ("gemm90_add_256",)),
-    "gemm_fp8_sm90.cu": (("gemm_fp8_swiglu", "quantize_rows_e4m3"), ("gemm_fp8_store_128",),
-                         ("gemm_fp8_store_256",), ("gemm_fp8_add_128",), ("gemm_fp8_add_256",)),
+    "gemm_sm90.cu": (("gemm90_swiglu",), ("gemm90_store_128",), ("gemm90_store_256",),
+                     ("gemm90_add_128",), ("gemm90_add_256",), ("splitk_sum", "splitk_swiglu")),
+    "gemm_fp8_sm90.cu": (("gemm_fp8_swiglu",), ("gemm_fp8_store_128",), ("gemm_fp8_store_256",),
+                         ("gemm_fp8_add_128",), ("gemm_fp8_add_256",), ("quantize_rows_e4m3",)),
     "moe_sm90.cu": (("moe90_gate_up",), ("moe90_down",)),  # bf16 and FP8 experts' grouped products
 }
 SM90_KERNELS = {**{source: tuple(name for part in parts for name in part)
