@@ -1098,22 +1098,24 @@ def test_a_passs_chunks_are_longer_than_a_steps_and_never_past_the_kernels_most(
     decode step: DECODE_SHORT_CHUNK): at 2,000 positions 16 chunks where a step takes the
     most. Every length up to the capacity keeps each chunk within DECODE_MAX_CHUNK keys
     (attention.cu traps past it)."""
-    from types import SimpleNamespace
-
     from qwenchat.engine.cuda.engine import decode_split_options
     from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK, LayeredDecode
     from qwenchat.engine.cuda.verify import VerifyPass
     from qwenchat.model.presets import PRESETS
 
+    class Splits(LayeredDecode, VerifyPass):  # (CudaEngine's choice of chunks, alone)
+        def __init__(self, options: list[int]) -> None:
+            self.split_options = options
+
     assert VerifyPass.pass_chunk <= DECODE_MAX_CHUNK
     for capacity in (4096, 40960, 131072):
         options = decode_split_options(PRESETS[preset], capacity, 132)
-        engine = SimpleNamespace(split_options=options, pass_chunk=VerifyPass.pass_chunk)
+        engine = Splits(options)
         if capacity == 4096:
-            assert VerifyPass._pass_splits(engine, 2008) == 16
-            assert LayeredDecode._splits_for(engine, 2008) == options[-1] > 16
+            assert engine._pass_splits(2008) == 16
+            assert engine._splits_for(2008) == options[-1] > 16
         for length in range(1, capacity + 1, 7):
-            assert math.ceil(length / VerifyPass._pass_splits(engine, length)) <= DECODE_MAX_CHUNK
+            assert math.ceil(length / engine._pass_splits(length)) <= DECODE_MAX_CHUNK
 
 
 def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():

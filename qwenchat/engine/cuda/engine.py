@@ -83,6 +83,8 @@ KERNELS = {
     "verify.cu": VERIFY_KERNELS,
     "moe.cu": MOE_KERNELS,  # (a mixture of experts' only)
 }
+
+
 class KeptTokens(ctypes.Structure):
     """sampling.cu's KeptTokens: a speculative pass's kept tokens, passed by value."""
 

@@ -22,10 +22,10 @@ class LayeredDecode:
     """CudaEngine's per-op decode: a graph per flash-decoding split count, captured on first
     use. Uses the engine's kernels, stream, buffers and _lm_head."""
 
-    def _splits_for(self, length: int) -> int:
-        """The fewest chunks that keep each at most DECODE_SHORT_CHUNK keys, else the most."""
+    def _splits_for(self, length: int, most_keys: int = DECODE_SHORT_CHUNK) -> int:
+        """The fewest chunks that keep each at most `most_keys` keys, else the most."""
         for splits in self.split_options:
-            if math.ceil(length / splits) <= DECODE_SHORT_CHUNK:
+            if math.ceil(length / splits) <= most_keys:
                 return splits
         return self.split_options[-1]
 

@@ -251,14 +251,13 @@ class MoeLayers:
         pass's, whose o_proj left the norm's input in pass_xg and pass_sq, `parts` sums of
         squares a token: verify.cuh's PassNorm; with `after`, the next norm's weights, the
         pass's input to that norm left there too, one sum a token): the post-attention
-        RMSNorm, the router's
-        logits on the tensor cores, the top-k, the tokens' rows grouped by expert (moe_count,
-        moe_place: the order of the tokens kept within an expert, so a run's layout is
-        always the same), each expert's rows through its gate/up and down products (tiles
-        listed on the device, the grid sized for the most there can be), and each token's
-        experts summed back with their weights in rank order (a part of the columns at a
-        time where a chunk's bf16 down rows would not fit the staging whole). A pass of at
-        most moe_few_rows tokens takes _moe_few instead."""
+        RMSNorm, the router's logits on the tensor cores, the top-k, the tokens' rows grouped
+        by expert (moe_count, moe_place: the order of the tokens kept within an expert, so a
+        run's layout is always the same), each expert's rows through its gate/up and down
+        products (tiles listed on the device, the grid sized for the most there can be), and
+        each token's experts summed back with their weights in rank order (a part of the
+        columns at a time where a chunk's bf16 down rows would not fit the staging whole). A
+        pass of at most moe_few_rows tokens takes _moe_few instead."""
         cfg, c_int = self.config, ctypes.c_int
         if n <= self.moe_few_rows:
             if parts is None:

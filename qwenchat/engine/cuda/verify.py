@@ -161,11 +161,8 @@ class VerifyPass:
 
     def _pass_splits(self, length: int) -> int:
         """The fewest flash-decoding chunks that keep each at most pass_chunk keys, else the
-        most."""
-        for splits in self.split_options:
-            if math.ceil(length / splits) <= self.pass_chunk:
-                return splits
-        return self.split_options[-1]
+        most (LayeredDecode's rule with longer chunks)."""
+        return self._splits_for(length, self.pass_chunk)
 
     def _verify_forward(self, start: int, n: int) -> None:
         """The pass's forward for n tokens already in self.ids, the first at position start:
