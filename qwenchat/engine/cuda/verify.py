@@ -14,12 +14,13 @@ import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK
+from qwenchat.engine.cuda.prefill import PREFILL_MAX_KEY_SPLITS, prefill_attention_shared
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
 
-VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head",
-                  "verify_norm_rows")
+VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_attn_bf16", "verify_act",
+                  "verify_head", "verify_norm_rows")
 # The kernels a pass launches that begin with common.cuh's dependent_start: on Hopper each may
 # start while the one before it ends (programmatic dependent launch), its blocks taking the
 # SMs the other's last blocks leave free. (Not embed_rows: the graph's first kernel.)
@@ -59,6 +60,10 @@ class VerifyPass:
     # has a block per row as well as per chunk and kv head, so fewer, longer chunks than a
     # decode step's still fill the chip.
     pass_chunk = DECODE_MAX_CHUNK
+    # Whether a pass's attention runs on prefill's kernel (attn_prefill: a block a query head
+    # and key split, its rows' scores on the tensor cores, the keys read once a head) with a
+    # bf16 output, or on the decode kernel (a block a row, kv head and chunk) - for an A/B.
+    prefill_attention = True
     _dependent_now = False  # while a pass's graph is captured: CudaEngine._launch
 
     def _verify_state(self) -> None:
@@ -139,14 +144,29 @@ class VerifyPass:
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             self._verify_product("xn", self.pass_xg, w.qkv, self.qkv, n, qkv_cols, parts)
             self._qk_norm_rope_store(i, n, self.verify_pos, 0)
-            self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits, n), 128,
-                         self.q, self.k_cache[i], self.v_cache[i], self.verify_pos,
-                         c_int(self.capacity), scale, self.verify_part_o, self.verify_part_ml)
-            self._launch("attn_decode_merge", (cfg.num_attention_heads, n),
-                         min(cfg.head_dim, 128), self.verify_part_o, self.verify_part_ml,
-                         c_int(splits), self.verify_attn, shared=(splits + 3) // 4 * 16)
-            parts = self._verify_product("attn", self.verify_attn, w.o, self.x, n, h,
-                                         norm_out=w.post_norm)
+            if self.prefill_attention:
+                heads = cfg.num_attention_heads
+                self._launch("attn_prefill", (1, heads, splits), 128, self.q, self.k_cache[i],
+                             self.v_cache[i], self.verify_pos, c_int(0), c_int(n),
+                             c_int(self.capacity), scale, self.attn, self.prefill_part_o,
+                             self.prefill_part_ml,
+                             shared=prefill_attention_shared(cfg.head_dim))
+                if splits > 1:
+                    self._launch("attn_prefill_merge", (n, heads), cfg.head_dim,
+                                 self.prefill_part_o, self.prefill_part_ml, c_int(splits),
+                                 self.attn)
+                parts = self._verify_product("attn_bf16", self.attn, w.o, self.x, n, h,
+                                             norm_out=w.post_norm)
+            else:
+                self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits, n), 128,
+                             self.q, self.k_cache[i], self.v_cache[i], self.verify_pos,
+                             c_int(self.capacity), scale, self.verify_part_o,
+                             self.verify_part_ml)
+                self._launch("attn_decode_merge", (cfg.num_attention_heads, n),
+                             min(cfg.head_dim, 128), self.verify_part_o, self.verify_part_ml,
+                             c_int(splits), self.verify_attn, shared=(splits + 3) // 4 * 16)
+                parts = self._verify_product("attn", self.verify_attn, w.o, self.x, n, h,
+                                             norm_out=w.post_norm)
             if w.router is not None:  # a mixture of experts (moe.py: the next norm's input too)
                 self._moe_pass(i, w, n, parts, after)
                 parts = 1
@@ -159,6 +179,13 @@ class VerifyPass:
         self._verify_product("head", self.pass_xg, self.lm_head, self.pass_logits, n,
                              cfg.vocab_size, parts)
 
+    def _prefill_splits(self, length: int) -> int:
+        """attn_prefill's key splits for a pass over `length` keys: enough blocks to fill the
+        chip twice, each at least a tile of keys, PREFILL_MAX_KEY_SPLITS at most."""
+        heads = self.config.num_attention_heads
+        return max(1, min(PREFILL_MAX_KEY_SPLITS, math.ceil(length / 64),
+                          math.ceil(2 * self.device.sm_count / heads)))
+
     def _pass_splits(self, length: int) -> int:
         """The fewest flash-decoding chunks that keep each at most pass_chunk keys, else the
         most (LayeredDecode's rule with longer chunks)."""
@@ -168,7 +195,8 @@ class VerifyPass:
         """The pass's forward for n tokens already in self.ids, the first at position start:
         one graph launch."""
         self._verify_state()
-        splits = self._pass_splits(start + n)
+        splits = (self._prefill_splits(start + n) if self.prefill_attention
+                  else self._pass_splits(start + n))
         key = (n, splits)
         if key not in self._verify_graphs:
             self._dependent_now = (self.dependent_launches
