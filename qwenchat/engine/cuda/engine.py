@@ -77,8 +77,8 @@ KERNELS = {
                   "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows", "draw_int4_rows",
                   "dequant_int4_rows"),
     "gemm.cu": ("gemm_store", "gemm_add"),
-    "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_decode_partial",
-                     "attn_decode_merge"),
+    "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_pass_packed",
+                     "attn_decode_partial", "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen", "count_tokens", "rows_argmax"),
     "verify.cu": VERIFY_KERNELS,
     "moe.cu": MOE_KERNELS,  # (a mixture of experts' only)

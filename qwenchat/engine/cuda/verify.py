@@ -14,7 +14,7 @@ import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK
-from qwenchat.engine.cuda.prefill import PREFILL_MAX_KEY_SPLITS, prefill_attention_shared
+from qwenchat.engine.cuda.prefill import prefill_attention_shared
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
@@ -26,10 +26,13 @@ VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_attn_bf1
 # SMs the other's last blocks leave free. (Not embed_rows: the graph's first kernel.)
 DEPENDENT_KERNELS = frozenset((
     *VERIFY_KERNELS, "rmsnorm_rows", "qk_norm_rope_store", "attn_decode_partial",
-    "attn_decode_merge", "swiglu_rows", "moe_few_router", "moe_few_route", "moe_few_gate_up",
-    "moe_few_down", "moe_combine"))
+    "attn_decode_merge", "attn_pass_packed", "swiglu_rows", "moe_few_router", "moe_few_route",
+    "moe_few_gate_up", "moe_few_down", "moe_combine"))
 VERIFY_THREADS = 256  # verify.cuh's VT_THREADS
 VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cuh's VT_TOKENS
+# The prefill attention's key splits a pass may take: the prefill's partial sums hold
+# PREFILL_QUERIES_PER_BLOCK rows of PREFILL_MAX_KEY_SPLITS, a pass's 8 rows 8 times as many.
+PASS_MAX_KEY_SPLITS = 64
 VERIFY_TILE = 16  # weight rows of one mma tile
 
 
@@ -60,10 +63,11 @@ class VerifyPass:
     # has a block per row as well as per chunk and kv head, so fewer, longer chunks than a
     # decode step's still fill the chip.
     pass_chunk = DECODE_MAX_CHUNK
-    # Whether a pass's attention runs on prefill's kernel (attn_prefill: a block a query head
-    # and key split, its rows' scores on the tensor cores, the keys read once a head) with a
-    # bf16 output, or on the decode kernel (a block a row, kv head and chunk) - for an A/B.
-    prefill_attention = True
+    # A pass's attention: "packed" on attn_pass_packed (prefill's tensor-core attention, a block
+    # a kv head and key split taking every row's query heads, the keys read once), "prefill"
+    # on attn_prefill (a block a query head and key split), both with bf16 rows into o_proj;
+    # or "decode" on the decode kernels (a block a row, kv head and chunk). For the A/B.
+    pass_attention = "packed"
     _dependent_now = False  # while a pass's graph is captured: CudaEngine._launch
 
     def _verify_state(self) -> None:
@@ -144,13 +148,17 @@ class VerifyPass:
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             self._verify_product("xn", self.pass_xg, w.qkv, self.qkv, n, qkv_cols, parts)
             self._qk_norm_rope_store(i, n, self.verify_pos, 0)
-            if self.prefill_attention:
-                heads = cfg.num_attention_heads
-                self._launch("attn_prefill", (1, heads, splits), 128, self.q, self.k_cache[i],
-                             self.v_cache[i], self.verify_pos, c_int(0), c_int(n),
-                             c_int(self.capacity), scale, self.attn, self.prefill_part_o,
-                             self.prefill_part_ml,
-                             shared=prefill_attention_shared(cfg.head_dim))
+            if self.pass_attention != "decode":
+                heads, shared = cfg.num_attention_heads, prefill_attention_shared(cfg.head_dim)
+                cache = (self.k_cache[i], self.v_cache[i], self.verify_pos)
+                tail = (c_int(n), c_int(self.capacity), scale, self.attn, self.prefill_part_o,
+                        self.prefill_part_ml)
+                if self.pass_attention == "packed":
+                    self._launch("attn_pass_packed", (1, cfg.num_key_value_heads, splits), 128,
+                                 self.q, *cache, *tail, shared=shared)
+                else:
+                    self._launch("attn_prefill", (1, heads, splits), 128, self.q, *cache,
+                                 c_int(0), *tail, shared=shared)
                 if splits > 1:
                     self._launch("attn_prefill_merge", (n, heads), cfg.head_dim,
                                  self.prefill_part_o, self.prefill_part_ml, c_int(splits),
@@ -180,11 +188,14 @@ class VerifyPass:
                              cfg.vocab_size, parts)
 
     def _prefill_splits(self, length: int) -> int:
-        """attn_prefill's key splits for a pass over `length` keys: enough blocks to fill the
-        chip twice, each at least a tile of keys, PREFILL_MAX_KEY_SPLITS at most."""
-        heads = self.config.num_attention_heads
-        return max(1, min(PREFILL_MAX_KEY_SPLITS, math.ceil(length / 64),
-                          math.ceil(2 * self.device.sm_count / heads)))
+        """The prefill attention's key splits for a pass over `length` keys: enough blocks to
+        fill the chip twice, each at least a tile of keys; at most what the prefill's partial
+        sums hold for VERIFY_ROWS rows (PASS_MAX_KEY_SPLITS)."""
+        cfg = self.config
+        blocks_a_split = (cfg.num_key_value_heads if self.pass_attention == "packed"
+                          else cfg.num_attention_heads)
+        return max(1, min(PASS_MAX_KEY_SPLITS, math.ceil(length / 64),
+                          math.ceil(2 * self.device.sm_count / blocks_a_split)))
 
     def _pass_splits(self, length: int) -> int:
         """The fewest flash-decoding chunks that keep each at most pass_chunk keys, else the
@@ -195,8 +206,8 @@ class VerifyPass:
         """The pass's forward for n tokens already in self.ids, the first at position start:
         one graph launch."""
         self._verify_state()
-        splits = (self._prefill_splits(start + n) if self.prefill_attention
-                  else self._pass_splits(start + n))
+        splits = (self._pass_splits(start + n) if self.pass_attention == "decode"
+                  else self._prefill_splits(start + n))
         key = (n, splits)
         if key not in self._verify_graphs:
             self._dependent_now = (self.dependent_launches
