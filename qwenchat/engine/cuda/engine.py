@@ -435,8 +435,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
             for name in names:
                 self.k[name] = module.function(name)
         self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
-        self.k["attn_prefill"].set_max_dynamic_shared(
-            prefill_attention_shared(self.config.head_dim))
+        for name in ("attn_prefill", "attn_pass_packed"):
+            self.k[name].set_max_dynamic_shared(prefill_attention_shared(self.config.head_dim))
         for name in ("gemm_store", "gemm_add"):
             if name in self.k:
                 self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))

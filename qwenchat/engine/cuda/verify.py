@@ -64,9 +64,9 @@ class VerifyPass:
     # decode step's still fill the chip.
     pass_chunk = DECODE_MAX_CHUNK
     # A pass's attention: "packed" on attn_pass_packed (prefill's tensor-core attention, a block
-    # a kv head and key split taking every row's query heads, the keys read once), "prefill"
-    # on attn_prefill (a block a query head and key split), both with bf16 rows into o_proj;
-    # or "decode" on the decode kernels (a block a row, kv head and chunk). For the A/B.
+    # a kv head and key split taking every row's query heads, so the keys are read once; bf16
+    # rows into o_proj), or "decode" on the decode kernels (a block a row, kv head and chunk:
+    # the tests' oracle and the A/B's baseline).
     pass_attention = "packed"
     _dependent_now = False  # while a pass's graph is captured: CudaEngine._launch
 
@@ -87,7 +87,7 @@ class VerifyPass:
         self._host_verify_choice = host.array(np.int32, 16 + rows)[16:]
         self._host_verify_ids = host.array(np.int32, 16 + 2 * rows)[16 + rows:]
         self._host_pass_rows: np.ndarray | None = None
-        self._verify_graphs: dict[tuple[int, int], rt.Graph] = {}
+        self._verify_graphs: dict[tuple[int, int, str], rt.Graph] = {}
 
     def _upload_pass_ids(self, tokens: list[int]) -> None:
         """A pass's tokens into self.ids, through pinned memory (an async copy: the stream is
@@ -148,17 +148,12 @@ class VerifyPass:
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             self._verify_product("xn", self.pass_xg, w.qkv, self.qkv, n, qkv_cols, parts)
             self._qk_norm_rope_store(i, n, self.verify_pos, 0)
-            if self.pass_attention != "decode":
-                heads, shared = cfg.num_attention_heads, prefill_attention_shared(cfg.head_dim)
-                cache = (self.k_cache[i], self.v_cache[i], self.verify_pos)
-                tail = (c_int(n), c_int(self.capacity), scale, self.attn, self.prefill_part_o,
-                        self.prefill_part_ml)
-                if self.pass_attention == "packed":
-                    self._launch("attn_pass_packed", (1, cfg.num_key_value_heads, splits), 128,
-                                 self.q, *cache, *tail, shared=shared)
-                else:
-                    self._launch("attn_prefill", (1, heads, splits), 128, self.q, *cache,
-                                 c_int(0), *tail, shared=shared)
+            if self.pass_attention == "packed":
+                heads = cfg.num_attention_heads
+                self._launch("attn_pass_packed", (1, cfg.num_key_value_heads, splits), 128,
+                             self.q, self.k_cache[i], self.v_cache[i], self.verify_pos, c_int(n),
+                             c_int(self.capacity), scale, self.attn, self.prefill_part_o,
+                             self.prefill_part_ml, shared=prefill_attention_shared(cfg.head_dim))
                 if splits > 1:
                     self._launch("attn_prefill_merge", (n, heads), cfg.head_dim,
                                  self.prefill_part_o, self.prefill_part_ml, c_int(splits),
@@ -187,15 +182,12 @@ class VerifyPass:
         self._verify_product("head", self.pass_xg, self.lm_head, self.pass_logits, n,
                              cfg.vocab_size, parts)
 
-    def _prefill_splits(self, length: int) -> int:
-        """The prefill attention's key splits for a pass over `length` keys: enough blocks to
+    def _packed_splits(self, length: int) -> int:
+        """attn_pass_packed's key splits for a pass over `length` keys: enough blocks to
         fill the chip twice, each at least a tile of keys; at most what the prefill's partial
         sums hold for VERIFY_ROWS rows (PASS_MAX_KEY_SPLITS)."""
-        cfg = self.config
-        blocks_a_split = (cfg.num_key_value_heads if self.pass_attention == "packed"
-                          else cfg.num_attention_heads)
         return max(1, min(PASS_MAX_KEY_SPLITS, math.ceil(length / 64),
-                          math.ceil(2 * self.device.sm_count / blocks_a_split)))
+                          math.ceil(2 * self.device.sm_count / self.config.num_key_value_heads)))
 
     def _pass_splits(self, length: int) -> int:
         """The fewest flash-decoding chunks that keep each at most pass_chunk keys, else the
@@ -207,8 +199,8 @@ class VerifyPass:
         one graph launch."""
         self._verify_state()
         splits = (self._pass_splits(start + n) if self.pass_attention == "decode"
-                  else self._prefill_splits(start + n))
-        key = (n, splits)
+                  else self._packed_splits(start + n))
+        key = (n, splits, self.pass_attention)  # (the tests switch the attention)
         if key not in self._verify_graphs:
             self._dependent_now = (self.dependent_launches
                                    and self.device.compute_capability >= (9, 0))
