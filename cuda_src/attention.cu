@@ -93,15 +93,25 @@ __device__ __forceinline__ KvHead kv_head(const void* k_cache, const void* v_cac
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS)
-    attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
-                 const void* __restrict__ v_cache, const int* __restrict__ start_at,
-                 int start_arg, int n, int capacity, float scale, bf16_t* __restrict__ out,
-                 float* __restrict__ part_o, float* __restrict__ part_ml) {
+// The prefill attention's body. PACK (a speculative pass, attn_pass_packed): the block serves
+// a kv head (grid y) and its query rows are the n tokens' `group` heads, row r token
+// r / group's head kvh x group + r % group (n x group <= PF_Q), so the block reads its keys once
+// for all of them; without it, a query head (grid y) and PF_Q tokens a block.
+template <bool PACK>
+__device__ __forceinline__ void prefill_attention(
+    const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+    const void* __restrict__ v_cache, const int* __restrict__ start_at, int start_arg, int n,
+    int capacity, float scale, bf16_t* __restrict__ out, float* __restrict__ part_o,
+    float* __restrict__ part_ml) {
     // The first query's position: start_arg, or *start_at (a short prompt's graph, prefill.py)
     const int start = start_at ? *start_at : start_arg;
     extern __shared__ __align__(16) bf16_t kv_stages[];  // [2][K tile, V tile]
-    const int head = blockIdx.y, kvh = head / qw::group;
+    const int head = PACK ? 0 : blockIdx.y, kvh = PACK ? blockIdx.y : head / qw::group;
+    // Query row r's token and head.
+    const int rows = PACK ? n * qw::group : n;
+    const auto token_of = [&](int r) { return PACK ? r / qw::group : r; };
+    const auto head_of = [&](int r) { return PACK ? kvh * qw::group + r % qw::group : head; };
+    if (PACK && rows > PF_Q) __trap();  // (the host packs 8 rows of 8 heads at most)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     // The last query tiles have the most keys: they go first, so none is left alone at the end.
@@ -109,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
     const int q_row0 = q_tile * PF_Q + warp * 16;  // this warp's first query (0-based in n)
     const KvHead kv = kv_head(k_cache, v_cache, kvh, capacity);
 
-    const int block_last_query = min(n, (q_tile + 1) * PF_Q) - 1;
+    const int block_last_query = token_of(min(rows, (q_tile + 1) * PF_Q) - 1);
     const int kv_len = start + block_last_query + 1;
     const int splits = gridDim.z, split = blockIdx.z;
     const int tiles_per_split = ((kv_len + PF_KV - 1) / PF_KV + splits - 1) / splits;
@@ -126,8 +136,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
         for (int e = 0; e < 4; ++e) {
             const int r = q_row0 + g + (e & 1) * 8;
             const int c = ks * 16 + t * 2 + (e >> 1) * 8;
-            qa[ks][e] = r < n ? ld_u32(q + (static_cast<long long>(r) * qw::heads + head) * HD + c)
-                              : 0u;
+            qa[ks][e] = r < rows ? ld_u32(q + (static_cast<long long>(token_of(r)) * qw::heads +
+                                               head_of(r)) * HD + c)
+                                 : 0u;
         }
     }
 
@@ -138,7 +149,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
         for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
     float m_row[2] = {QW_NEG_INF, QW_NEG_INF}, l_row[2] = {0.f, 0.f};
     const float qk_scale = scale * LOG2E;  // softmax in base 2
-    const int pos_row[2] = {start + q_row0 + g, start + q_row0 + g + 8};
+    const int pos_row[2] = {PACK ? start + token_of(q_row0 + g) : start + q_row0 + g,
+                            PACK ? start + token_of(q_row0 + g + 8) : start + q_row0 + g + 8};
     // ldmatrix row addresses: lane l gives row l % 8 of matrix l / 8.
     const int mrow = lane & 7, mat = lane >> 3;
 
@@ -170,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
 
         // Mask (causal; only a tile that reaches past this warp's first query), then the online
         // softmax update of each of this thread's two rows.
-        const bool diagonal = j0 + PF_KV - 1 > start + q_row0;
+        const bool diagonal = j0 + PF_KV - 1 > (PACK ? start + token_of(q_row0) : start + q_row0);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float mx = QW_NEG_INF;
@@ -239,9 +251,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int r = q_row0 + g + half * 8;
-        if (r >= n) continue;
+        if (r >= rows) continue;
         if (splits > 1) {  // this split's share, merged by attn_prefill_merge
-            const long long at = (static_cast<long long>(r) * qw::heads + head) * splits + split;
+            const long long at =
+                (static_cast<long long>(token_of(r)) * qw::heads + head_of(r)) * splits + split;
             float* dst = part_o + at * HD;
 #pragma unroll
             for (int d = 0; d < HD / 8; ++d)
@@ -254,13 +267,35 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS)
             continue;
         }
         const float inv = 1.f / l;
-        bf16_t* dst = out + (static_cast<long long>(r) * qw::heads + head) * HD;
+        bf16_t* dst = out + (static_cast<long long>(token_of(r)) * qw::heads + head_of(r)) * HD;
 #pragma unroll
         for (int d = 0; d < HD / 8; ++d) {
             *reinterpret_cast<unsigned*>(dst + d * 8 + t * 2) =
                 pack_bf16x2(o[d][half * 2] * inv, o[d][half * 2 + 1] * inv);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+    attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                 const void* __restrict__ v_cache, const int* __restrict__ start_at,
+                 int start_arg, int n, int capacity, float scale, bf16_t* __restrict__ out,
+                 float* __restrict__ part_o, float* __restrict__ part_ml) {
+    prefill_attention<false>(q, k_cache, v_cache, start_at, start_arg, n, capacity, scale, out,
+                             part_o, part_ml);
+}
+
+// A speculative pass's attention: grid (1, kv heads, key splits), each block the n <= 8 rows'
+// `group` query heads of its kv head (prefill_attention's PACK), so a kv head's keys are read
+// once a split for every row and head. Its output as attn_prefill's (attn_prefill_merge).
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+    attn_pass_packed(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                     const void* __restrict__ v_cache, const int* __restrict__ start_at, int n,
+                     int capacity, float scale, bf16_t* __restrict__ out,
+                     float* __restrict__ part_o, float* __restrict__ part_ml) {
+    dependent_start();
+    prefill_attention<true>(q, k_cache, v_cache, start_at, 0, n, capacity, scale, out, part_o,
+                            part_ml);
 }
 
 // out[r][head] = the splits' partials of attn_prefill combined. Grid: (n, heads); HD threads.

@@ -36,6 +36,8 @@
 VERIFY_KERNEL(verify_attn, qw::q_size, A_F32, 1)
 VERIFY_KERNEL(verify_attn_r2, qw::q_size, A_F32, 2)
 VERIFY_KERNEL(verify_act, qw::intermediate, A_BF16, 1)
+// o_proj after the prefill attention kernel (bf16 rows, as prefill rounds them).
+VERIFY_KERNEL(verify_attn_bf16, qw::q_size, A_BF16, 1)
 VERIFY_NORMED(verify_xn, qw::wfmt)
 VERIFY_NORMED(verify_head, qw::BF16)
 

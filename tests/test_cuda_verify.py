@@ -150,6 +150,53 @@ def test_the_norm_rows_kernel_leaves_what_a_product_would(engine):
     np.testing.assert_allclose(sq, (x.astype(np.float64) ** 2).sum(axis=1), rtol=1e-5)
 
 
+@pytest.fixture(scope="module", params=[("bf16", "bf16", 16, 8), ("fp8", "int8", 32, 4)],
+                ids=lambda p: f"{p[0]}-kv{p[1]}-group{p[2] // p[3]}")
+def pass_engine(request):
+    """Two-layer engines whose query groups are 0.6B's (2) and 30B-A3B's (8)."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    weights, kv, heads, kv_heads = request.param
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=2,
+                                 num_attention_heads=heads, num_key_value_heads=kv_heads)
+    engine = CudaEngine(config, RandomWeights(config, seed=3, weight_format=weights), ctx=2048,
+                        kv_cache=kv)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("pos", [1, 300, 1500])
+def test_a_passs_packed_attention_gives_the_decode_attentions_logits(pass_engine, pos):
+    """The pass with its attention on attn_pass_packed (prefill's tensor-core attention, every
+    row's query heads of a kv head in a block; bf16 rows into o_proj) and on the decode
+    kernels: the same logits within bf16's rounding of the attention rows."""
+    engine = pass_engine
+    cfg = engine.config
+    rng = np.random.default_rng(pos)
+    ids = [int(i) for i in rng.integers(0, cfg.vocab_size, pos + 8)]
+    seen = {}
+    try:
+        for attention in ("decode", "packed"):
+            engine.truncate(0)
+            engine.prefill(ids[:pos])
+            engine.pass_attention = attention
+            engine._verify_state()
+            engine._upload_pass_ids(ids[pos:])
+            engine._verify_forward(pos, 8)
+            engine.stream.synchronize()
+            out = np.empty((8, cfg.vocab_size), np.float32)
+            engine.pass_logits.download(out)
+            seen[attention] = out
+    finally:
+        engine.pass_attention = "packed"
+    assert np.isfinite(seen["packed"]).all()
+    assert not np.array_equal(seen["packed"], seen["decode"])  # two computations, not one graph
+    spread = np.abs(seen["decode"]).max()
+    np.testing.assert_allclose(seen["packed"], seen["decode"], atol=2e-2 * spread, rtol=0)
+
+
 def test_a_verify_product_is_the_same_each_run(engine):
     """No atomics: the warps' sums (and the norm's parts) are added in one order, so repeated
     products are equal bit for bit."""

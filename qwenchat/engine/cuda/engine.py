@@ -77,8 +77,8 @@ KERNELS = {
                   "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows", "draw_int4_rows",
                   "dequant_int4_rows"),
     "gemm.cu": ("gemm_store", "gemm_add"),
-    "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_decode_partial",
-                     "attn_decode_merge"),
+    "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_pass_packed",
+                     "attn_decode_partial", "attn_decode_merge"),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen", "count_tokens", "rows_argmax"),
     "verify.cu": VERIFY_KERNELS,
     "moe.cu": MOE_KERNELS,  # (a mixture of experts' only)
@@ -435,8 +435,8 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
             for name in names:
                 self.k[name] = module.function(name)
         self.k["sample_token"].set_max_dynamic_shared(SAMPLER_HISTOGRAM_BYTES)
-        self.k["attn_prefill"].set_max_dynamic_shared(
-            prefill_attention_shared(self.config.head_dim))
+        for name in ("attn_prefill", "attn_pass_packed"):
+            self.k[name].set_max_dynamic_shared(prefill_attention_shared(self.config.head_dim))
         for name in ("gemm_store", "gemm_add"):
             if name in self.k:
                 self.k[name].set_max_dynamic_shared(gemm_shared_bytes(self.weight_format))

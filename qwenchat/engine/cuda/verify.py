@@ -14,21 +14,25 @@ import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK
+from qwenchat.engine.cuda.prefill import prefill_attention_shared
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
 
-VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_act", "verify_head",
-                  "verify_norm_rows")
+VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_attn_bf16", "verify_act",
+                  "verify_head", "verify_norm_rows")
 # The kernels a pass launches that begin with common.cuh's dependent_start: on Hopper each may
 # start while the one before it ends (programmatic dependent launch), its blocks taking the
 # SMs the other's last blocks leave free. (Not embed_rows: the graph's first kernel.)
 DEPENDENT_KERNELS = frozenset((
     *VERIFY_KERNELS, "rmsnorm_rows", "qk_norm_rope_store", "attn_decode_partial",
-    "attn_decode_merge", "swiglu_rows", "moe_few_router", "moe_few_route", "moe_few_gate_up",
-    "moe_few_down", "moe_combine"))
+    "attn_decode_merge", "attn_pass_packed", "swiglu_rows", "moe_few_router", "moe_few_route",
+    "moe_few_gate_up", "moe_few_down", "moe_combine"))
 VERIFY_THREADS = 256  # verify.cuh's VT_THREADS
 VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cuh's VT_TOKENS
+# The prefill attention's key splits a pass may take: the prefill's partial sums hold
+# PREFILL_QUERIES_PER_BLOCK rows of PREFILL_MAX_KEY_SPLITS, a pass's 8 rows 8 times as many.
+PASS_MAX_KEY_SPLITS = 64
 VERIFY_TILE = 16  # weight rows of one mma tile
 
 
@@ -59,6 +63,11 @@ class VerifyPass:
     # has a block per row as well as per chunk and kv head, so fewer, longer chunks than a
     # decode step's still fill the chip.
     pass_chunk = DECODE_MAX_CHUNK
+    # A pass's attention: "packed" on attn_pass_packed (prefill's tensor-core attention, a block
+    # a kv head and key split taking every row's query heads, so the keys are read once; bf16
+    # rows into o_proj), or "decode" on the decode kernels (a block a row, kv head and chunk:
+    # the tests' oracle and the A/B's baseline).
+    pass_attention = "packed"
     _dependent_now = False  # while a pass's graph is captured: CudaEngine._launch
 
     def _verify_state(self) -> None:
@@ -78,7 +87,7 @@ class VerifyPass:
         self._host_verify_choice = host.array(np.int32, 16 + rows)[16:]
         self._host_verify_ids = host.array(np.int32, 16 + 2 * rows)[16 + rows:]
         self._host_pass_rows: np.ndarray | None = None
-        self._verify_graphs: dict[tuple[int, int], rt.Graph] = {}
+        self._verify_graphs: dict[tuple[int, int, str], rt.Graph] = {}
 
     def _upload_pass_ids(self, tokens: list[int]) -> None:
         """A pass's tokens into self.ids, through pinned memory (an async copy: the stream is
@@ -139,14 +148,28 @@ class VerifyPass:
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             self._verify_product("xn", self.pass_xg, w.qkv, self.qkv, n, qkv_cols, parts)
             self._qk_norm_rope_store(i, n, self.verify_pos, 0)
-            self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits, n), 128,
-                         self.q, self.k_cache[i], self.v_cache[i], self.verify_pos,
-                         c_int(self.capacity), scale, self.verify_part_o, self.verify_part_ml)
-            self._launch("attn_decode_merge", (cfg.num_attention_heads, n),
-                         min(cfg.head_dim, 128), self.verify_part_o, self.verify_part_ml,
-                         c_int(splits), self.verify_attn, shared=(splits + 3) // 4 * 16)
-            parts = self._verify_product("attn", self.verify_attn, w.o, self.x, n, h,
-                                         norm_out=w.post_norm)
+            if self.pass_attention == "packed":
+                heads = cfg.num_attention_heads
+                self._launch("attn_pass_packed", (1, cfg.num_key_value_heads, splits), 128,
+                             self.q, self.k_cache[i], self.v_cache[i], self.verify_pos, c_int(n),
+                             c_int(self.capacity), scale, self.attn, self.prefill_part_o,
+                             self.prefill_part_ml, shared=prefill_attention_shared(cfg.head_dim))
+                if splits > 1:
+                    self._launch("attn_prefill_merge", (n, heads), cfg.head_dim,
+                                 self.prefill_part_o, self.prefill_part_ml, c_int(splits),
+                                 self.attn)
+                parts = self._verify_product("attn_bf16", self.attn, w.o, self.x, n, h,
+                                             norm_out=w.post_norm)
+            else:
+                self._launch("attn_decode_partial", (cfg.num_key_value_heads, splits, n), 128,
+                             self.q, self.k_cache[i], self.v_cache[i], self.verify_pos,
+                             c_int(self.capacity), scale, self.verify_part_o,
+                             self.verify_part_ml)
+                self._launch("attn_decode_merge", (cfg.num_attention_heads, n),
+                             min(cfg.head_dim, 128), self.verify_part_o, self.verify_part_ml,
+                             c_int(splits), self.verify_attn, shared=(splits + 3) // 4 * 16)
+                parts = self._verify_product("attn", self.verify_attn, w.o, self.x, n, h,
+                                             norm_out=w.post_norm)
             if w.router is not None:  # a mixture of experts (moe.py: the next norm's input too)
                 self._moe_pass(i, w, n, parts, after)
                 parts = 1
@@ -159,6 +182,13 @@ class VerifyPass:
         self._verify_product("head", self.pass_xg, self.lm_head, self.pass_logits, n,
                              cfg.vocab_size, parts)
 
+    def _packed_splits(self, length: int) -> int:
+        """attn_pass_packed's key splits for a pass over `length` keys: enough blocks to
+        fill the chip twice, each at least a tile of keys; at most what the prefill's partial
+        sums hold for VERIFY_ROWS rows (PASS_MAX_KEY_SPLITS)."""
+        return max(1, min(PASS_MAX_KEY_SPLITS, math.ceil(length / 64),
+                          math.ceil(2 * self.device.sm_count / self.config.num_key_value_heads)))
+
     def _pass_splits(self, length: int) -> int:
         """The fewest flash-decoding chunks that keep each at most pass_chunk keys, else the
         most (LayeredDecode's rule with longer chunks)."""
@@ -168,8 +198,9 @@ class VerifyPass:
         """The pass's forward for n tokens already in self.ids, the first at position start:
         one graph launch."""
         self._verify_state()
-        splits = self._pass_splits(start + n)
-        key = (n, splits)
+        splits = (self._pass_splits(start + n) if self.pass_attention == "decode"
+                  else self._packed_splits(start + n))
+        key = (n, splits, self.pass_attention)  # (the tests switch the attention)
         if key not in self._verify_graphs:
             self._dependent_now = (self.dependent_launches
                                    and self.device.compute_capability >= (9, 0))
