@@ -1147,6 +1147,49 @@ def test_a_passs_chunks_are_longer_than_a_steps_and_never_past_the_kernels_most(
             assert math.ceil(length / engine._pass_splits(length)) <= DECODE_MAX_CHUNK
 
 
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-32b"])
+def test_a_passs_packed_attention_stays_within_its_block_and_the_prefills_partial_sums(preset):
+    """attn_pass_packed: a block's query tile holds every row's query heads of a kv head (the
+    kernel traps past PF_Q), the key splits for any length up to the capacity are within
+    PASS_MAX_KEY_SPLITS and no more than the 64-key tiles, and the prefill's partial sums
+    ([rows][heads][splits][head_dim], CudaEngine.partials and prefill_part_ml) hold a pass's
+    8 rows of the most splits. A wider group than Qwen3's attends on the decode kernels."""
+    import dataclasses
+
+    from qwenchat.engine.cuda.prefill import PREFILL_MAX_KEY_SPLITS, PREFILL_QUERIES_PER_BLOCK
+    from qwenchat.engine.cuda.verify import (
+        PASS_MAX_KEY_SPLITS,
+        VERIFY_ROWS,
+        VerifyPass,
+        packed_attention_fits,
+    )
+    from qwenchat.model.presets import PRESETS
+
+    pf_q = int(re.search(r"constexpr int PF_Q = (\d+);",
+                         compiler._read_sources()["attention.cu"]).group(1))
+    assert pf_q == PREFILL_QUERIES_PER_BLOCK
+    config = PRESETS[preset]
+    group = config.num_attention_heads // config.num_key_value_heads
+    assert packed_attention_fits(config) and VERIFY_ROWS * group <= pf_q
+    wide = dataclasses.replace(config, num_attention_heads=16 * config.num_key_value_heads)
+    assert not packed_attention_fits(wide)
+    assert VERIFY_ROWS * PASS_MAX_KEY_SPLITS <= PREFILL_QUERIES_PER_BLOCK * PREFILL_MAX_KEY_SPLITS
+
+    class Splits(VerifyPass):  # (CudaEngine's choice of key splits, alone)
+        def __init__(self) -> None:
+            self.config = config
+            self.device = dataclasses.make_dataclass("Device", ["sm_count"])(132)
+
+    engine = Splits()
+    seen = set()
+    for length in range(1, 131_072 + 1, 13):
+        splits = engine._packed_splits(length)
+        assert 1 <= splits <= min(PASS_MAX_KEY_SPLITS, math.ceil(length / 64))
+        seen.add(splits)
+    assert engine._packed_splits(9) == 1 and max(seen) == min(
+        PASS_MAX_KEY_SPLITS, math.ceil(2 * 132 / config.num_key_value_heads))
+
+
 def test_the_prefill_chunk_fills_the_attention_blocks_last_wave():
     from qwenchat.engine.cuda.prefill import attention_wave_chunk
 

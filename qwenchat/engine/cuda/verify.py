@@ -2,8 +2,9 @@
 through every layer in one CUDA graph (a graph per row count and flash-decoding split count,
 captured on first use), their first position read from device memory. The linear layers run
 on verify.cu (each weight read once for all rows, on the tensor cores, with blocks enough to
-fill the chip at 8 rows), the LM head too; attention on the decode kernels with a row per grid
-slice."""
+fill the chip at 8 rows), the LM head too; attention on prefill's tensor-core kernel with a
+block a kv head taking every row's query heads (attn_pass_packed), or on the decode kernels
+with a row per grid slice where a kv head's group is too wide for that."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK
-from qwenchat.engine.cuda.prefill import prefill_attention_shared
+from qwenchat.engine.cuda.prefill import PREFILL_QUERIES_PER_BLOCK, prefill_attention_shared
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
@@ -31,7 +32,7 @@ DEPENDENT_KERNELS = frozenset((
 VERIFY_THREADS = 256  # verify.cuh's VT_THREADS
 VERIFY_ROWS = SPECULATE_MOST + 1  # a pass's rows at most: verify.cuh's VT_TOKENS
 # The prefill attention's key splits a pass may take: the prefill's partial sums hold
-# PREFILL_QUERIES_PER_BLOCK rows of PREFILL_MAX_KEY_SPLITS, a pass's 8 rows 8 times as many.
+# PREFILL_QUERIES_PER_BLOCK rows of PREFILL_MAX_KEY_SPLITS splits, twice a pass's 8 rows of 64.
 PASS_MAX_KEY_SPLITS = 64
 VERIFY_TILE = 16  # weight rows of one mma tile
 
@@ -40,6 +41,15 @@ def pass_norm_parts(config: Qwen3Config) -> int:
     """The most sums of squares a token a pass's RMSNorm inputs hold (verify.cuh's PassNorm):
     a block's of the products that add to the residual stream, 16 rows each at least."""
     return math.ceil(config.hidden_size / VERIFY_TILE)
+
+
+def packed_attention_fits(config: Qwen3Config) -> bool:
+    """Whether attn_pass_packed holds a pass: a block takes every row's query heads of a kv
+    head as its query tile (attention.cu's PF_Q rows; it traps past them). Every Qwen3 size
+    does (8 query heads a kv head at most); a wider group's pass attends on the decode
+    kernels."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    return VERIFY_ROWS * group <= PREFILL_QUERIES_PER_BLOCK
 
 
 def verify_kernel(kind: str, weight_format: str) -> tuple[str, int]:
@@ -74,6 +84,8 @@ class VerifyPass:
         if getattr(self, "_verify_graphs", None) is not None:
             return
         cfg, rows, most = self.config, VERIFY_ROWS, self.split_options[-1]
+        if not packed_attention_fits(cfg):
+            self.pass_attention = "decode"
         self.pass_logits = self._device_buffer(rows * cfg.vocab_size * 4)  # a row each token
         self.verify_gu = self._device_buffer(rows * 2 * cfg.intermediate_size * 4)
         self.verify_attn = self._device_buffer(rows * cfg.q_size * 4)
@@ -184,8 +196,8 @@ class VerifyPass:
 
     def _packed_splits(self, length: int) -> int:
         """attn_pass_packed's key splits for a pass over `length` keys: enough blocks to
-        fill the chip twice, each at least a tile of keys; at most what the prefill's partial
-        sums hold for VERIFY_ROWS rows (PASS_MAX_KEY_SPLITS)."""
+        fill the chip twice, no more than the tiles of 64 keys; at most what the prefill's
+        partial sums hold for VERIFY_ROWS rows (PASS_MAX_KEY_SPLITS)."""
         return max(1, min(PASS_MAX_KEY_SPLITS, math.ceil(length / 64),
                           math.ceil(2 * self.device.sm_count / self.config.num_key_value_heads)))
 
