@@ -642,8 +642,8 @@ def test_a_hopper_run_compiles_the_megakernel_first_and_no_portable_gemm():
     assert plan.decode == "megakernel" and plan.hopper_gemm and plan.hopper_attention
     assert _sources(plan) == [
         ("megakernel.cu", "sm_90"), *[("gemm_sm90.cu", "sm_90a")] * 6, ("attention.cu", "sm_90"),
-        ("sampling.cu", "sm_90"), ("attention_sm90.cu", "sm_90a"), ("verify.cu", "sm_90"),
-        ("layers.cu", "sm_90")]
+        ("sampling.cu", "sm_90"), ("attention_sm90.cu", "sm_90a"), ("attention_pass.cu", "sm_90"),
+        ("verify.cu", "sm_90"), ("layers.cu", "sm_90")]
     assert plan.builds[0] == plan.megakernel
     assert dict(plan.megakernel.defines) == {
         **plan.megakernel_layout.defines(config), "QW_MK_SKIP": 0}
@@ -744,7 +744,8 @@ def test_portable_prefill_on_another_gpu_compiles_no_hopper_source():
     plan = plan_kernels(PRESETS["qwen3-4b"], "fp8", gpu_shape("sm_89"))
     assert _sources(plan) == [
         ("megakernel.cu", "sm_89"), ("attention.cu", "sm_89"), ("sampling.cu", "sm_89"),
-        ("gemm.cu", "sm_89"), ("verify.cu", "sm_89"), ("layers.cu", "sm_89")]
+        ("gemm.cu", "sm_89"), ("attention_pass.cu", "sm_89"), ("verify.cu", "sm_89"),
+        ("layers.cu", "sm_89")]
     assert all(dict(build.defines)["QW_FP8"] == 1 for build in plan.builds)
     hopper = plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_90"))
     forced = plan_kernels(PRESETS["qwen3-4b"], "bf16", gpu_shape("sm_90"),
@@ -1166,7 +1167,7 @@ def test_a_passs_packed_attention_stays_within_its_block_and_the_prefills_partia
     from qwenchat.model.presets import PRESETS
 
     pf_q = int(re.search(r"constexpr int PF_Q = (\d+);",
-                         compiler._read_sources()["attention.cu"]).group(1))
+                         compiler._read_sources()["prefill_attention.cuh"]).group(1))
     assert pf_q == PREFILL_QUERIES_PER_BLOCK
     config = PRESETS[preset]
     group = config.num_attention_heads // config.num_key_value_heads

@@ -77,8 +77,11 @@ KERNELS = {
                   "qk_norm_rope_store", "draw_bf16", "draw_fp8_rows", "draw_int4_rows",
                   "dequant_int4_rows"),
     "gemm.cu": ("gemm_store", "gemm_add"),
-    "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_pass_packed",
-                     "attn_decode_partial", "attn_decode_merge"),
+    "attention.cu": ("attn_prefill", "attn_prefill_merge", "attn_decode_partial",
+                     "attn_decode_merge"),
+    # (the pass's attention apart: attention.cu compiled 1.0 -> 1.4 s with it, the longest
+    # program a first answer waited for; docs/perf.md)
+    "attention_pass.cu": ("attn_pass_packed",),
     "sampling.cu": ("sample_prepare", "sample_token", "mark_seen", "count_tokens", "rows_argmax"),
     "verify.cu": VERIFY_KERNELS,
     "moe.cu": MOE_KERNELS,  # (a mixture of experts' only)
@@ -120,8 +123,8 @@ def kernel_names(build: KernelBuild) -> tuple[str, ...] | None:
 # Sources by how long NVRTC takes over them, longest first (0.6B shape, sm_90, docs/perf.md):
 # builds start in this order, so the longest never waits behind the short ones.
 COMPILE_ORDER = ("megakernel.cu", "gemm_sm90.cu", "gemm_fp8_sm90.cu", "attention.cu", "sampling.cu",
-                 "attention_sm90.cu", "moe_sm90.cu", "gemm.cu", "verify.cu", "layers.cu", "moe.cu",
-                 "score.cu")
+                 "attention_sm90.cu", "moe_sm90.cu", "gemm.cu", "attention_pass.cu", "verify.cu",
+                 "layers.cu", "moe.cu", "score.cu")
 LM_HEAD_ROWS_PER_BLOCK = 32  # 8 warps x 4 rows (rmsnorm_gemv4)
 MEMORY_MARGIN = 512 * 2**20  # left free for the driver, other programs and fragmentation
 
@@ -157,12 +160,12 @@ def unsupported_reason(config: Qwen3Config, weight_format: str = "bf16") -> str 
 def kernel_builds(config: Qwen3Config, weight_format: str, arch: str, *, hopper_gemm: bool,
                   hopper_attention: bool, megakernel: KernelBuild | None,
                   kv_format: str = "bf16", fp8_gemm: bool = False) -> list[KernelBuild]:
-    """The cubins a run uses, longest compile first: layers.cu, attention.cu and sampling.cu
-    always; gemm.cu only where gemm_sm90.cu does not run the products; moe.cu for a mixture
-    of experts; the Hopper sources
-    (for sm_90a) where they run, gemm_fp8_sm90.cu instead of gemm_sm90.cu where FP8 weights
-    meet e4m3 activations (`fp8_gemm`), each GEMM as a program a product (SM90_PARTS); the
-    megakernel where it decodes."""
+    """The cubins a run uses, longest compile first: layers.cu, attention.cu, sampling.cu and
+    the speculative pass's (verify.cu, attention_pass.cu) always; gemm.cu only where
+    gemm_sm90.cu does not run the products; moe.cu for a mixture of experts; the Hopper
+    sources (for sm_90a) where they run, gemm_fp8_sm90.cu instead of gemm_sm90.cu where FP8
+    weights meet e4m3 activations (`fp8_gemm`), each GEMM as a program a product (SM90_PARTS);
+    the megakernel where it decodes."""
     defines = kernel_defines(config, weight_format, kv_format)
     builds = [KernelBuild.of(source, arch, defines) for source in KERNELS
               if not (source == "gemm.cu" and hopper_gemm)
