@@ -735,7 +735,6 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         that a kept token is the one a plain step would have drawn from the same logits."""
         self.device.make_current()
         self._verify_state()
-        context = list(self._tokens)
         n, start = len(proposal) + 1, self.position
         self._upload_pass_ids([fed, *proposal])
         self._verify_forward(start, n)
@@ -754,6 +753,7 @@ class CudaEngine(Prefill, LayeredDecode, MegakernelDecode, VerifyPass, MoeLayers
         rows = self._pass_rows_host()[:n]
         self.pass_logits.download(rows, stream=self.stream)
         self.stream.synchronize()
+        context = self._tokens[:start]  # (the penalties' context: a copy only where they count)
         return verify(rows, proposal, params, seed, step, context, self._reply_counts,
                       draft_probs, sample=sample_token_gpu)
 
