@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a worker a core this process may use, at most 4 (the
+    GPU tests share one card). An explicit `-n N` is taken as given."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, 4))
+
+
 def pytest_collection_finish(session):
     """The kernel compile tests' builds start now, on low-priority threads, and compile while
     the tests before them run (test_kernels_compile.py, start_compiles_early)."""

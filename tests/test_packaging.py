@@ -95,3 +95,16 @@ def test_every_import_of_qwenchat_in_the_tests_resolves():
                     except ImportError:
                         missing.append(f"{where}: from {node.module} import {alias.name}")
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 2), (16, 4)])
+def test_the_test_commands_auto_workers_are_a_core_each_and_at_most_four(monkeypatch, cores,
+                                                                        workers):
+    """pyproject's `-n auto`: conftest's pytest_xdist_auto_num_workers (an explicit `-n N` is
+    never capped)."""
+    import os
+
+    import conftest
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert conftest.pytest_xdist_auto_num_workers(None) == workers
