@@ -1,6 +1,6 @@
 """A speculative pass's forward on the GPU: the fed token and up to SPECULATE_MOST proposals
-through every layer in one CUDA graph (a graph per row count and flash-decoding split count,
-captured on first use), their first position read from device memory. The linear layers run
+through every layer in one CUDA graph (a graph per row count, key split count and attention
+form, captured on first use), their first position read from device memory. The linear layers run
 on verify.cu (each weight read once for all rows, on the tensor cores, with blocks enough to
 fill the chip at 8 rows), the LM head too; attention on prefill's tensor-core kernel with a
 block a kv head taking every row's query heads (attn_pass_packed), or on the decode kernels
@@ -45,7 +45,7 @@ def pass_norm_parts(config: Qwen3Config) -> int:
 
 def packed_attention_fits(config: Qwen3Config) -> bool:
     """Whether attn_pass_packed holds a pass: a block takes every row's query heads of a kv
-    head as its query tile (attention.cu's PF_Q rows; it traps past them). Every Qwen3 size
+    head as its query tile (prefill_attention.cuh's PF_Q rows; it traps past them). Every Qwen3 size
     does (8 query heads a kv head at most); a wider group's pass attends on the decode
     kernels."""
     group = config.num_attention_heads // config.num_key_value_heads
