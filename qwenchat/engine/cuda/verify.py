@@ -161,13 +161,12 @@ class VerifyPass:
             self._verify_product("xn", self.pass_xg, w.qkv, self.qkv, n, qkv_cols, parts)
             self._qk_norm_rope_store(i, n, self.verify_pos, 0)
             if self.pass_attention == "packed":
-                heads = cfg.num_attention_heads
                 self._launch("attn_pass_packed", (1, cfg.num_key_value_heads, splits), 128,
                              self.q, self.k_cache[i], self.v_cache[i], self.verify_pos, c_int(n),
                              c_int(self.capacity), scale, self.attn, self.prefill_part_o,
                              self.prefill_part_ml, shared=prefill_attention_shared(cfg.head_dim))
                 if splits > 1:
-                    self._launch("attn_prefill_merge", (n, heads), cfg.head_dim,
+                    self._launch("attn_prefill_merge", (n, cfg.num_attention_heads), cfg.head_dim,
                                  self.prefill_part_o, self.prefill_part_ml, c_int(splits),
                                  self.attn)
                 parts = self._verify_product("attn_bf16", self.attn, w.o, self.x, n, h,
