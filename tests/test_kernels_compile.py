@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +27,13 @@ from gpu_shapes import GPUS, H100_BANDWIDTH, H200_BANDWIDTH, gpu_shape
 from tiny_model import tiny_moe_config
 
 from qwenchat.engine.cuda import compiler
+from qwenchat.engine.cuda.builds import (
+    COMPILE_ORDER,
+    MOE_KERNELS,
+    SM90_KERNELS,
+    SM90_PARTS,
+    kernel_names,
+)
 from qwenchat.engine.cuda.compiler import (
     KernelBuild,
     KernelCache,
@@ -34,13 +42,7 @@ from qwenchat.engine.cuda.compiler import (
     kernel_defines,
     usable_cpus,
 )
-from qwenchat.engine.cuda.engine import (
-    COMPILE_ORDER,
-    SM90_KERNELS,
-    SM90_PARTS,
-    kernel_names,
-    plan_kernels,
-)
+from qwenchat.engine.cuda.engine import plan_kernels
 from qwenchat.engine.cuda.megakernel import (
     MEGAKERNEL_SPLIT_STATIC_SHARED,
     MEGAKERNEL_STATIC_SHARED,
@@ -51,7 +53,6 @@ from qwenchat.engine.cuda.megakernel import (
     megakernel_static_shared,
     stage_fill,
 )
-from qwenchat.engine.cuda.moe import MOE_KERNELS
 from qwenchat.engine.cuda.sources import cuda_src_dir
 from qwenchat.errors import BackendUnavailable, QwenchatError
 from qwenchat.model.config import Qwen3Config
@@ -1403,6 +1404,62 @@ def test_no_guess_where_cuda_sees_no_gpu(monkeypatch):
     assert early.guess_architecture() is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert early.guess_architecture() == "sm_90"
+
+
+def test_an_early_start_plans_its_builds_without_the_drivers_bindings():
+    # cuda-python's driver bindings take half a second to import, holding Python's lock
+    # throughout: the early start must have its compiles out without them (early.py).
+    code = """
+import sys
+from qwenchat.engine.cuda import early
+from qwenchat.engine.cuda.compiler import KernelCache
+from qwenchat.model.presets import PRESETS
+from qwenchat.model.random_weights import RandomWeights
+
+started = []
+KernelCache.start = lambda self, builds, *a, **k: started.append(len(list(builds)))
+config = PRESETS["qwen3-30b-a3b"]
+early.start_early_compiles(config, RandomWeights(config), guess=lambda: "sm_90").join(30)
+print(started, sorted(m for m in ("cuda.bindings.driver", "qwenchat.engine.cuda.runtime",
+                                  "qwenchat.engine.cuda.engine") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    builds, imported = done.stdout.strip().split("] [")
+    assert int(builds.strip("[")) > 0  # (it did plan and start them)
+    assert imported.strip("]") == ""
+
+
+def test_the_engine_imports_the_drivers_bindings_after_the_early_compiles_are_under_way(
+        monkeypatch):
+    from qwenchat.engine import create_engine
+    from qwenchat.engine.cuda import early
+    from qwenchat.engine.cuda import probe as cuda_probe
+    from qwenchat.engine.cuda.probe import CudaProbe
+    from qwenchat.model.random_weights import RandomWeights
+
+    under_way = threading.Event()
+
+    def start(*_args, **_kwargs):
+        def run():
+            threading.Event().wait(0.2)  # (a guess and a plan that take a while)
+            under_way.set()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    seen: list[bool] = []
+
+    def probe():
+        seen.append(under_way.is_set())
+        return CudaProbe(nvrtc_version=None)  # (no driver: the CPU engine answers)
+
+    monkeypatch.setattr(early, "start_early_compiles", start)
+    monkeypatch.setattr(cuda_probe, "probe", probe)
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=1,
+                                 max_position_embeddings=64)
+    create_engine("auto", config, RandomWeights(config), ctx=16).close()
+    assert seen == [True]
 
 
 @pytest.mark.parametrize(("name", "weights", "kv"), [("qwen3-0.6b", "bf16", "bf16"),

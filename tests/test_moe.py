@@ -247,7 +247,7 @@ def test_quantize_fp8_runs_a_moe_model_and_int4_names_the_width_it_needs(tiny_mo
 # --- the GPU engine --------------------------------------------------------------------------
 
 def test_cuda_engine_runs_experts_in_every_format_and_names_a_shape_it_cannot(tiny_moe_dir):
-    from qwenchat.engine.cuda.engine import unsupported_reason
+    from qwenchat.engine.cuda.builds import unsupported_reason
 
     config = open_model_dir(tiny_moe_dir).config
     assert unsupported_reason(config) is None

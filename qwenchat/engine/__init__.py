@@ -144,11 +144,12 @@ def _cuda_engine(config: Qwen3Config, weights: WeightSource, ctx: int | None, de
                  notice: Callable[[str], None], decode: str,
                  progress: Callable[[str], None] | None, kv_cache: str = "bf16",
                  megakernel_later: bool = False, fp8_activations: str = "auto") -> Engine:
-    from qwenchat.engine.cuda.early import start_early_compiles
+    from qwenchat.engine.cuda.early import EARLY_START_WAIT_S, start_early_compiles
     from qwenchat.engine.cuda.probe import probe
 
-    # (the kernels a first run compiles start now, beside cuInit: early.py)
-    start_early_compiles(config, weights, kv_cache, fp8_activations)
+    # (the kernels a first run compiles start now, and run on beside cuda-python's import,
+    # cuInit and the upload; the import waits for them to be under way: early.py)
+    start_early_compiles(config, weights, kv_cache, fp8_activations).join(EARLY_START_WAIT_S)
     found = probe()
     if not found.usable:
         raise BackendUnavailable("; ".join(found.problems) or "no usable GPU")

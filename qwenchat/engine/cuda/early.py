@@ -1,13 +1,18 @@
 """Kernel compiles started before the driver is up, so that a first run's compiles overlap
-cuInit (about a second on an H100 host, docs/perf.md) instead of following it.
+the engine's start (cuda-python's driver bindings, cuInit, the context, the weights' upload)
+instead of following it.
 
 NVRTC needs only the GPU's architecture, and NVML (the driver's management library, which
-answers without initialising CUDA) gives it in milliseconds. Where every GPU NVML reports has
+answers without initialising CUDA) gives it in about 10 ms. Where every GPU NVML reports has
 the same compute capability (so CUDA's device order cannot matter), a thread guesses the
 architecture and starts the run's builds, the megakernel's aside (it waits for the GPU's
 shared memory and SM count); the engine's own compilation then waits for those compiles
-instead of running them again (compiler.py, _IN_FLIGHT). A wrong or missing guess costs
-nothing but the guess: the engine compiles what it needs as it always did."""
+instead of running them again (compiler.py, _IN_FLIGHT). The thread plans from builds.py,
+which leaves the driver's bindings alone, and the engine waits for it (at most
+EARLY_START_WAIT_S) before importing them: that import holds Python's lock for the whole of
+its half second, so a thread that needs the lock meanwhile waits as long (docs/perf.md,
+2026-11-28). A wrong or missing guess costs nothing but the guess: the engine compiles what
+it needs as it always did."""
 
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ from qwenchat.model.checkpoint import WeightSource
 from qwenchat.model.config import Qwen3Config
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
+# How long the engine waits for the early compiles to be under way before it imports the
+# driver's bindings (a guess, a plan and NVRTC's import: ~0.1-0.4 s where all goes well)
+EARLY_START_WAIT_S = 1.0
 
 
 def architecture_of(capabilities: list[tuple[int, int]]) -> str | None:
@@ -71,21 +79,23 @@ def start_early_compiles(config: Qwen3Config, weights: WeightSource, kv_cache: s
                          guess: Callable[[], str | None] = guess_architecture
                          ) -> threading.Thread:
     """A daemon thread that guesses the architecture and starts the run's non-megakernel
-    builds compiling into the kernel cache (a cached build costs a file read); every failure
-    in it is silent, since the engine compiles what it needs anyway."""
+    builds compiling into the kernel cache (a cached build costs a file read), and ends once
+    they are under way; every failure in it is silent, since the engine compiles what it
+    needs anyway."""
 
     def run() -> None:
         try:
             arch = guess()
             if arch is None:
                 return
-            from qwenchat.engine.cuda.compiler import KernelCache
-            from qwenchat.engine.cuda.engine import (
+            # (builds.py, not engine.py: the engine imports the driver's bindings)
+            from qwenchat.engine.cuda.builds import (
                 kernel_builds,
                 prefill_paths,
                 run_weights,
                 unsupported_reason,
             )
+            from qwenchat.engine.cuda.compiler import KernelCache
 
             _, weight_format = run_weights(weights)
             if unsupported_reason(config, weight_format):

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
+from qwenchat.engine.cuda.builds import moe90_runs
 from qwenchat.engine.cuda.prefill import (
     GEMM90_BOX,
     GEMM90_BOX_K,
@@ -25,21 +26,11 @@ from qwenchat.engine.cuda.weights import LayerBuffers
 from qwenchat.model.config import Qwen3Config
 from qwenchat.model.formats import FORMATS, FP8
 
-MOE_KERNELS = ("moe_route", "moe_router", "moe_gate_up", "moe_down", "moe_count", "moe_place",
-               "moe_gemm", "moe_router_gemm", "moe_swiglu", "moe_combine", "moe_few_router",
-               "moe_few_route", "moe_few_gate_up", "moe_few_down")
 GROUP_ROWS = 128  # rows of a grouped product's tile (gemm.cuh's BM, moe_sm90.cu's)
 MOE90_COLUMNS = (128, 256)  # moe_sm90.cu's columns a block: SwiGLU's features, down's outputs
 GEMV_ROWS_PER_BLOCK = 16  # moe_gate_up: 8 warps x 2 rows (rmsnorm_gemv<2>)
 ROUTER_ROWS_PER_BLOCK = 8  # the router's logits for one token: moe_router, a row a warp
 DOWN_ROWS_PER_BLOCK = 8  # moe_down: a row a warp
-MOE_MOST_INTERMEDIATE = 12288  # an expert's SwiGLU output, staged whole (moe.cu: 48 KB)
-
-
-def moe90_runs(cfg: Qwen3Config, weight_format: str, hopper_gemm: bool) -> bool:
-    """Whether a pass's experts take moe_sm90.cu's products: bf16 and FP8 experts where
-    Hopper's GEMMs run the dense products (else, and for int4, moe.cu's moe_gemm)."""
-    return hopper_gemm and cfg.is_moe and weight_format in ("bf16", "fp8")
 
 
 DOWN_PARTS = (1, 2, 4, 8)  # the parts of the hidden columns a pass's down products may take

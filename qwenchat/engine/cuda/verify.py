@@ -14,14 +14,13 @@ import math
 import numpy as np
 
 from qwenchat.engine.cuda import runtime as rt
+from qwenchat.engine.cuda.builds import VERIFY_KERNELS
 from qwenchat.engine.cuda.layered import DECODE_MAX_CHUNK
 from qwenchat.engine.cuda.prefill import PREFILL_QUERIES_PER_BLOCK, prefill_attention_shared
 from qwenchat.engine.speculate import SPECULATE_MOST
 from qwenchat.model import rope
 from qwenchat.model.config import Qwen3Config
 
-VERIFY_KERNELS = ("verify_xn", "verify_attn", "verify_attn_r2", "verify_attn_bf16", "verify_act",
-                  "verify_head", "verify_norm_rows")
 # The kernels a pass launches that begin with common.cuh's dependent_start: on Hopper each may
 # start while the one before it ends (programmatic dependent launch), its blocks taking the
 # SMs the other's last blocks leave free. (Not embed_rows: the graph's first kernel.)
