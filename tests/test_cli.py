@@ -240,6 +240,12 @@ def test_missing_model_directory_exit_2(tmp_path):
     assert_one_error_line(result, 2, "nowhere")
 
 
+def sigint_as_in_a_terminal() -> None:
+    """A child's Ctrl+C as a terminal's foreground job has it: a job a script starts in the
+    background (`pytest ... &`) runs with SIGINT ignored, and its children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path, tiny_tokenizer):
     slow = write_tiny_model(tmp_path / "slow", tokenizer=tiny_tokenizer, hidden_size=512,
                             intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
@@ -247,7 +253,7 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path, tiny_tokenizer):
     process = subprocess.Popen(
         [str(SCRIPT), "ask", "--model", str(slow), "--backend", "cpu", "--temperature", "0",
          "Hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=sigint_as_in_a_terminal)
     assert process.stdout is not None
     process.stdout.read(1)  # wait until the answer streams
     time.sleep(0.2)

@@ -348,10 +348,17 @@ def test_a_client_gone_as_soon_as_it_asked_frees_the_server(scripted_server):
 SCRIPT = Path(sys.executable).parent / "qwenchat"
 
 
+def sigint_as_in_a_terminal() -> None:
+    """A child's Ctrl+C as a terminal's foreground job has it: a job a script starts in the
+    background (`pytest ... &`) runs with SIGINT ignored, and its children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_command(*args: str) -> subprocess.Popen:
     return subprocess.Popen([str(SCRIPT), "serve", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            preexec_fn=sigint_as_in_a_terminal)
 
 
 def test_the_command_serves_until_interrupted(tiny_model_dir):
