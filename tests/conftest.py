@@ -26,8 +26,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): a worker a core this process may use, at most 4 (the
     GPU tests share one card). An explicit `-n N` is taken as given."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, 4))
+    from qwenchat.engine.cuda.compiler import usable_cpus
+
+    return min(usable_cpus(), 4)
 
 
 def pytest_collection_finish(session):
