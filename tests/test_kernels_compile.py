@@ -2,8 +2,9 @@
 
 No GPU is needed, only NVRTC; without it these tests skip and say why. The whole matrix (every
 kernel x architecture x format x shape) is marked `compile_matrix` and runs where
-QWENCHAT_COMPILE_MATRIX=1 (CI sets it); the default run keeps a diagonal of it that still
-builds every kernel for every architecture and format once, the shapes taking turns. Builds
+QWENCHAT_COMPILE_MATRIX=1 (CI sets it); the default run keeps a diagonal of it that builds
+every kernel once in each weight and cache format, the architectures and the shapes taking
+turns, and the megakernel in the layouts whose static shared memory is checked. Builds
 compile ahead on one thread per CPU (`nvrtc_pool`), so a test mostly collects its cubin.
 """
 
@@ -74,9 +75,9 @@ needs_nvrtc = pytest.mark.skipif(NVRTC_PROBLEM is not None, reason=f"{NVRTC_PROB
 pytestmark = pytest.mark.xdist_group("nvrtc")
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
-# The default run's architectures: one of each class of `__CUDA_ARCH__` the sources tell apart
-# (test_the_default_runs_architectures_cover_every_code_path_the_sources_have); sm_86 compiles
-# sm_80's code and is left to the matrix.
+# The default run's architectures, taking turns: one of each class of `__CUDA_ARCH__` the
+# sources tell apart (test_the_default_runs_architectures_cover_every_code_path_the_sources_have);
+# sm_86 compiles sm_80's code and is left to the matrix.
 SAMPLED_ARCHS = ("sm_80", "sm_89", "sm_90", "sm_90a")
 # Sizes that no tile divides: 3 query heads on 1 KV head, hidden 48, a prime vocabulary. They
 # stay within what cuda_src/qwen3.cuh asserts (whole GQA groups, head_dim in {16, ..., 256},
@@ -316,14 +317,24 @@ def test_the_kept_tokens_struct_is_laid_out_as_sampling_cu_declares_it():
 COMPILE_MATRIX = pytest.mark.compile_matrix
 
 
-def diagonal(builds: list[tuple], shapes: Iterable[str]) -> list:
-    """The builds x shapes matrix as parameters: the default run keeps one shape for each
-    build on a SAMPLED_ARCHS architecture, taking the shapes in turn; the rest is marked
+def diagonal(builds: list[tuple], shapes: Iterable[str], matrix_only: Iterable[str] = ()) -> list:
+    """The builds x shapes matrix as parameters. The default run keeps one of each build's
+    kernel and format (the build less its architecture, its last field): the first build of
+    that kernel and format on the SAMPLED_ARCHS architecture whose turn it is, with the shape
+    whose turn it is. Kernels in `matrix_only` and the rest of the matrix are marked
     `compile_matrix`."""
-    shapes = list(shapes)  # (each build's architecture is its last field)
-    return [pytest.param(*build, shape, marks=() if j == i % len(shapes)
-                         and build[-1] in SAMPLED_ARCHS else COMPILE_MATRIX)
-            for i, build in enumerate(builds) for j, shape in enumerate(shapes)]
+    shapes, kept = list(shapes), {}
+    for build in builds:
+        group = build[:-1]
+        if group[0] in matrix_only or group in kept:
+            continue
+        archs = [b[-1] for b in builds if b[:-1] == group and b[-1] in SAMPLED_ARCHS]
+        if archs:
+            turn = len(kept)
+            kept[group] = (archs[turn % len(archs)], shapes[turn % len(shapes)])
+    return [pytest.param(*build, shape, marks=() if kept.get(build[:-1]) == (build[-1], shape)
+                         else COMPILE_MATRIX)
+            for build in builds for shape in shapes]
 
 
 def every_kernel_build(kernel, weights, arch, shape) -> Build | str:
@@ -338,9 +349,15 @@ def every_kernel_build(kernel, weights, arch, shape) -> Build | str:
     return kernel, arch, defines
 
 
+# The megakernel, the longest build by far, is left here to the matrix: the default run builds
+# it in its widest layouts, for each weight format, where its static shared memory is checked
+# (test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it).
+MEGAKERNEL_IN_THE_MATRIX = ("megakernel.cu",)
+
+
 @needs_nvrtc
 @pytest.mark.parametrize(("kernel", "weights", "arch", "shape"),
-                         diagonal(BUILDS, sorted(SHAPES)))
+                         diagonal(BUILDS, sorted(SHAPES), MEGAKERNEL_IN_THE_MATRIX))
 @compiled_ahead(lambda **p: [b for b in [every_kernel_build(**p)] if not isinstance(b, str)])
 def test_every_kernel_compiles(kernel, weights, arch, shape, nvrtc_pool):
     build = every_kernel_build(kernel, weights, arch, shape)
@@ -350,13 +367,17 @@ def test_every_kernel_compiles(kernel, weights, arch, shape, nvrtc_pool):
     assert nvrtc_pool.cubin(*build).startswith(ELF_MAGIC)
 
 
-def test_the_default_run_builds_every_kernel_for_every_architecture_and_format():
-    kept = [p.values for p in diagonal(BUILDS, sorted(SHAPES)) if not p.marks]
-    assert sorted(values[:3] for values in kept) == sorted(b for b in BUILDS
-                                                          if b[2] in SAMPLED_ARCHS)
-    assert {values[3] for values in kept} == set(SHAPES)
-    full = diagonal(BUILDS, sorted(SHAPES))
+def test_the_default_run_builds_every_kernel_in_every_format_and_takes_every_architecture():
+    full = diagonal(BUILDS, sorted(SHAPES), MEGAKERNEL_IN_THE_MATRIX)
+    kept = [p.values for p in full if not p.marks]
+    assert sorted((k, w) for k, w, _, _ in kept) == sorted(
+        {(k, w) for k, w, _ in BUILDS if k not in MEGAKERNEL_IN_THE_MATRIX})
+    assert {arch for _, _, arch, _ in kept} == set(SAMPLED_ARCHS)
+    assert {shape for *_, shape in kept} == set(SHAPES)
     assert len(full) == len(BUILDS) * len(SHAPES) and len(set(p.values for p in full)) == len(full)
+    # every format of the megakernel, in the default run, where its static memory is checked
+    widest = {values[0] for values in WIDEST_MEGAKERNELS if not getattr(values, "marks", ())}
+    assert widest == {"bf16", "fp8", "int4"}
 
 
 def test_the_default_runs_architectures_cover_every_code_path_the_sources_have():
@@ -396,7 +417,7 @@ def int4_build(kernel, arch, shape) -> Build:
 @needs_nvrtc
 @pytest.mark.parametrize(("kernel", "arch", "shape"), diagonal(
     [(k, a) for k in ("layers.cu", "verify.cu", "megakernel.cu") for a in ("sm_80", "sm_90")],
-    INT4_SHAPES))
+    INT4_SHAPES, MEGAKERNEL_IN_THE_MATRIX))
 @compiled_ahead(lambda **p: [int4_build(**p)])
 def test_int4_kernels_compile(kernel, arch, shape, nvrtc_pool):
     assert nvrtc_pool.cubin(*int4_build(kernel, arch, shape)).startswith(ELF_MAGIC)
@@ -895,7 +916,7 @@ def test_eight_query_heads_a_kv_head_fit_a_99_kb_card_with_the_attention_sums_ha
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("model", ["qwen3-30b-a3b",
+@pytest.mark.parametrize("model", [pytest.param("qwen3-30b-a3b", marks=COMPILE_MATRIX),
                                    pytest.param("qwen3-32b", marks=COMPILE_MATRIX)])
 @compiled_ahead(lambda model: [
     ("megakernel.cu", "sm_89",
@@ -971,13 +992,16 @@ def _widest_plan(weights, bandwidth, model="qwen3-32b"):
     return plan_kernels(PRESETS[model], weights, gpu_shape("sm_90", bandwidth=bandwidth))
 
 
+# (weights, parts of rows, bandwidth, model): the megakernel's default-run builds
+WIDEST_MEGAKERNELS = [("bf16", True, H100_BANDWIDTH, "qwen3-32b"),
+                      ("fp8", False, H100_BANDWIDTH, "qwen3-32b"),
+                      ("int4", False, H100_BANDWIDTH, "qwen3-30b-a3b"),
+                      pytest.param("fp8", False, H200_BANDWIDTH, "qwen3-32b",
+                                   marks=COMPILE_MATRIX)]
+
+
 @needs_nvrtc
-@pytest.mark.parametrize(("weights", "split", "bandwidth", "model"),
-                         [("bf16", True, H100_BANDWIDTH, "qwen3-32b"),
-                          ("fp8", False, H100_BANDWIDTH, "qwen3-32b"),
-                          ("int4", False, H100_BANDWIDTH, "qwen3-30b-a3b"),
-                          pytest.param("fp8", False, H200_BANDWIDTH, "qwen3-32b",
-                                       marks=COMPILE_MATRIX)])
+@pytest.mark.parametrize(("weights", "split", "bandwidth", "model"), WIDEST_MEGAKERNELS)
 @compiled_ahead(lambda weights, bandwidth, model, **_: [
     ("megakernel.cu", "sm_90", dict(_widest_plan(weights, bandwidth, model).megakernel.defines))])
 def test_the_megakernel_static_shared_memory_fits_what_its_layout_leaves_it(
@@ -1034,7 +1058,8 @@ def consumer_build(arch, name, consumer) -> Build:
 
 @needs_nvrtc
 @pytest.mark.parametrize(("arch", "name", "consumer"), [
-    ("sm_90", "qwen3-14b", "auto"), pytest.param("sm_90", "qwen3-14b", "fma", marks=COMPILE_MATRIX),
+    pytest.param("sm_90", "qwen3-14b", "auto", marks=COMPILE_MATRIX),
+    pytest.param("sm_90", "qwen3-14b", "fma", marks=COMPILE_MATRIX),
     pytest.param("sm_89", "qwen3-4b", "auto", marks=COMPILE_MATRIX),
     pytest.param("sm_89", "qwen3-4b", "fma", marks=COMPILE_MATRIX)])
 @compiled_ahead(lambda **p: [consumer_build(**p)])
@@ -1051,7 +1076,8 @@ def _timeline_plan(arch):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=COMPILE_MATRIX), "sm_90"])
+@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=COMPILE_MATRIX),
+                                  pytest.param("sm_90", marks=COMPILE_MATRIX)])
 @compiled_ahead(lambda arch: [("megakernel.cu", arch,
                                dict(_timeline_plan(arch).megakernel.defines))])
 def test_the_megakernel_timeline_build_compiles(arch, nvrtc_pool):
