@@ -213,8 +213,16 @@ def test_a_cold_start_answers_on_the_graph_then_takes_the_megakernel_once_compil
         params = LiveParams(SamplingParams(temperature=0.0, max_tokens=24))
         return list(engine.generate(GenerateRequest(params, frozenset(), seed=0)))
 
+    # The first reply runs while the megakernel still compiles. (Its compile, a process of its
+    # own, can end before the graph's kernels have loaded, most often on a loaded machine: the
+    # first reply would then begin on the megakernel. Its result is held back until then.)
+    pending, held = cold.megakernel_pending, [True]
+    poll = pending.poll
+    monkeypatch.setattr(pending, "poll", lambda: None if held[0] else poll())
     first = greedy(cold)
-    cold.megakernel_pending.wait(timeout=300)
+    assert cold.decode == "layered" and cold.megakernel_pending is pending
+    held[0] = False
+    pending.wait(timeout=300)
     assert cold.decode == "layered"  # (a reply in progress keeps its path)
     second = greedy(cold)
     assert cold.decode == "megakernel" and cold.megakernel_pending is None
