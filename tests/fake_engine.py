@@ -51,6 +51,7 @@ class FakeEngine(CacheBookkeeping):
         self.holding = threading.Event()
         self.release = threading.Event()
         self.seen: list[SamplingParams] = []  # the parameters in force at every step
+        self.prompts: list[list[int]] = []  # the cache at each reply's start, in order
         self._logits = False
         self._cancel = threading.Event()
         self._started = 0.0
@@ -75,6 +76,7 @@ class FakeEngine(CacheBookkeeping):
         self._logits = False
 
     def _begin_reply(self, request: GenerateRequest) -> None:
+        self.prompts.append(list(self._tokens))
         self._cancel = request.cancel
         self._started = time.perf_counter()
         self._ready_at = []

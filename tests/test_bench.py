@@ -6,6 +6,7 @@ the byte arithmetic is right, and that what cannot be measured says why.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -78,11 +79,13 @@ def test_random_weights_drawn_in_bands_are_one_seeded_tensor_with_no_repeated_ba
     from qwenchat.model.floats import bf16_bits_to_f32
     from qwenchat.model.random_weights import BAND_VALUES
 
-    config = PRESETS["qwen3-0.6b"]
-    name = "model.embed_tokens.weight"  # 151,936 x 1,024: 38 bands
+    # 0.6B's widths with a vocabulary of three bands and a part (0.6B's own: 38 bands, 13 times
+    # the values to draw, three times over)
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], vocab_size=3 * (BAND_VALUES // 1024) + 7)
+    name = "model.embed_tokens.weight"  # 12,295 x 1,024
     rows, cols = config.tensor_shapes()[name]
     band_rows = BAND_VALUES // cols
-    assert rows > 2 * band_rows
+    assert rows > 3 * band_rows
     bits = RandomWeights(config, seed=3).bf16_bits(name)
     assert np.array_equal(bits, RandomWeights(config, seed=3).bf16_bits(name))
     assert np.array_equal(bf16_bits_to_f32(bits), RandomWeights(config, seed=3).float32(name))
@@ -407,7 +410,8 @@ def test_random_fp8_weights_are_seeded_finite_codes_with_block_scales():
     from qwenchat.model import fp8
     from qwenchat.model.floats import e4m3_to_f32
 
-    config = PRESETS["qwen3-0.6b"]
+    # (0.6B's widths; a vocabulary of 4,096 keeps the embedding's check short)
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], vocab_size=4096)
     name = "model.layers.2.mlp.down_proj.weight"  # 1024 x 3072, fan-in 3072
     weights = RandomWeights(config, seed=5, weight_format="fp8")
     assert weights.weight_format == "fp8" and weights.dtype(name) == "F8_E4M3"
