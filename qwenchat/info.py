@@ -53,13 +53,15 @@ def _software() -> Section:
 
 def _gpu() -> Section:
     try:
-        from qwenchat.engine.cuda.probe import probe
+        from qwenchat.engine.cuda.probe import probe, probe_nvrtc
 
         found = probe()
+        # (without a driver the probe leaves NVRTC out; info still says whether it is there)
+        nvrtc = found.nvrtc_version if found.driver_version else probe_nvrtc()
     except Exception as exc:  # a broken CUDA install must not break `info` itself
         return "GPU", [("status", f"CUDA probe failed: {exc}")]
     rows = [("driver", found.driver_version or "not found"),
-            ("nvrtc", found.nvrtc_version or "not found")]
+            ("nvrtc", nvrtc or "not found")]
     for gpu in found.gpus:
         major, minor = gpu.compute_capability
         rows.append((f"gpu {gpu.index}", f"{gpu.name}, sm_{major}{minor}, "

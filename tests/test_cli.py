@@ -335,7 +335,11 @@ def test_ask_and_info_work_where_textual_and_cuda_python_cannot_load(tiny_model_
     info = subprocess.run([sys.executable, "-c", blocked, "info"], capture_output=True,
                           text=True, timeout=60)
     assert info.returncode == 0, info.stderr
-    assert "cuda-python is not importable" in "".join(info.stdout.split("\n"))
+    # (the first cause: without a driver that is the driver, found without cuda-python)
+    from qwenchat.engine.cuda.probe import NO_DRIVER, driver_library_loads
+
+    expected = "cuda-python is not importable" if driver_library_loads() else NO_DRIVER
+    assert expected in "".join(info.stdout.split("\n"))
 
 
 @pytest.mark.parametrize("args", [

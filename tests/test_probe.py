@@ -71,3 +71,37 @@ def test_auto_with_a_driver_but_no_nvrtc_says_what_to_install(monkeypatch):
     (line,) = cpu_notice(CudaProbe(driver_version="13.0", gpus=[H100]), monkeypatch)
     assert line.startswith("running on the CPU: ") and line.count("libnvrtc") == 1
     assert line.endswith("pip install 'qwenchat[cu13]'") and len(line) < 120
+
+
+def test_without_a_driver_the_probe_answers_before_importing_cuda_python(monkeypatch):
+    # (cuda-python blocked: had the probe imported it, its answer would be the import error)
+    import sys
+
+    from qwenchat.engine.cuda import probe as cuda_probe
+
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    monkeypatch.setattr(cuda_probe, "driver_library_loads", lambda: False)
+    found = cuda_probe.probe()
+    assert found.problems == [NO_DRIVER] and found.nvrtc_version is None
+    monkeypatch.setattr(cuda_probe, "driver_library_loads", lambda: True)
+    assert "cuda-python is not importable" in cuda_probe.probe().problems[0]
+
+
+def test_a_cpu_answer_imports_no_cuda_python_where_there_is_no_driver(tiny_model_dir):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from qwenchat.engine.cuda.probe import driver_library_loads
+
+    if driver_library_loads():
+        pytest.skip("this machine has an NVIDIA driver")
+    script = ("import sys; from qwenchat.cli import main; "
+              "sys.argv = ['qwenchat', 'ask', '--model', sys.argv[1], '--max-tokens', '2', 'Hi']\n"
+              "try:\n    main()\nexcept SystemExit:\n    pass\n"
+              "print('imported' if 'cuda.bindings.driver' in sys.modules else 'not imported')")
+    result = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)],
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.stdout.splitlines()[-1] == "not imported", result.stderr
+    assert "no NVIDIA driver: running on the CPU" in result.stderr
