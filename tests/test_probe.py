@@ -79,7 +79,8 @@ def test_without_a_driver_the_probe_answers_before_importing_cuda_python(monkeyp
 
     from qwenchat.engine.cuda import probe as cuda_probe
 
-    monkeypatch.setitem(sys.modules, "cuda", None)
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.driver", "cuda.bindings.nvrtc"):
+        monkeypatch.setitem(sys.modules, name, None)  # (whether imported before or not)
     monkeypatch.setattr(cuda_probe, "driver_library_loads", lambda: False)
     found = cuda_probe.probe()
     assert found.problems == [NO_DRIVER] and found.nvrtc_version is None
