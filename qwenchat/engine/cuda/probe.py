@@ -78,8 +78,8 @@ def _version(number: int) -> str:
 
 def driver_library_loads() -> bool:
     """Whether the NVIDIA driver's library (libcuda, nvcuda.dll on Windows) loads: a few
-    milliseconds, where importing cuda-python's bindings to find that out takes ~0.15 s of
-    every answer on a machine without a GPU."""
+    milliseconds, where importing cuda-python's bindings and loading NVRTC to find that out
+    took ~0.4 s of every answer on a machine without a GPU (docs/perf.md)."""
     import ctypes
     import sys
 
