@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_process import sigint_as_in_a_terminal
 from hf_compare import hf_greedy_text
 from tiny_model import write_tiny_model
 
@@ -238,12 +239,6 @@ def test_an_int8_kv_cache_answers_and_ask_json_names_it(tiny_model_dir):
 def test_missing_model_directory_exit_2(tmp_path):
     result = qwenchat("ask", "--model", str(tmp_path / "nowhere"), "Hi")
     assert_one_error_line(result, 2, "nowhere")
-
-
-def sigint_as_in_a_terminal() -> None:
-    """A child's Ctrl+C as a terminal's foreground job has it: a job a script starts in the
-    background (`pytest ... &`) runs with SIGINT ignored, and its children inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path, tiny_tokenizer):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from child_process import sigint_as_in_a_terminal
 from fake_engine import fake_model
 from served import Running
 
@@ -351,12 +352,6 @@ def test_a_client_gone_as_soon_as_it_asked_frees_the_server(scripted_server):
 
 
 SCRIPT = Path(sys.executable).parent / "qwenchat"
-
-
-def sigint_as_in_a_terminal() -> None:
-    """A child's Ctrl+C as a terminal's foreground job has it: a job a script starts in the
-    background (`pytest ... &`) runs with SIGINT ignored, and its children inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def start_command(*args: str) -> subprocess.Popen:
