@@ -681,7 +681,8 @@ def exported(cubin: bytes, names) -> set[str]:
 
 @needs_nvrtc
 @pytest.mark.parametrize(("source", "weights"), [
-    ("gemm_sm90.cu", "bf16"), pytest.param("gemm_fp8_sm90.cu", "fp8", marks=COMPILE_MATRIX)])
+    pytest.param("gemm_sm90.cu", "bf16", marks=COMPILE_MATRIX),
+    pytest.param("gemm_fp8_sm90.cu", "fp8", marks=COMPILE_MATRIX)])
 @compiled_ahead(lambda source, weights: [gemm_part_build(source, weights, part)
                                          for part in (None, *range(len(SM90_PARTS[source])))])
 def test_each_hopper_gemm_part_holds_its_kernels_and_together_they_are_the_whole(
