@@ -1,6 +1,12 @@
 // Matrix-vector phases, in one of two ways (mk_layout.cuh, SPLIT): whole rows, each warp holding
 // a segment of the input vector in registers (rows_phase_whole); or runs of 256-column items
 // whatever the rows, the input vector in shared memory (rows_phase_items).
+//
+// The timeline's probe points of a matrix phase (QW_TL_MV; tests/step_timeline.py --mv-probes
+// records a step at each): 0 (the default) its first stage ready, 1 its input's first block
+// barrier passed, 2 warp 0's share of the input taken, 3 the block barrier after the input's
+// sums passed, 5 warp 0 done with the phase's first stage, 6 warp 0 done with the phase, 7 the
+// producer warp done with the phase's refills. All but 7 as warp 0 sees them.
 #pragma once
 #include "mk_pipe.cuh"
 #include "mk_timeline.cuh"
@@ -171,6 +177,7 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     // Warps leave a phase one by one (no barrier between its stages): the slowest may still be
     // reading the last phase's vector here, or its squares.
     __syncthreads();
+    QW_TL_MV(1);  // (the timeline's probe points of a matrix phase: mk_timeline.cuh)
     // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
     // 128-byte lines).
     if constexpr (NORM) {
@@ -191,11 +198,13 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
             ss += e.x * e.x + e.y * e.y;
         }
     }
+    QW_TL_MV(2);
     if (squares) {
         ss = warp_sum(ss);
         if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
     }
     __syncthreads();
+    QW_TL_MV(3);
     float total = 0.f;
     if (squares) {
 #pragma unroll
@@ -285,6 +294,7 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
     // block, where sync_threads made ptxas schedule the norm weights' loads otherwise)
     if constexpr (NT == THREADS) __syncthreads();
     else sync_threads<NT>();
+    QW_TL_MV(1);
     float2 v[NQ];
     float ss = 0.f, most = 0.f;
 #pragma unroll
@@ -294,6 +304,7 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
         v[q] = make_float2(e.x * bf16_lo(g[q]), e.y * bf16_hi(g[q]));
         most = fmaxf(most, fmaxf(fabsf(v[q].x), fabsf(v[q].y)));
     });
+    QW_TL_MV(2);
     ss = warp_sum(ss);
     most = warp_max(most);
     if ((threadIdx.x & 31) == 0) {
@@ -301,6 +312,7 @@ __device__ __forceinline__ float stage_f16(const tagged_t* src, const bf16_t* ro
         warp_maxes[threadIdx.x >> 5] = most;
     }
     sync_threads<NT>();
+    QW_TL_MV(3);
     float total = 0.f;
     most = 0.f;
 #pragma unroll
@@ -702,6 +714,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     // slower, docs/perf.md 2026-11-27.)
     if (warp == PRODUCER) {
         for (int r0 = lo; r0 < hi; r0 += per) pipe_produce(a, consumed);
+        QW_TL_MV_PRODUCER(7);
         return;
     }
     // The MMA consumer's share of the columns: steps [j0, j1) of the segment (256 columns, or
@@ -712,7 +725,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
         const int n = min(per, hi - r0);
         const int slot = consumed % STAGES;
         const unsigned char* tile = pipe_wait(consumed);
-        QW_TL_MARK_IF(r0 == lo, WEIGHTS);
+        QW_TL_MARK_IF(r0 == lo && QW_MK_TL_MV == 0, WEIGHTS);
         // Row r of the stage (PAIRS: gate rows, then up rows from PER) has its dot product d
         // (lane 0): emit it, or add it to the stage's partial sums and emit with the last one.
         auto finish = [&](int r, float d, int extra) {
@@ -787,8 +800,10 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
                 }
             }
         }
+        if (r0 == lo) QW_TL_MV(5);
         pipe_release(consumed);
     }
+    QW_TL_MV(6);
     QW_TL_MARK(END);
 }
 // The row table (mk_layout.cuh, ring_rows): rows cut between warps or stages, summed from their
@@ -843,6 +858,7 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
     const int tiles = (total + IPS - 1) / IPS;
     if (warp == PRODUCER) {  // refills the phase's stages as the consumers release them
         for (int t = 0; t < tiles; ++t) pipe_produce(a, consumed);
+        QW_TL_MV_PRODUCER(7);
         return;
     }
     // Stream row R's sum is complete (lane 0).
@@ -889,7 +905,7 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
     for (int t = 0; t < tiles; ++t) {
         const int i0 = t * IPS, i1 = min(total, i0 + IPS), m = i1 - i0;
         const unsigned char* tile = pipe_wait(consumed);
-        QW_TL_MARK_IF(t == 0, WEIGHTS);
+        QW_TL_MARK_IF(t == 0 && QW_MK_TL_MV == 0, WEIGHTS);
         int dst = 0;
         const StagePart p0 = stage_part<K, WF>(i0, i1, 0, n, dst);
         const StagePart p1 = PAIRS ? stage_part<K, WF>(i0, i1, 1, n, dst) : p0;
@@ -907,8 +923,10 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
             piece(R, s, e, acc);
             s = e;
         }
+        if (t == 0) QW_TL_MV(5);
         pipe_release(consumed);
     }
+    QW_TL_MV(6);
     QW_TL_MARK(END);
 }
 

@@ -15,6 +15,9 @@
 #ifndef QW_MK_TL_AT
 #define QW_MK_TL_AT 0
 #endif
+#ifndef QW_MK_TL_MV
+#define QW_MK_TL_MV 0
+#endif
 
 #if QW_MK_TIMELINE
 namespace mk_timeline {
@@ -46,8 +49,11 @@ __device__ __forceinline__ unsigned long long now() {
     return t;
 }
 
+// (QW_TL_MV) the phase number + 1 of the last probe each warp recorded: one a phase, the first.
+__shared__ unsigned probed[mk::WARPS];
+
 __device__ __forceinline__ void init() {
-    if (threadIdx.x < mk::WARPS) warp_phase[threadIdx.x] = 0u;
+    if (threadIdx.x < mk::WARPS) warp_phase[threadIdx.x] = probed[threadIdx.x] = 0u;
 }
 
 // Every thread of every warp at a phase's entry: the phase's number in this launch (the
@@ -73,6 +79,18 @@ __device__ __forceinline__ void mark(unsigned phase, Mark m, unsigned kind = 0) 
     if (warp != 0) return;
     r->t[m] = now();
     if (m == START) r->kind = kind;
+}
+
+// A matrix phase's probe point (QW_TL_MV): the WEIGHTS time of the phase the calling warp is
+// in, from warp 0 (or, `producer`, from the producer warp), the first time the warp passes it in
+// the phase. Reads the phase from warp_phase, so it works in the functions a phase calls.
+__device__ __forceinline__ void probe(bool producer) {
+    const int warp = threadIdx.x >> 5;
+    if (warp != (producer ? mk::PRODUCER : 0) || (threadIdx.x & 31) != 0) return;
+    const unsigned phase = warp_phase[warp] - 1u;
+    if (phase >= QW_MK_TIMELINE || probed[warp] == phase + 1u) return;
+    probed[warp] = phase + 1u;
+    qw_timeline[phase * gridDim.x + blockIdx.x].t[WEIGHTS] = now();
 }
 
 // Lane 0 of a warp: adds `cycles` (and `stages`) to the record of the phase the warp is in.
@@ -112,6 +130,17 @@ __device__ __forceinline__ void add(Cycles c, long long cycles, unsigned stages 
 // K instead (mk_attention.cuh numbers them), so that the span from its input to each point is
 // measured.
 #define QW_TL_AT(cond, k) QW_TL_MARK_IF((cond) && QW_MK_TL_AT == (k), WEIGHTS)
+// A matrix phase's probe (tests/step_timeline.py --mv-probes, QW_MK_TL_MV=K): its WEIGHTS mark,
+// by default where its first stage is ready, is taken at point K instead (mk_matvec.cuh numbers
+// them), warp 0's view; QW_TL_MV_PRODUCER the producer warp's.
+#define QW_TL_MV(k)                                            \
+    do {                                                       \
+        if (QW_MK_TL_MV == (k)) mk_timeline::probe(false);     \
+    } while (0)
+#define QW_TL_MV_PRODUCER(k)                                   \
+    do {                                                       \
+        if (QW_MK_TL_MV == (k)) mk_timeline::probe(true);      \
+    } while (0)
 #else
 #define QW_TL_CLOCK(var)
 #define QW_TL_PRODUCED(t0, t1)
@@ -121,4 +150,6 @@ __device__ __forceinline__ void add(Cycles c, long long cycles, unsigned stages 
 #define QW_TL_MARK(m)
 #define QW_TL_MARK_IF(cond, m)
 #define QW_TL_AT(cond, k)
+#define QW_TL_MV(k)
+#define QW_TL_MV_PRODUCER(k)
 #endif

@@ -22,7 +22,11 @@ written), so that the table's weights-input column times the attention's own cha
 piece; `--probes 0,2,3,4,5,6` records one step for each probe point in one process and prints
 the attention's row of each, drawing nothing (a 30B-A3B timeline and its picture take about two
 minutes a run); `--define` takes any megakernel define (QW_MK_...) for an experiment, and
-`--no-draw` skips the SVG and PNG.
+`--no-draw` skips the SVG and PNG. `--mv-probes 0,1,2,3,5,6,7` does the same for the matrix
+phases' probe points (cuda_src/mk_matvec.cuh: the input's barriers, warp 0's share of the input,
+the first stage's rows, warp 0's end, the producer's last refill) and prints, per kind, when the
+median block reached each point from its own start of the phase; with `--define QW_MK_SKIP=5`
+(no waits, no weights) that is a block's own path through a phase.
 """
 
 from __future__ import annotations
@@ -269,6 +273,50 @@ def print_probes(probes: list[int], args: argparse.Namespace, stages) -> None:
               flush=True)
 
 
+MATRIX_KINDS = ("qkv", "o_proj", "router", "gate_up", "down", "lm_head")
+
+
+def block_times(step: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per matrix kind: the median block's input, weights (or probe) and end times, each from
+    that block's own start of the phase (µs; the median over the kind's phases), so blocks
+    that drift apart (a build with no waits) still give their own path through a phase."""
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in step:
+        kind = TIMELINE_KINDS[int(row["kind"].max())]
+        if kind not in MATRIX_KINDS:
+            continue
+        start = row["start"].astype(np.int64)
+        for mark in ("input", "weights", "end"):
+            values = row[mark].astype(np.int64)
+            ok = (start > 0) & (values > 0)
+            if ok.any():
+                out[kind][mark].append(float(np.median(values[ok] - start[ok])) / 1000)
+    return {kind: {mark: float(np.median(v)) for mark, v in marks.items()}
+            for kind, marks in out.items()}
+
+
+def print_mv_probes(probes: list[int], args: argparse.Namespace, stages) -> None:
+    """The matrix phases' probe points (mk_matvec.cuh's QW_TL_MV), a step recorded at each:
+    per kind, when the median block reached each point, from its own start of the phase."""
+    table: dict[str, dict[str, float]] = defaultdict(dict)
+    for k in probes:
+        EXPERIMENT_DEFINES["QW_MK_TL_MV"] = k
+        step, described = record_step(args.config, args.quantize, args.position, args.steps,
+                                      args.rows, stages, args.kv_cache)
+        for kind, marks in block_times(step).items():
+            table[kind].setdefault("input", marks.get("input", float("nan")))
+            table[kind].setdefault("end", marks.get("end", float("nan")))
+            table[kind][f"p{k}"] = marks.get("weights", float("nan"))
+    del EXPERIMENT_DEFINES["QW_MK_TL_MV"]
+    columns = [f"p{k}" for k in probes] + ["input", "end"]
+    print(f"{described}: µs from each block's start of the phase (median block, median phase)")
+    print(f"{'phase':>8} " + " ".join(f"{c:>7}" for c in columns))
+    for kind in MATRIX_KINDS:
+        if kind in table:
+            print(f"{kind:>8} " + " ".join(f"{table[kind].get(c, float('nan')):>7.2f}"
+                                            for c in columns), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="qwen3-0.6b", choices=sorted(PRESETS))
@@ -294,9 +342,16 @@ def main() -> None:
     parser.add_argument("--probes", metavar="K,K,...",
                         help="the attention's probe points (QW_MK_TL_AT) to record a step for, "
                              "one after another; prints the attention's row of each")
+    parser.add_argument("--mv-probes", metavar="K,K,...",
+                        help="the matrix phases' probe points (QW_MK_TL_MV, mk_matvec.cuh) to "
+                             "record a step for, one after another; prints when the median "
+                             "block reached each, from its own start of the phase")
     args = parser.parse_args()
     EXPERIMENT_DEFINES.update(parse_defines(args.define))
     stages = parse_ring(args.stages) if args.stages else None
+    if args.mv_probes:
+        print_mv_probes([int(k) for k in args.mv_probes.split(",")], args, stages)
+        return
     if args.probes:
         print_probes([int(k) for k in args.probes.split(",")], args, stages)
         return

@@ -217,3 +217,51 @@ def test_a_timeline_build_records_every_phase_of_every_block_in_order_and_same_t
     issued = records["stages"] > 0
     assert (records["issue"][issued] > 0).all() and not records["issue"][~issued].any()
     assert (records["full_wait"] <= (end - start) * 3).all()  # cycles at most ~2 GHz x ns
+
+
+@pytest.mark.parametrize("rows", ["whole", "parts"])
+def test_the_matrix_phases_probe_points_fall_in_their_order(rows, monkeypatch):
+    """QW_MK_TL_MV=K moves a matrix phase's weights mark to its probe point K (mk_matvec.cuh):
+    in every block, points 1-3 (the input's barriers, warp 0's share of it) fall between the
+    phase's start and its input, 5 and 6 (warp 0's first stage and its end) between its input
+    and its end, and 7 (the producer's last refill) after its start; each probe is in the phase
+    it belongs to, and the tokens are those of the plain build."""
+    from qwenchat.engine.cuda.engine import CudaEngine
+    from qwenchat.engine.cuda.megakernel import EXPERIMENT_DEFINES, TIMELINE_KINDS
+    from qwenchat.model.presets import PRESETS
+    from qwenchat.model.random_weights import RandomWeights
+
+    config = dataclasses.replace(PRESETS["qwen3-0.6b"], num_hidden_layers=3)
+    steps = 4
+    matrix_kinds = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+    for k in (1, 2, 3, 5, 6, 7):
+        monkeypatch.setitem(EXPERIMENT_DEFINES, "QW_MK_TL_MV", k)
+        plain, timed, records = plain_and_timeline(
+            lambda timeline: CudaEngine(config, RandomWeights(config, seed=1), ctx=256,
+                                        decode="megakernel", megakernel_timeline=timeline,
+                                        megakernel_rows=rows),
+            steps, 5 * 3 + 2)
+        assert plain == timed, k
+        kinds = [TIMELINE_KINDS[i] for i in records["kind"].max(axis=1)]
+        matrix = np.array([kind in matrix_kinds for kind in kinds])
+        start, inp, probe, end = (records[f][matrix].astype(np.int64)
+                                  for f in ("start", "input", "weights", "end"))
+        assert (probe > 0).all(), k  # every block passed the point in every matrix phase
+        assert (start <= probe).all(), k
+        if k == 7:
+            # The producer's last refill follows the consumers' last release (so it may come
+            # after the phase's end), and precedes the next phase's input where the next is a
+            # matrix phase (the producer takes part in staging it) or sampling (its barrier).
+            rows_of = np.nonzero(matrix)[0]
+            for i, row in enumerate(rows_of[:-1] if rows_of[-1] == len(kinds) - 1 else rows_of):
+                nxt = kinds[row + 1]
+                if nxt in matrix_kinds:
+                    assert (probe[i] <= records["input"][row + 1].astype(np.int64)).all(), row
+                elif nxt == "sample":
+                    assert (probe[i] <= records["start"][row + 1].astype(np.int64)).all(), row
+            continue
+        assert (probe <= end).all(), k
+        if k <= 3:
+            assert (probe <= inp).all(), k
+        elif k <= 6:
+            assert (probe >= inp).all(), k
