@@ -25,8 +25,9 @@
 //
 // QW_MK_SKIP leaves parts out, for timing only (the results are then wrong): 1 weight copies,
 // 2 attention, 4 the waits for other blocks' values, 8 sampling, 16 every copy and the
-// producer's reckoning of its source (it only arrives on the stage's barrier). QW_MK_TIMELINE records when
-// each phase's input and weights arrived in every block (mk_timeline.cuh).
+// producer's reckoning of its source (it only arrives on the stage's barrier).
+// QW_MK_TIMELINE records when each phase's input and weights arrived in every block
+// (mk_timeline.cuh).
 //
 // Where the parts are (each header includes the one before it):
 //   mk_layout.cuh     geometry constants, MegaArgs and MegaLayer (mirrored by the host)

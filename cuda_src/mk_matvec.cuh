@@ -177,7 +177,7 @@ __device__ __forceinline__ float stage_vector(const tagged_t* src, const bf16_t*
     // Warps leave a phase one by one (no barrier between its stages): the slowest may still be
     // reading the last phase's vector here, or its squares.
     __syncthreads();
-    QW_TL_MV(1);  // (the timeline's probe points of a matrix phase: mk_timeline.cuh)
+    QW_TL_MV(1);  // (the timeline's probe points of a matrix phase: this file's head)
     // Thread t takes pairs t, t + THREADS, ...: a warp's 16-byte loads are contiguous (whole
     // 128-byte lines).
     if constexpr (NORM) {
