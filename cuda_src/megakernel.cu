@@ -25,7 +25,8 @@
 //
 // QW_MK_SKIP leaves parts out, for timing only (the results are then wrong): 1 weight copies,
 // 2 attention, 4 the waits for other blocks' values, 8 sampling, 16 every copy and the
-// producer's reckoning of its source (it only arrives on the stage's barrier).
+// producer's reckoning of its source (it only arrives on the stage's barrier), 32 the proxy
+// fence before a copy of weights (sm_90).
 // QW_MK_TIMELINE records when each phase's input and weights arrived in every block
 // (mk_timeline.cuh).
 //
