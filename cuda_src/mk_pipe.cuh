@@ -428,8 +428,7 @@ __device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, un
     }
 #else
     if (more) {
-        const TileSource s = (QW_MK_SKIP & 16) ? TileSource{{}, {0u, 0u, 0u, 0u}, {}, true}
-                                               : tile_source(a, c);
+        const TileSource s = (QW_MK_SKIP & 16) ? TileSource{} : tile_source(a, c);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
 #pragma unroll
             for (int i = 0; i < 4; ++i)

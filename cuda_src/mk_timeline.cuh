@@ -67,10 +67,15 @@ __device__ __forceinline__ unsigned enter() {
     return phase;
 }
 
+// This block's record of the launch's phase-th phase.
+__device__ __forceinline__ Record* record(unsigned phase) {
+    return qw_timeline + phase * gridDim.x + blockIdx.x;
+}
+
 // START, INPUT and WEIGHTS as warp 0 sees them; END when the last consumer warp is done.
 __device__ __forceinline__ void mark(unsigned phase, Mark m, unsigned kind = 0) {
     if (phase >= QW_MK_TIMELINE || (threadIdx.x & 31) != 0) return;
-    Record* r = qw_timeline + phase * gridDim.x + blockIdx.x;
+    Record* r = record(phase);
     const int warp = threadIdx.x >> 5;
     if (m == END) {
         if (warp != mk::PRODUCER) atomicMax(&r->t[END], now());
@@ -90,14 +95,14 @@ __device__ __forceinline__ void probe(bool producer) {
     const unsigned phase = warp_phase[warp] - 1u;
     if (phase >= QW_MK_TIMELINE || probed[warp] == phase + 1u) return;
     probed[warp] = phase + 1u;
-    qw_timeline[phase * gridDim.x + blockIdx.x].t[WEIGHTS] = now();
+    record(phase)->t[WEIGHTS] = now();
 }
 
 // Lane 0 of a warp: adds `cycles` (and `stages`) to the record of the phase the warp is in.
 __device__ __forceinline__ void add(Cycles c, long long cycles, unsigned stages = 0u) {
     const unsigned phase = warp_phase[threadIdx.x >> 5] - 1u;
     if (phase >= QW_MK_TIMELINE || (threadIdx.x & 31) != 0) return;
-    Record* r = qw_timeline + phase * gridDim.x + blockIdx.x;
+    Record* r = record(phase);
     // Reductions, not a read-modify-write: the warp does not wait for L2 here (a load would put
     // a round trip between the marks around it: 0.8-1 µs, docs/perf.md 2026-11-27).
     atomicAdd(&r->cycles[c], static_cast<unsigned long long>(cycles));

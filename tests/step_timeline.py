@@ -258,14 +258,23 @@ def fmt(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
+def steps_at(define: str, probes: list[int], args: argparse.Namespace, stages):
+    """(K, the recorded step, its description) for each probe point K of `define` (QW_MK_TL_AT
+    or QW_MK_TL_MV), a launch each, one after another; the define is gone afterwards."""
+    try:
+        for k in probes:
+            EXPERIMENT_DEFINES[define] = k
+            yield (k, *record_step(args.config, args.quantize, args.position, args.steps,
+                                   args.rows, stages, args.kv_cache))
+    finally:
+        EXPERIMENT_DEFINES.pop(define, None)
+
+
 def print_probes(probes: list[int], args: argparse.Namespace, stages) -> None:
     """The attention's row of the summary at each probe point (mk_attention.cuh's QW_TL_AT):
     its weights-input column is the median block's time from its q/k/v to that point."""
     print(f"{'probe':>5} {'span µs':>8} {'input wait':>11} {'probe-input µs':>15} {'step µs':>9}")
-    for k in probes:
-        EXPERIMENT_DEFINES["QW_MK_TL_AT"] = k
-        step, _ = record_step(args.config, args.quantize, args.position, args.steps, args.rows,
-                              stages, args.kv_cache)
+    for k, step, _ in steps_at("QW_MK_TL_AT", probes, args, stages):
         analysis = analyse(step)
         (row,) = [r for r in summary(analysis) if r["phase"] == "attention"]
         print(f"{k:>5} {fmt(row['span_us']):>8} {fmt(row['input_wait_us']):>11} "
@@ -299,17 +308,15 @@ def print_mv_probes(probes: list[int], args: argparse.Namespace, stages) -> None
     """The matrix phases' probe points (mk_matvec.cuh's QW_TL_MV), a step recorded at each:
     per kind, when the median block reached each point, from its own start of the phase."""
     table: dict[str, dict[str, float]] = defaultdict(dict)
-    for k in probes:
-        EXPERIMENT_DEFINES["QW_MK_TL_MV"] = k
-        step, described = record_step(args.config, args.quantize, args.position, args.steps,
-                                      args.rows, stages, args.kv_cache)
+    title = ""
+    for k, step, described in steps_at("QW_MK_TL_MV", probes, args, stages):
+        title = described
         for kind, marks in block_times(step).items():
             table[kind].setdefault("input", marks.get("input", float("nan")))
             table[kind].setdefault("end", marks.get("end", float("nan")))
             table[kind][f"p{k}"] = marks.get("weights", float("nan"))
-    del EXPERIMENT_DEFINES["QW_MK_TL_MV"]
     columns = [f"p{k}" for k in probes] + ["input", "end"]
-    print(f"{described}: µs from each block's start of the phase (median block, median phase)")
+    print(f"{title}: µs from each block's start of the phase (median block, median phase)")
     print(f"{'phase':>8} " + " ".join(f"{c:>7}" for c in columns))
     for kind in MATRIX_KINDS:
         if kind in table:
