@@ -387,6 +387,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1) decode_megakernel(c
         token = word & 0x7fffffff;
         if (word & 0x80000000) break;
     }
+    if (threadIdx.x >> 5 == PRODUCER) pipe_settle(a, consumed);  // (QW_MK_OWE)
     pipe_drain(consumed);
     if (blockIdx.x == 0 && threadIdx.x == 0) *a.pos = pos;
 }

@@ -305,6 +305,7 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
     // this phase's outputs are written: the merges' block barriers would otherwise wait for
     // it (issuing a stage takes the producer ~1 µs), and the outputs are what o_proj waits for.
     bool deferred = false;
+    if (warp == PRODUCER) pipe_settle(a, consumed);  // (QW_MK_OWE: the QKV phase's last refill)
     for (int item = blockIdx.x; item < qw::kv_heads * g.splits; item += gridDim.x) {
         const int kvh = item / g.splits, split = item % g.splits;
         const bool last_item = item + static_cast<int>(gridDim.x) >= qw::kv_heads * g.splits;

@@ -28,6 +28,12 @@
 #ifndef QW_MK_DEFER
 #define QW_MK_DEFER 1
 #endif
+// 1: a matrix phase's producer leaves its refill after the phase's last stage until the next
+// phase's input is staged (pipe_settle), so that its issue (~0.5 us) is not on the block
+// barriers of that staging; 0: each refill at its stage's release (experiments).
+#ifndef QW_MK_OWE
+#define QW_MK_OWE 0
+#endif
 // 1: the one generic write to a stage (attention's new key and value, patched into the stage that
 // holds their row) is followed by its writers' fence.proxy.async, and a copy into a stage needs
 // none before it (the consumers only read stages otherwise: a read before an async-proxy write

@@ -148,6 +148,9 @@ struct Producer {  // (the producer warp's alone)
     unsigned issued;  // stages issued (one per stage released, copying or not), in stream order
     unsigned filled;  // stages actually copied into
     int more, forwards, pos0;
+#if QW_MK_OWE
+    int owed;  // a matrix phase's last refill, not yet made: pipe_settle
+#endif
 #if QW_MK_MOE
     // A mixture of experts: the experts' stages met before the block has routed their layer
     // are held, with every stage after them (their slots taken, nothing copied), and issued
@@ -517,6 +520,9 @@ __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
                          "r"(CWARPS * 32));
         }
         producer.issued = producer.filled = 0;
+#if QW_MK_OWE
+        producer.owed = 0;
+#endif
 #if QW_MK_MOE
         producer.held = 0;
         routing.routed = 0;
@@ -583,6 +589,33 @@ __device__ __forceinline__ void pipe_produce(const MegaArgs& a, unsigned& consum
     issue(a);
     QW_TL_PRODUCED(t0, t1);
     ++consumed;
+}
+
+// The producer warp's refill owed by the last matrix phase (QW_MK_OWE), now.
+__device__ __forceinline__ void pipe_settle(const MegaArgs& a, unsigned& consumed) {
+#if QW_MK_OWE
+    if (!producer.owed) return;
+    pipe_produce(a, consumed);
+    if ((threadIdx.x & 31) == 0) producer.owed = 0;
+    __syncwarp();
+#endif
+}
+
+// The producer warp's refills of a matrix phase of n stages, one for each stage the consumers
+// release: with QW_MK_OWE, the one owed by the phase before first, and the last of this phase
+// owed to the next (pipe_settle), so that the next phase's input staging does not wait for it.
+__device__ __forceinline__ void pipe_produce_phase(const MegaArgs& a, unsigned& consumed, int n) {
+#if QW_MK_OWE
+    pipe_settle(a, consumed);
+    for (int i = 0; i < n - 1; ++i) pipe_produce(a, consumed);
+    if (n > 0) {
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) producer.owed = 1;
+        __syncwarp();
+    }
+#else
+    for (int i = 0; i < n; ++i) pipe_produce(a, consumed);
+#endif
 }
 
 // Before the kernel ends (after a __syncthreads): wait for the copies still in flight.
