@@ -34,12 +34,6 @@
 #ifndef QW_MK_OWE
 #define QW_MK_OWE 0
 #endif
-// 1: a consumer warp releases a stage with one arrival (its lanes' accesses ordered before it by
-// __syncwarp), the empty barriers counting warps; 0: every consumer thread arrives
-// (experiments).
-#ifndef QW_MK_WARP_RELEASE
-#define QW_MK_WARP_RELEASE 0
-#endif
 // 1: the one generic write to a stage (attention's new key and value, patched into the stage that
 // holds their row) is followed by its writers' fence.proxy.async, and a copy into a stage needs
 // none before it (the consumers only read stages otherwise: a read before an async-proxy write

@@ -517,7 +517,7 @@ __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(stage_bars + s)),
                          "r"(QW_MK_TMA ? 1 : 32));
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(free_bars + s)),
-                         "r"(QW_MK_WARP_RELEASE ? CWARPS : CWARPS * 32));
+                         "r"(CWARPS * 32));
         }
         producer.issued = producer.filled = 0;
 #if QW_MK_OWE
@@ -573,10 +573,6 @@ __device__ __forceinline__ const unsigned char* pipe_wait(unsigned consumed) {
 // (a release: its reads and writes of the stage come first). Every consumer thread arrives, so
 // that each one's accesses are ordered before the refill's copy by the barrier itself.
 __device__ __forceinline__ void pipe_release(unsigned& consumed) {
-#if QW_MK_WARP_RELEASE
-    __syncwarp();  // (the lanes' reads and writes of the stage before lane 0's release)
-    if ((threadIdx.x & 31) == 0)
-#endif
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];"
                  ::"r"(smem_u32(free_bars + consumed % STAGES)) : "memory");
     ++consumed;
