@@ -422,10 +422,6 @@ __device__ __noinline__ void attention_phase(const MegaArgs& a, unsigned& consum
                         reinterpret_cast<bf16_t*>(st + KEYS * KV_ROW)[new_row * HD + threadIdx.x] =
                             f32_to_bf16(sh.v_new[threadIdx.x]);
                     }
-                    // (the stage's next copy is the async proxy's write: these generic writes
-                    // before it, with the release's order; QW_MK_PATCH_FENCE, mk_layout.cuh)
-                    if (QW_MK_TMA && QW_MK_PATCH_FENCE)
-                        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 }
             }
             const bf16_t* kt = reinterpret_cast<const bf16_t*>(stage);

@@ -34,14 +34,6 @@
 #ifndef QW_MK_OWE
 #define QW_MK_OWE 0
 #endif
-// 1: the one generic write to a stage (attention's new key and value, patched into the stage that
-// holds their row) is followed by its writers' fence.proxy.async, and a copy into a stage needs
-// none before it (the consumers only read stages otherwise: a read before an async-proxy write
-// is ordered by the empty barrier alone, as CUTLASS's TMA pipelines do); 0: a fence before
-// every copy (experiments).
-#ifndef QW_MK_PATCH_FENCE
-#define QW_MK_PATCH_FENCE 0
-#endif
 // 1: a kv head's keys are cut into chunks of equal length (within one key), so no block streams
 // more than ceil(len / splits) keys; 0: chunks of whole stages (KEYS keys), which leaves up to
 // a stage a block more and fewer chunks (mk_pipe.cuh, attn_geom; experiments).

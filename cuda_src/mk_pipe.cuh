@@ -411,9 +411,8 @@ __device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, un
         if (!((QW_MK_SKIP & 1) && s.weights)) {
             const unsigned total = s.bytes[0] + s.bytes[1] + s.bytes[2] + s.bytes[3];
             // (the consumers' generic reads and writes of this stage before the copy's writes;
-            // QW_MK_PATCH_FENCE: the writers fence instead; QW_MK_SKIP & 32, timing only: not
-            // before a copy of weights)
-            if (!QW_MK_PATCH_FENCE && !((QW_MK_SKIP & 32) && s.weights))
+            // QW_MK_SKIP & 32, timing only: not before a copy of weights)
+            if (!((QW_MK_SKIP & 32) && s.weights))
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
                          "r"(total)
