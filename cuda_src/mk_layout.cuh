@@ -29,8 +29,9 @@
 #define QW_MK_DEFER 1
 #endif
 // 1: a matrix phase's producer leaves its refill after the phase's last stage until the next
-// phase's input is staged (pipe_settle), so that its issue (~0.5 us) is not on the block
-// barriers of that staging; 0: each refill at its stage's release (experiments).
+// phase's input is staged (pipe_settle), so that its issue (0.5-1 µs) is not on the block
+// barriers of that staging; 0: each refill at its stage's release. An experiment, off: +1-3% on
+// 0.6B bf16, -3% on 0.6B int4 and -1% on 8B FP8 (H100, docs/perf.md, twenty-first session).
 #ifndef QW_MK_OWE
 #define QW_MK_OWE 0
 #endif
