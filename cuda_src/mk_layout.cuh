@@ -35,12 +35,6 @@
 #ifndef QW_MK_OWE
 #define QW_MK_OWE 0
 #endif
-// 1 (dense models): the producer works out the source of the stage it issues next before it
-// waits for that stage's release (pipe_prepare), so that after the release only the copy's
-// instructions remain; 0: at the release (experiments; a mixture of experts always does).
-#ifndef QW_MK_AHEAD
-#define QW_MK_AHEAD 0
-#endif
 // 1: a kv head's keys are cut into chunks of equal length (within one key), so no block streams
 // more than ceil(len / splits) keys; 0: chunks of whole stages (KEYS keys), which leaves up to
 // a stage a block more and fewer chunks (mk_pipe.cuh, attn_geom; experiments).

@@ -151,10 +151,6 @@ struct Producer {  // (the producer warp's alone)
 #if QW_MK_OWE
     int owed;  // a matrix phase's last refill, not yet made: pipe_settle
 #endif
-#if QW_MK_AHEAD && !QW_MK_MOE
-    TileSource next;  // the source of the tile at c, once `ready` (pipe_prepare)
-    int ready;
-#endif
 #if QW_MK_MOE
     // A mixture of experts: the experts' stages met before the block has routed their layer
     // are held, with every stage after them (their slots taken, nothing copied), and issued
@@ -401,17 +397,6 @@ __device__ TileSource tile_source(const MegaArgs& a, const Cursor c) {
 
 // The copy of the tile at cursor c into stage slot % STAGES (`more`: the stream has one; with
 // cp.async every lane copies and arrives).
-// (AHEAD: the source worked out before the release, by pipe_prepare.)
-constexpr bool AHEAD = QW_MK_AHEAD && !QW_MK_MOE;
-
-__device__ __forceinline__ TileSource stage_source(const MegaArgs& a, const Cursor& c) {
-#if QW_MK_AHEAD && !QW_MK_MOE
-    return producer.next;
-#else
-    return tile_source(a, c);
-#endif
-}
-
 __device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, unsigned slot,
                                           bool more) {
     const int lane = threadIdx.x & 31;
@@ -422,7 +407,7 @@ __device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, un
     if (lane == 0 && more && (QW_MK_SKIP & 16)) {  // (timing: no source, no copy)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
     } else if (lane == 0 && more) {
-        const TileSource s = stage_source(a, c);
+        const TileSource s = tile_source(a, c);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
             const unsigned total = s.bytes[0] + s.bytes[1] + s.bytes[2] + s.bytes[3];
             // (the consumers' generic reads and writes of this stage before the copy's writes;
@@ -446,7 +431,7 @@ __device__ __forceinline__ void copy_tile(const MegaArgs& a, const Cursor& c, un
     }
 #else
     if (more) {
-        const TileSource s = (QW_MK_SKIP & 16) ? TileSource{} : stage_source(a, c);
+        const TileSource s = (QW_MK_SKIP & 16) ? TileSource{} : tile_source(a, c);
         if (!((QW_MK_SKIP & 1) && s.weights)) {
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -495,23 +480,8 @@ __device__ __noinline__ void issue(const MegaArgs& a) {
             producer.more = advance(a);
         }
         ++producer.issued;
-#if QW_MK_AHEAD && !QW_MK_MOE
-        producer.ready = 0;
-#endif
     }
     __syncwarp();
-}
-
-// (AHEAD) The source of the tile the producer issues next, worked out while the stage it goes
-// to is still in use: the producer warp, before it waits for the release.
-__device__ __noinline__ void pipe_prepare(const MegaArgs& a) {
-#if QW_MK_AHEAD && !QW_MK_MOE
-    if ((threadIdx.x & 31) == 0 && !producer.ready) {
-        if (producer.more && !(QW_MK_SKIP & 16)) producer.next = tile_source(a, producer.c);
-        producer.ready = 1;
-    }
-    __syncwarp();
-#endif
 }
 
 #if QW_MK_MOE
@@ -549,9 +519,6 @@ __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
                          "r"(CWARPS * 32));
         }
         producer.issued = producer.filled = 0;
-#if QW_MK_AHEAD && !QW_MK_MOE
-        producer.ready = 0;
-#endif
 #if QW_MK_OWE
         producer.owed = 0;
 #endif
@@ -567,10 +534,7 @@ __device__ void pipe_start(const MegaArgs& a, int pos0, int forwards) {
     }
     __syncthreads();
     if (threadIdx.x / 32 == PRODUCER)
-        for (int s = 0; s < STAGES; ++s) {
-            if constexpr (AHEAD) pipe_prepare(a);
-            issue(a);
-        }
+        for (int s = 0; s < STAGES; ++s) issue(a);
 }
 
 // Spins until the mbarrier at shared address `bar` completes the phase of parity `parity`.
@@ -616,7 +580,6 @@ __device__ __forceinline__ void pipe_release(unsigned& consumed) {
 // The producer warp's turn at stage `consumed`: once every consumer has released it, refill it
 // with the stream's next tile (the one STAGES ahead).
 __device__ __forceinline__ void pipe_produce(const MegaArgs& a, unsigned& consumed) {
-    if constexpr (AHEAD) pipe_prepare(a);  // (before the wait: the timeline's issue is the rest)
     QW_TL_CLOCK(t0);
     if ((threadIdx.x & 31) == 0)
         mbar_wait(smem_u32(free_bars + consumed % STAGES), (consumed / STAGES) & 1);
