@@ -713,6 +713,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     // the input: left out of it, so that it could refill meanwhile, the step measured 6-14%
     // slower, docs/perf.md 2026-11-27.)
     if (warp == PRODUCER) {
+        // (without QW_MK_OWE, the loop as it was measured: a count of stages compiles otherwise)
         if constexpr (QW_MK_OWE) pipe_produce_phase(a, consumed, (hi - lo + per - 1) / per);
         else for (int r0 = lo; r0 < hi; r0 += per) pipe_produce(a, consumed);
         QW_TL_MV_PRODUCER(7);
