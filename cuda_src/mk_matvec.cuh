@@ -713,9 +713,7 @@ __device__ __noinline__ void rows_phase_whole(const MegaArgs& a, unsigned& consu
     // the input: left out of it, so that it could refill meanwhile, the step measured 6-14%
     // slower, docs/perf.md 2026-11-27.)
     if (warp == PRODUCER) {
-        // (without QW_MK_OWE, the loop as it was measured: a count of stages compiles otherwise)
-        if constexpr (QW_MK_OWE) pipe_produce_phase(a, consumed, (hi - lo + per - 1) / per);
-        else for (int r0 = lo; r0 < hi; r0 += per) pipe_produce(a, consumed);
+        pipe_produce_phase(a, consumed, lo, hi, per);
         QW_TL_MV_PRODUCER(7);
         return;
     }
@@ -859,7 +857,7 @@ __device__ __noinline__ void rows_phase_items(const MegaArgs& a, unsigned& consu
     const int n = hi - lo, total = n * S * (PAIRS ? 2 : 1);
     const int tiles = (total + IPS - 1) / IPS;
     if (warp == PRODUCER) {  // refills the phase's stages as the consumers release them
-        pipe_produce_phase(a, consumed, tiles);
+        pipe_produce_phase(a, consumed, 0, tiles, 1);
         QW_TL_MV_PRODUCER(7);
         return;
     }

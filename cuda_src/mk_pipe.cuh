@@ -600,20 +600,22 @@ __device__ __forceinline__ void pipe_settle(const MegaArgs& a, unsigned& consume
 #endif
 }
 
-// The producer warp's refills of a matrix phase of n stages, one for each stage the consumers
-// release: with QW_MK_OWE, the one owed by the phase before first, and the last of this phase
-// owed to the next (pipe_settle), so that the next phase's input staging does not wait for it.
-__device__ __forceinline__ void pipe_produce_phase(const MegaArgs& a, unsigned& consumed, int n) {
+// The producer warp's refills of a matrix phase, one for each of its stages r0 = lo, lo + per, ..
+// below hi, as the consumers release them: with QW_MK_OWE, the one owed by the phase before
+// first, and the last of this phase owed to the next (pipe_settle), so that the next phase's
+// input staging does not wait for it.
+__device__ __forceinline__ void pipe_produce_phase(const MegaArgs& a, unsigned& consumed, int lo,
+                                                   int hi, int per) {
 #if QW_MK_OWE
     pipe_settle(a, consumed);
-    for (int i = 0; i < n - 1; ++i) pipe_produce(a, consumed);
-    if (n > 0) {
-        __syncwarp();
+    for (int r0 = lo; r0 + per < hi; r0 += per) pipe_produce(a, consumed);
+    if (lo < hi) {
+        __syncwarp();  // (every lane has read `owed` in pipe_settle)
         if ((threadIdx.x & 31) == 0) producer.owed = 1;
         __syncwarp();
     }
 #else
-    for (int i = 0; i < n; ++i) pipe_produce(a, consumed);
+    for (int r0 = lo; r0 < hi; r0 += per) pipe_produce(a, consumed);
 #endif
 }
 
